@@ -1,0 +1,93 @@
+"""Counting memory exactly, from the tensors that exist.
+
+The article's memory table (16 bytes per parameter, and how ZeRO divides it)
+is about parameters, gradients and optimizer state; activations come on top.
+Here each is counted from real tensors, so the numbers are exact and the
+same on a CPU as on a GPU:
+
+- parameters, gradients, optimizer state: the bytes of their storages, each
+  storage counted once (a gradient that is a view into a flat bucket counts
+  the bucket);
+- activations: the tensors autograd saves for backward, seen through
+  `torch.autograd.graph.saved_tensors_hooks`. A saved tensor is live from the
+  forward that saves it until the backward that frees its graph; the meter
+  keeps the running total and its peak. Parameters saved for backward are
+  not activations and are left out.
+"""
+import torch
+
+
+def storage_key(t):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def tensor_bytes(tensors):
+    """Bytes of the distinct storages behind `tensors`."""
+    storages = {storage_key(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def parameter_bytes(params):
+    return tensor_bytes(list(params))
+
+
+def gradient_bytes(params):
+    return tensor_bytes([p.grad for p in params])
+
+
+def optimizer_bytes(optimizer):
+    return tensor_bytes([v for state in optimizer.state.values() for v in state.values()
+                         if torch.is_tensor(v)])
+
+
+class _Saved:
+    """What autograd keeps in place of a saved tensor; its deletion frees the bytes."""
+
+    def __init__(self, meter, tensor):
+        self.meter, self.tensor, self.key = meter, tensor, storage_key(tensor)
+        meter._acquire(self.key, tensor.untyped_storage().nbytes())
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Live and peak bytes of the activations saved for backward, inside `with meter:`."""
+
+    def __init__(self, params=()):
+        self.excluded = {storage_key(p) for p in params}
+        self.refs, self.sizes = {}, {}
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        if storage_key(tensor) in self.excluded:
+            return tensor
+        return _Saved(self, tensor)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _acquire(self, key, nbytes):
+        if self.refs.get(key, 0) == 0:
+            self.sizes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+
+    def _release(self, key):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+    def reset_peak(self):
+        self.peak = self.live
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)

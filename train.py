@@ -1,0 +1,361 @@
+"""Train the GPT of model.py on any mix of parallel dimensions.
+
+    torchrun --nproc_per_node 2 train.py                 # data parallel on 2 ranks
+    python train.py --model tiny --steps 50              # one process
+
+The order of events is the order of the article: flags -> rank grid (mesh.py)
+-> full model (model.py) -> parallel dimensions applied -> training loop.
+Every global batch is a pure function of (seed, step) (data.py) and is split
+over data ranks and micro-batches, so every configuration trains on the same
+tokens and must produce the same losses as one device.
+
+Each run writes runs/<name>/config.json, runs/<name>/log.jsonl (one JSON
+record per step) and runs/<name>/checkpoint.pt (consolidated: a plain
+model.py state dict, the optimizer state by parameter name, the step).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data import load_data
+from dp import DataParallel
+from mesh import Mesh, mesh_shape
+from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes
+from model import GPT, GPTConfig, at_least_float32
+
+PRESETS = {  # model shapes; vocab_size applies to the synthetic language only
+    "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
+    "small": dict(n_layer=4, n_head=4, d_model=128, seq_len=64, vocab_size=256),
+    "medium": dict(n_layer=8, n_head=8, d_model=256, seq_len=256, vocab_size=256),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LOG_FIELDS = ("loss", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
+              "compute_s", "comm_wait_s") + tuple(f"comm_{kind}_bytes" for kind in COMM_KINDS)
+
+
+class ConfigError(ValueError):
+    """A combination of flags that cannot run; raised before any communication."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=PRESETS, default="small", help="model size preset")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="global batch in sequences, split over data ranks and micro-batches")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr (cosine)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="float64 for checks; bfloat16 = float32 weights with bf16 autocast")
+    p.add_argument("--data", default=None, help="text file or directory with train.bin/val.bin "
+                                                "(default: the synthetic Markov language)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs", help="runs are written to OUT/<name>/")
+    p.add_argument("--name", default=None, help="run name (default: gpuN_tpX_ppY_cpZ_epW)")
+    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--log-interval", type=int, default=10, help="steps between printed lines")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="steps between checkpoints (0: end only)")
+    p.add_argument("--resume", default=None, help="checkpoint to resume from")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")]:
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    args = p.parse_args(argv)
+    args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    return args
+
+
+def check_args(args, world):
+    """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
+    not_yet = {"--tp": args.tp > 1, "--pp": args.pp > 1, "--cp": args.cp > 1, "--ep": args.ep > 1,
+               "--zero": args.zero > 0, "--sp": args.sp}
+    for flag, used in not_yet.items():
+        if used:
+            raise ConfigError(f"{flag} is not implemented yet in this repository; only data parallelism "
+                              f"(dp = the world size) is available")
+    try:
+        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_data = shape.dp * shape.ep
+    for flag, value in [("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
+                        ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)]:
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.batch_size % (args.micro_batches * n_data):
+        raise ConfigError(f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
+                          f"x {n_data} data ranks (a multiple of {args.micro_batches * n_data})")
+    if args.experts and shape.dp > 1:
+        raise ConfigError("--experts with data parallelism needs the load-balancing loss over all data ranks, "
+                          "which comes with expert parallelism (ep.py); run MoE on one rank for now")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.dtype == "bfloat16" and not torch.cuda.is_available():
+        print("note: bfloat16 autocast on CPU is slow and meant for checking the GPU path", file=sys.stderr)
+    return shape
+
+
+def run_name(args, world):
+    return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}"
+
+
+def lr_at(step, args):
+    """Linear warm-up to --lr, then cosine decay to --lr * --min-lr-ratio at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    min_lr = args.lr * args.min_lr_ratio
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+
+
+def init_distributed():
+    """Join the launch's process group (or make a one-rank group); returns this rank's device."""
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def model_config(args, vocab_size):
+    preset = dict(PRESETS[args.model], seq_len=args.seq_len, vocab_size=vocab_size)
+    return GPTConfig(**preset, n_experts=args.experts, top_k=args.top_k, aux_loss_coef=args.aux_loss_coef)
+
+
+def build_model(config, seed, dtype, device):
+    """The full model, identical on every rank (same seed); every gradient starts at zero.
+
+    Zero gradients (rather than None) make AdamW treat a parameter that got no
+    gradient this step (an expert that received no token) the same way in
+    every configuration.
+    """
+    torch.manual_seed(seed)
+    model = GPT(config).to(device, dtype)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model
+
+
+def make_optimizer(model, args):
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+
+
+def local_micro_batches(tokens, n_micro, n_data, data_rank):
+    """This rank's (inputs, targets) for each micro-batch of the global batch.
+
+    Micro-batch m is sequences [m*B/M, (m+1)*B/M) of the global batch, exactly as
+    the single device accumulates them; data rank r reads the r-th slice of it.
+    """
+    for micro in tokens.chunk(n_micro):
+        mine = micro.chunk(n_data)[data_rank]
+        yield mine[:, :-1], mine[:, 1:]
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: consolidated to model.py's layout, whatever the configuration.
+# ---------------------------------------------------------------------------
+
+def save_checkpoint(path, model, optimizer, step, args):
+    names = {p: n for n, p in model.named_parameters()}
+    state = {
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": {names[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for p, s in optimizer.state.items()},
+        "step": step,
+        "args": vars(args),
+    }
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a torn checkpoint
+
+
+def load_checkpoint(path, model, optimizer):
+    """Restore model and optimizer; returns the step to continue from."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    params = dict(model.named_parameters())
+    for name, s in state["optimizer"].items():
+        p = params[name]
+        optimizer.state[p] = {k: v if k == "step" else v.to(p.device, p.dtype) for k, v in s.items()}
+    return state["step"]
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+class Trainer:
+    def __init__(self, args, mesh, data, device):
+        self.args, self.mesh, self.data, self.device = args, mesh, data, device
+        self.rank = dist.get_rank()
+        dtype = torch.float64 if args.dtype == "float64" else torch.float32
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
+                         else nullcontext())
+        self.model = build_model(model_config(args, data.vocab_size), args.seed, dtype, device)
+        self.params = list(self.model.parameters())
+        self.dp = None
+        if mesh.size("dense") > 1:
+            self.dp = DataParallel(self.params, mesh.groups["dense"], bucket_bytes=int(args.bucket_mb * 2**20))
+        self.optimizer = make_optimizer(self.model, args)
+        self.meter = ActivationMeter(self.params)
+        self.comm_sent = {kind: 0 for kind in COMM_KINDS}
+
+    def n_data(self):
+        return self.mesh.size("data")
+
+    def train_step(self, step):
+        """One optimizer step over the global batch; returns this rank's log values."""
+        args = self.args
+        tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
+        self.meter.reset_peak()
+        losses = []
+        start = time.perf_counter()
+        micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(), self.mesh.index("data")))
+        for m, (inputs, targets) in enumerate(micro_batches):
+            last = m == len(micro_batches) - 1
+            with (self.dp.no_sync() if self.dp and not last else nullcontext()), self.meter, self.autocast:
+                _, loss = self.model(inputs, targets)
+            (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
+            losses.append(loss.item())
+        wait_start = time.perf_counter()
+        if self.dp:
+            self.dp.finish_grad_sync()
+        comm_wait = time.perf_counter() - wait_start
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        return self.rank_record(sum(losses) / len(losses), elapsed - comm_wait, comm_wait)
+
+    def rank_record(self, loss, compute_s, comm_wait_s):
+        sent = self.dp.comm_bytes if self.dp else {}
+        record = dict(loss=loss, param_bytes=parameter_bytes(self.params), grad_bytes=gradient_bytes(self.params),
+                      optim_bytes=optimizer_bytes(self.optimizer), activation_peak_bytes=self.meter.peak,
+                      compute_s=compute_s, comm_wait_s=comm_wait_s)
+        for kind in COMM_KINDS:  # bytes sent during this step
+            record[f"comm_{kind}_bytes"] = sent.get(kind, 0) - self.comm_sent[kind]
+            self.comm_sent[kind] = sent.get(kind, 0)
+        return record
+
+    @torch.no_grad()
+    def validation_loss(self):
+        """Mean cross-entropy over --eval-batches held-out global batches (no MoE auxiliary loss)."""
+        args, total = self.args, 0.0
+        for i in range(args.eval_batches):
+            tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
+            inputs, targets = next(local_micro_batches(tokens, 1, self.n_data(), self.mesh.index("data")))
+            with self.autocast:
+                logits, _ = self.model(inputs)
+            total += F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten()).item()
+        return mean_over_ranks(total / args.eval_batches)
+
+
+def mean_over_ranks(value):
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def gather_records(record):
+    """Every rank's record, as {field: [value of rank 0, rank 1, ...]} (one small all-gather)."""
+    mine = torch.tensor([float(record[f]) for f in LOG_FIELDS], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return {f: [t[i].item() for t in everyone] for i, f in enumerate(LOG_FIELDS)}
+
+
+def train(args):
+    """Run the training described by args; returns the losses and the final consolidated state dict."""
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = check_args(args, world)
+    mesh = Mesh(shape)
+    data = load_data(args.data, vocab_size=PRESETS[args.model]["vocab_size"], seed=args.seed)
+    trainer = Trainer(args, mesh, data, device)
+    run_dir = os.path.join(args.out, run_name(args, world))
+    start_step = load_checkpoint(args.resume, trainer.model, trainer.optimizer) if args.resume else 0
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
+                           world=world, device=str(device), entropy_floor=data.entropy_rate), f, indent=2)
+        floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
+        print(f"run {run_dir}: {world} ranks {shape}, {sum(p.numel() for p in trainer.params):,} parameters, "
+              f"loss floor (entropy rate) {floor}", flush=True)
+    log = open(os.path.join(run_dir, "log.jsonl"), "a" if args.resume else "w") if rank == 0 else None
+    losses, val_losses, wall = [], {}, 0.0
+    tokens_per_step = args.batch_size * args.seq_len
+    for step in range(start_step, args.steps):
+        record = gather_records(trainer.train_step(step))
+        step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
+        wall += step_s
+        loss = sum(record["loss"]) / world
+        losses.append(loss)
+        entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
+                     tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
+        last = step == args.steps - 1
+        if (step + 1) % args.eval_interval == 0 or last:
+            entry["val_loss"] = val_losses[step] = trainer.validation_loss()
+        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
+            if rank == 0:
+                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), trainer.model, trainer.optimizer,
+                                step + 1, args)
+        if rank == 0:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            if step % args.log_interval == 0 or last or "val_loss" in entry:
+                val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+                print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s", flush=True)
+    if log:
+        log.close()
+    state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+    return dict(losses=losses, val_losses=val_losses, state_dict=state, entropy_floor=data.entropy_rate)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        check_args(args, world)  # before any process group exists: a bad launch cannot hang
+    except ConfigError as e:
+        print(f"[rank {rank}] train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    train(args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
