@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--log-interval", type=int, default=10, help="steps between printed lines")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="steps between checkpoints (0: end only)")
     p.add_argument("--resume", default=None, help="checkpoint to resume from")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this many steps (checkpoint written), as if preempted; resume with --resume")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
     p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
@@ -111,8 +113,6 @@ def check_args(args, world):
                           "which comes with expert parallelism (ep.py); run MoE on one rank for now")
     if args.experts and not 1 <= args.top_k <= args.experts:
         raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
-    if args.dtype == "bfloat16" and not torch.cuda.is_available():
-        print("note: bfloat16 autocast on CPU is slow and meant for checking the GPU path", file=sys.stderr)
     return shape
 
 
@@ -240,9 +240,10 @@ class Trainer:
         micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(), self.mesh.index("data")))
         for m, (inputs, targets) in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
-            with (self.dp.no_sync() if self.dp and not last else nullcontext()), self.meter, self.autocast:
-                _, loss = self.model(inputs, targets)
-            (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
+            with self.dp.no_sync() if self.dp and not last else nullcontext():  # average once, after the last
+                with self.meter, self.autocast:
+                    _, loss = self.model(inputs, targets)
+                (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
             losses.append(loss.item())
         wait_start = time.perf_counter()
         if self.dp:
@@ -293,7 +294,8 @@ def gather_records(record):
     mine = torch.tensor([float(record[f]) for f in LOG_FIELDS], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return {f: [t[i].item() for t in everyone] for i, f in enumerate(LOG_FIELDS)}
+    as_number = lambda f, x: int(x) if f.endswith("_bytes") else x  # bytes are exact integers in float64
+    return {f: [as_number(f, t[i].item()) for t in everyone] for i, f in enumerate(LOG_FIELDS)}
 
 
 def train(args):
@@ -317,7 +319,8 @@ def train(args):
     log = open(os.path.join(run_dir, "log.jsonl"), "a" if args.resume else "w") if rank == 0 else None
     losses, val_losses, wall = [], {}, 0.0
     tokens_per_step = args.batch_size * args.seq_len
-    for step in range(start_step, args.steps):
+    end = min(args.steps, args.stop_at or args.steps)
+    for step in range(start_step, end):
         record = gather_records(trainer.train_step(step))
         step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
         wall += step_s
@@ -325,7 +328,7 @@ def train(args):
         losses.append(loss)
         entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
                      tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
-        last = step == args.steps - 1
+        last = step == end - 1
         if (step + 1) % args.eval_interval == 0 or last:
             entry["val_loss"] = val_losses[step] = trainer.validation_loss()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:

@@ -1,0 +1,65 @@
+"""Run a function on N gloo ranks, each in its own process, with a deadline.
+
+A hang (a collective that one rank never joins) kills every rank and fails
+the test after `timeout` seconds instead of freezing the suite.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rank_main(fn, args, rank, world, port, result_path):
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        result = {"value": fn(*args)}
+        dist.destroy_process_group()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, result_path)
+
+
+def run_on_ranks(world, fn, *args, timeout=120):
+    """[fn(*args) on rank 0, ..., on rank world-1]; fn must be importable (a module-level function)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port, held here
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, store.port, paths[r])) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            raise TimeoutError(f"ranks {hung} of {world} still running after {timeout}s (a hang?)")
+        results = [torch.load(path, weights_only=False) if os.path.exists(path) else
+                   {"error": f"exited with code {p.exitcode} and no result"} for path, p in zip(paths, procs)]
+    errors = [f"--- rank {r} ---\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [res["value"] for res in results]
+
+
+def torchrun(n_ranks, *argv, cwd=REPO, timeout=180):
+    """Launch `torchrun --nproc_per_node n_ranks argv...`; returns the CompletedProcess (text output)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n_ranks),
+           "--standalone", *argv]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

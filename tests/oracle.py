@@ -1,0 +1,43 @@
+"""The single-device oracle: plain training in float64, nothing distributed.
+
+It shares with train.py only the definition of the experiment (the flags,
+the model's initial weights, the optimizer's hyper-parameters and the
+learning-rate schedule) and reads the same global batches; the loop itself
+is written out here, as simply as possible, so a bug in train.py cannot hide
+in both.
+"""
+import torch
+
+import train
+from data import load_data
+
+
+def reference_run(argv):
+    """Train on one device; returns per-step losses, gradient norms before clipping, final state dict."""
+    args = train.parse_args([*argv, "--dtype", "float64"])
+    data = load_data(args.data, vocab_size=train.PRESETS[args.model]["vocab_size"], seed=args.seed)
+    model = train.build_model(train.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
+    optimizer = train.make_optimizer(model, args)
+    losses, grad_norms = [], []
+    for step in range(args.steps):
+        tokens = data.batch("train", step, args.batch_size, args.seq_len)
+        step_loss = 0.0
+        for micro in tokens.chunk(args.micro_batches):  # gradient accumulation
+            _, loss = model(micro[:, :-1], micro[:, 1:])
+            (loss / args.micro_batches).backward()
+            step_loss += loss.item() / args.micro_batches
+        for group in optimizer.param_groups:
+            group["lr"] = train.lr_at(step, args)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        losses.append(step_loss)
+    return dict(losses=losses, grad_norms=grad_norms, state_dict=model.state_dict())
+
+
+def assert_matches_oracle(result, oracle, rtol=1e-9, atol=1e-12):
+    """Loss at every step and every parameter after the last step, to summation-order tolerance."""
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(oracle["losses"]), rtol=rtol, atol=atol)
+    assert result["state_dict"].keys() == oracle["state_dict"].keys()
+    for name, expected in oracle["state_dict"].items():
+        torch.testing.assert_close(result["state_dict"][name], expected, rtol=rtol, atol=atol, msg=name)

@@ -1,0 +1,128 @@
+"""Data parallelism equals the single device, step for step, in float64."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from distributed import run_on_ranks, torchrun
+from dp import DataParallel
+from oracle import assert_matches_oracle, reference_run
+
+# Clipping at 0.05 is active at every step of this run (checked below).
+TINY = ["--model", "tiny", "--steps", "4", "--batch-size", "8", "--lr", "1e-2", "--warmup", "2",
+        "--grad-clip", "0.05", "--eval-interval", "1000", "--log-interval", "1000"]
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    """Oracle runs, computed once per argument list."""
+    cache = {}
+
+    def get(argv):
+        key = tuple(argv)
+        if key not in cache:
+            cache[key] = reference_run(argv)
+        return cache[key]
+    return get
+
+
+def train_worker(argv):
+    return train.train(train.parse_args(argv))
+
+
+@pytest.mark.parametrize("world,micro_batches", [(2, 1), (2, 2), (4, 2)])
+def test_data_parallel_matches_single_device(tmp_path, oracles, world, micro_batches):
+    argv = [*TINY, "--micro-batches", str(micro_batches), "--dtype", "float64", "--out", str(tmp_path),
+            "--bucket-mb", "0.01"]  # several buckets, so the ordering of launches is exercised
+    oracle = oracles(argv)
+    assert min(oracle["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
+    results = run_on_ranks(world, train_worker, argv)
+    for result in results:  # every replica, not only rank 0
+        assert_matches_oracle(result, oracle)
+
+
+def toy_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 2)).double()
+
+
+def bucket_worker(micro_batches):
+    """Gradients of DataParallel (tiny buckets, no_sync accumulation) against the full-batch gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = toy_model()
+    replica = copy.deepcopy(reference)
+    dp = DataParallel(replica.parameters(), bucket_bytes=200)
+    x = torch.randn(micro_batches, world, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for m in range(micro_batches):
+        (reference(x[m].flatten(0, 1)).square().mean() / micro_batches).backward()
+    launched_during_backward = []
+    for m in range(micro_batches):
+        if m < micro_batches - 1:
+            with dp.no_sync():
+                (replica(x[m, rank]).square().mean() / micro_batches).backward()
+            assert all(b.work is None for b in dp.buckets), "no_sync must not communicate"
+        else:
+            (replica(x[m, rank]).square().mean() / micro_batches).backward()
+            launched_during_backward = [b.work is not None for b in dp.buckets]
+    dp.finish_grad_sync()
+    worst = max((a.grad - b.grad).abs().max().item() for a, b in zip(reference.parameters(), replica.parameters()))
+    return dict(worst=worst, n_buckets=len(dp.buckets), launched=launched_during_backward,
+                comm=dp.comm_bytes["all_reduce"], n_params=sum(p.numel() for p in replica.parameters()))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_buckets_overlap_backward_and_no_sync_accumulates(micro_batches):
+    results = run_on_ranks(2, bucket_worker, micro_batches)
+    for r in results:
+        assert r["worst"] < 1e-15
+        assert r["n_buckets"] > 2
+        # Every bucket's all-reduce was launched by the hooks, before backward returned.
+        assert all(r["launched"])
+        # Ring all-reduce: each rank sends 2 (N-1)/N of the gradient bytes (N = 2: exactly once).
+        assert r["comm"] == r["n_params"] * 8
+
+
+def unused_parameter_worker():
+    """A parameter that gets a gradient on one rank only still averages correctly, and nothing hangs."""
+    rank = dist.get_rank()
+    a = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    dp = DataParallel([a, b], bucket_bytes=1)  # one bucket per parameter
+    loss = (a * 2).sum() + ((b * 4).sum() if rank == 0 else 0)
+    loss.backward()
+    dp.finish_grad_sync()
+    return a.grad.tolist(), b.grad.tolist()
+
+
+def test_parameter_unused_on_one_rank():
+    for grad_a, grad_b in run_on_ranks(2, unused_parameter_worker):
+        assert grad_a == [2.0] * 3
+        assert grad_b == [2.0] * 3  # (4 + 0) / 2
+
+
+def double_backward_worker():
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    dp = DataParallel([p])
+    p.sum().backward()
+    try:
+        p.sum().backward()  # a second synced backward before finish_grad_sync
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dp.finish_grad_sync()
+    return "no error"
+
+
+def test_second_backward_without_no_sync_is_an_error():
+    for message in run_on_ranks(2, double_backward_worker):
+        assert "no_sync" in message
+
+
+def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
+    (tmp_path / "dp.py").write_text(open(f"{train.__file__[:-len('train.py')]}dp.py").read())
+    out = torchrun(2, "dp.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "largest difference from one device" in out.stdout

@@ -1,0 +1,297 @@
+"""The single-device GPT: shapes, the two parallelism seams, routing, MoE and sampling.
+
+Every numerical comparison runs in float64, so tolerances are tight: where two
+computations differ only by the order of floating-point operations, rtol ~1e-12.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, MoE, GPTConfig, causal_attention, load_balancing_loss, route
+
+TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
+
+
+def tiny_gpt(seed=0, **overrides):
+    """A small float64 GPT, initialised from a fixed seed."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **overrides})).double()
+
+
+def random_tokens(batch, seq, vocab=TINY["vocab_size"], seed=1):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def explicit_attention(q, k, v, mask):
+    """softmax(q kᵀ / √d, masked where mask is True) v, written out by hand."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+def attention_masked_by_positions(pos):
+    """An attention core where query i sees key j exactly when pos[j] <= pos[i]."""
+    def core(q, k, v):
+        return explicit_attention(q, k, v, pos[None, :] > pos[:, None])
+    return core
+
+
+# 1. Shapes and the dense loss -------------------------------------------------
+
+def test_forward_shapes_and_dense_loss_is_cross_entropy():
+    model = tiny_gpt()
+    idx, targets = random_tokens(3, 10), random_tokens(3, 10, seed=2)
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 10, TINY["vocab_size"])
+    assert loss.dim() == 0
+    expected = F.cross_entropy(logits.reshape(-1, TINY["vocab_size"]), targets.reshape(-1))
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+
+
+def test_forward_without_targets_returns_no_loss():
+    logits, loss = tiny_gpt()(random_tokens(2, 5))
+    assert logits.shape == (2, 5, TINY["vocab_size"]) and loss is None
+
+
+# 2. Explicit positions and the context-parallel seam --------------------------
+
+def test_default_positions_are_arange():
+    model, idx = tiny_gpt(), random_tokens(2, 12)
+    torch.testing.assert_close(model(idx)[0], model(idx, pos=torch.arange(12))[0], rtol=0, atol=0)
+
+
+def test_positions_change_the_output():
+    """pos is really used: shifted positions give different logits."""
+    model, idx = tiny_gpt(), random_tokens(2, 8)
+    assert not torch.allclose(model(idx)[0], model(idx, pos=torch.arange(8) + 4)[0])
+
+
+def test_position_masking_core_equals_causal_core_in_order():
+    """On the natural order, the position-masked core is the causal core."""
+    model, idx = tiny_gpt(), random_tokens(2, 12)
+    expected = model(idx)[0]
+    for block in model.blocks:
+        block.attn.core = attention_masked_by_positions(torch.arange(12))
+    torch.testing.assert_close(model(idx)[0], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_permuted_shard_with_explicit_positions_matches_after_core_swap():
+    """A non-contiguous (permuted) sequence with explicit positions gives the
+    permuted logits of the original order, once the core masks by position."""
+    seq = 12
+    model, idx = tiny_gpt(), random_tokens(2, seq)
+    expected = model(idx)[0]
+    perm = torch.randperm(seq, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(perm, torch.arange(seq))
+
+    # With the plain causal core, position order is ignored: the result is wrong.
+    plain = model(idx[:, perm], pos=perm)[0]
+    assert not torch.allclose(plain, expected[:, perm], rtol=1e-6, atol=1e-6)
+
+    for block in model.blocks:
+        block.attn.core = attention_masked_by_positions(perm)
+    permuted = model(idx[:, perm], pos=perm)[0]
+    torch.testing.assert_close(permuted, expected[:, perm], rtol=1e-12, atol=1e-14)
+
+
+# 3. The attention core --------------------------------------------------------
+
+def test_causal_attention_equals_explicit_softmax():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 5, dtype=torch.float64, generator=g) for _ in range(3))
+    causal_mask = torch.ones(7, 7, dtype=torch.bool).triu(1)  # key j > query i is hidden
+    torch.testing.assert_close(causal_attention(q, k, v), explicit_attention(q, k, v, causal_mask),
+                               rtol=1e-12, atol=1e-14)
+
+
+# 4. Routing -------------------------------------------------------------------
+
+def test_route_reproduces_the_article_example():
+    probs = torch.tensor([[0, .05, .60, 0, 0, .35, 0, 0]], dtype=torch.float64)
+    gates, experts, out_probs = route(torch.log(probs + 1e-12), top_k=2)
+    assert experts.tolist() == [[2, 5]]
+    torch.testing.assert_close(gates, torch.tensor([[0.60 / 0.95, 0.35 / 0.95]], dtype=torch.float64),
+                               rtol=1e-9, atol=0)
+    torch.testing.assert_close(out_probs, probs, rtol=0, atol=1e-10)
+
+
+def test_route_gates_sum_to_one_and_pick_the_largest_probs():
+    logits = torch.randn(50, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gates, experts, probs = route(logits, top_k=3)
+    torch.testing.assert_close(gates.sum(-1), torch.ones(50, dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(probs, logits.softmax(-1), rtol=1e-12, atol=0)
+    # the chosen experts are the three most probable, and gates are their renormalised probs
+    third_largest = probs.sort(-1, descending=True).values[:, 2:3]
+    assert (probs.gather(1, experts) >= third_largest).all()
+    chosen = probs.gather(1, experts)
+    torch.testing.assert_close(gates, chosen / chosen.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+
+
+def test_route_computes_in_at_least_float32():
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    gates, _, probs = route(logits.bfloat16(), top_k=2)
+    assert probs.dtype == torch.float32 and gates.dtype == torch.float32
+    gates, _, probs = route(logits.double(), top_k=2)
+    assert probs.dtype == torch.float64 and gates.dtype == torch.float64
+
+
+# 5. Load-balancing loss -------------------------------------------------------
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_load_balancing_loss_is_one_for_uniform_routing(top_k):
+    n_experts, tokens = 4, 8
+    probs = torch.full((tokens, n_experts), 1 / n_experts, dtype=torch.float64)
+    experts = torch.arange(tokens * top_k).remainder(n_experts).view(tokens, top_k)
+    assert torch.bincount(experts.flatten()).tolist() == [tokens * top_k // n_experts] * n_experts
+    loss = load_balancing_loss(probs, experts, n_experts)
+    torch.testing.assert_close(loss, torch.tensor(1.0, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_load_balancing_loss_is_n_experts_when_all_tokens_pick_expert_zero():
+    n_experts, tokens = 5, 7
+    probs = torch.zeros(tokens, n_experts, dtype=torch.float64)
+    probs[:, 0] = 1
+    experts = torch.zeros(tokens, 1, dtype=torch.long)
+    loss = load_balancing_loss(probs, experts, n_experts)
+    torch.testing.assert_close(loss, torch.tensor(float(n_experts), dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_load_balancing_loss_matches_hand_written_formula():
+    g = torch.Generator().manual_seed(0)
+    n_experts, tokens, top_k = 6, 40, 2
+    probs = torch.randn(tokens, n_experts, dtype=torch.float64, generator=g).softmax(-1)
+    experts = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(tokens)])
+    expected = 0.0
+    for i in range(n_experts):
+        f_i = (experts == i).sum().item() / (tokens * top_k)
+        P_i = sum(probs[t, i].item() for t in range(tokens)) / tokens
+        expected += f_i * P_i
+    loss = load_balancing_loss(probs, experts, n_experts)
+    assert loss.item() == pytest.approx(n_experts * expected, rel=1e-12)
+
+
+# 6. Mixture of experts ---------------------------------------------------------
+
+def moe_layer(n_experts=4, top_k=2, d_model=8, seed=0):
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=1, d_model=d_model, d_ff=12,
+                       n_experts=n_experts, top_k=top_k)
+    moe = MoE(config).double()
+    with torch.no_grad():  # larger weights and non-zero biases, so a missing term would show
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, dtype=p.dtype))
+    return moe
+
+
+def moe_by_token_loop(moe, x):
+    """sum over each token's top-k experts of gate * expert(token), one token at a time."""
+    out = torch.zeros_like(x.reshape(-1, x.shape[-1]))
+    for t, token in enumerate(x.reshape(-1, x.shape[-1])):
+        probs = (moe.router.weight @ token).softmax(-1)
+        top = probs.topk(moe.top_k)
+        for p, e in zip(top.values, top.indices):
+            out[t] += p / top.values.sum() * moe.experts[e](token[None])[0]
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_equals_a_per_token_loop(top_k):
+    moe = moe_layer(top_k=top_k)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moe(x), moe_by_token_loop(moe, x), rtol=1e-12, atol=1e-14)
+    assert moe.aux_loss is not None and moe.aux_loss.dim() == 0
+
+
+def test_moe_with_an_expert_that_receives_no_token():
+    """Expert 3 can never be in the top-2: inputs have a positive first feature and
+    only expert 3's router row reads it, with a hugely negative weight."""
+    moe = moe_layer(n_experts=4, top_k=2)
+    with torch.no_grad():
+        moe.router.weight[:, 0] = 0
+        moe.router.weight[3] = 0
+        moe.router.weight[3, 0] = -1e3
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x[..., 0] = x[..., 0].abs() + 1
+    _, experts, _ = route(moe.router(x.reshape(-1, 8)), 2)
+    assert not (experts == 3).any()
+    assert set(experts.flatten().tolist()) == {0, 1, 2}  # the other experts are all used
+
+    y = moe(x)
+    torch.testing.assert_close(y, moe_by_token_loop(moe, x), rtol=1e-12, atol=1e-14)
+    (y.square().sum() + moe.aux_loss).backward()
+    for e, expert in enumerate(moe.experts):
+        for p in expert.parameters():
+            if e == 3:
+                assert p.grad is None
+            else:
+                assert p.grad is not None and p.grad.abs().sum() > 0
+    assert moe.router.weight.grad is not None
+
+
+# 7. GPT with MoE and config validation ---------------------------------------
+
+def test_gpt_moe_layers_selects_blocks_and_adds_aux_loss():
+    model = tiny_gpt(n_layer=3, n_experts=4, top_k=2, moe_layers=(1,))
+    assert [isinstance(b.mlp, MoE) for b in model.blocks] == [False, True, False]
+    idx, targets = random_tokens(2, 10), random_tokens(2, 10, seed=2)
+    logits, loss = model(idx, targets)
+    aux = model.blocks[1].mlp.aux_loss
+    assert aux.dim() == 0 and aux.item() > 0
+    ce = F.cross_entropy(logits.reshape(-1, TINY["vocab_size"]), targets.reshape(-1))
+    torch.testing.assert_close(loss, ce + model.config.aux_loss_coef * aux, rtol=1e-12, atol=0)
+    assert not torch.allclose(loss, ce)  # the aux term is really there
+
+
+def test_gpt_without_moe_layers_makes_every_block_moe():
+    model = tiny_gpt(n_experts=2, top_k=1)
+    assert all(isinstance(b.mlp, MoE) for b in model.blocks)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(d_model=18, n_head=4),
+    dict(n_experts=2, top_k=3),
+    dict(n_experts=2, top_k=0),
+    dict(n_experts=2, top_k=1, n_layer=2, moe_layers=(2,)),
+    dict(n_experts=2, top_k=1, n_layer=2, moe_layers=(-1,)),
+])
+def test_config_validation_raises(bad):
+    with pytest.raises(ValueError):
+        GPTConfig(**{**TINY, **bad})
+
+
+# 8. Generation ----------------------------------------------------------------
+
+def test_generate_shape_and_keeps_the_prompt():
+    model, prompt = tiny_gpt(), random_tokens(2, 5)
+    out = model.generate(prompt, 4, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 9) and out.dtype == prompt.dtype
+    assert torch.equal(out[:, :5], prompt)
+    assert ((out >= 0) & (out < TINY["vocab_size"])).all()
+
+
+def test_generate_is_deterministic_with_a_seeded_generator():
+    model, prompt = tiny_gpt(), random_tokens(2, 5)
+    runs = [model.generate(prompt, 10, generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_generate_crops_a_prompt_longer_than_seq_len():
+    model = tiny_gpt()
+    prompt = random_tokens(1, 3 * TINY["seq_len"])
+    out = model.generate(prompt, 3, top_k=1)
+    assert out.shape == (1, 3 * TINY["seq_len"] + 3)
+    # the first new token only depends on the last seq_len tokens of the prompt
+    last = model(prompt[:, -TINY["seq_len"]:])[0][:, -1].argmax(-1)
+    assert out[0, len(prompt[0])].item() == last.item()
+
+
+def test_generate_with_top_k_one_is_greedy_decoding():
+    model, prompt = tiny_gpt(), random_tokens(3, 4)
+    idx = prompt
+    for _ in range(TINY["seq_len"] + 4):  # long enough to crop the context too
+        logits = model(idx[:, -TINY["seq_len"]:])[0][:, -1]
+        idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+    out = model.generate(prompt, TINY["seq_len"] + 4, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, idx)
