@@ -99,9 +99,9 @@ class TokenFile:
 
     def batch(self, split, step, n_seqs, length):
         tokens = self.tokens[split]
-        if len(tokens) <= length + 1:
+        if len(tokens) < length + 1:
             raise ValueError(f"the {split} split has {len(tokens)} tokens, too few for windows of {length + 1}")
-        starts = batch_rng(self.seed, split, step).integers(0, len(tokens) - length - 1, n_seqs)
+        starts = batch_rng(self.seed, split, step).integers(0, len(tokens) - length, n_seqs)  # last start included
         return torch.from_numpy(np.stack([tokens[s:s + length + 1].astype(np.int64) for s in starts]))
 
 

@@ -197,3 +197,12 @@ def test_load_data_missing_path_raises_with_the_path(tmp_path):
 def test_load_data_on_a_file_is_a_token_file(text_file):
     path, _ = text_file
     assert isinstance(load_data(str(path)), TokenFile)
+
+
+def test_a_split_exactly_one_window_long_is_used_whole(tmp_path):
+    for split in ("train", "val"):
+        np.arange(10, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    tf = TokenFile(str(tmp_path))
+    assert tf.batch("train", 0, 2, 9).tolist() == [list(range(10))] * 2
+    # Every start, including the last one, is drawn: the final token is reachable.
+    assert max(int(tf.batch("train", s, 4, 4)[:, -1].max()) for s in range(200)) == 9
