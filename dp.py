@@ -1,10 +1,10 @@
-"""Data parallelism, written out: bucketed gradient all-reduce overlapped with backward.
+"""Data parallelism, written out: bucketed gradient all-reduce, then ZeRO-1, 2 and 3.
 
 Every rank holds a full replica of the parameters and computes gradients on
 its own slice of the batch. Averaging them (the article's g_avg = 1/N sum g_i)
 keeps the replicas identical after each optimizer step.
 
-What `torch.nn.parallel.DistributedDataParallel` does, made readable:
+Part 1, `DataParallel`: what `torch.nn.parallel.DistributedDataParallel` does.
 
 1. Gradients live in a few flat buckets (param.grad is a view into one), laid
    out in reverse parameter order, the order backward produces them.
@@ -16,23 +16,44 @@ What `torch.nn.parallel.DistributedDataParallel` does, made readable:
 
 Buckets are launched strictly in order, on every rank, so the collectives
 match across ranks even if gradients arrive in a different order (or not at
-all, as for an expert that received no token).
+all, as for an expert that received no token). `no_sync()` skips the
+all-reduce for gradient accumulation: gradients of several micro-batches add
+up locally and are averaged once, after the last.
 
-`no_sync()` skips the all-reduce for gradient accumulation: gradients of
-several micro-batches add up locally and are averaged once, after the last.
+Part 2, `ZeRO`: data parallelism does not reduce memory; every rank keeps
+16 bytes per parameter in the article's mixed-precision accounting (2 for the
+weights, 2 for the gradients, 12 for Adam's state). ZeRO stops keeping
+what another rank already has. Each bucket is padded to a multiple of N and
+rank r owns the r-th contiguous 1/N of it; AdamW runs on owned slices only.
 
-Nothing here knows the model: the class takes parameters and a process
-group, so one instance can average dense gradients over one group and
-another expert gradients over another.
+    stage 1  optimizer state sharded            4 + 12/N  bytes per parameter
+    stage 2  ... and gradients                  2 + 14/N
+    stage 3  ... and the parameters themselves       16/N  (what PyTorch calls FSDP)
 
-Self-check: torchrun --nproc_per_node 2 dp.py
+A ring all-reduce is a reduce-scatter followed by an all-gather, so stages 1
+and 2 communicate what plain data parallelism does (2 Psi per step: the
+gradients reduce-scattered, the updated parameters all-gathered); stage 3
+gathers each unit's parameters twice (before forward, again before
+backward), 3 Psi in all.
+
+Nothing here knows the model: the classes take parameters (or a module and
+its units) and a process group, so one instance can average dense gradients
+over one group and another expert gradients over another.
+
+Self-check: torchrun --nproc_per_node 4 dp.py
 """
 import copy
+import math
 from collections import Counter
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed the flat collectives; older releases only know the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def broadcast_parameters(params, group=None):
@@ -43,39 +64,70 @@ def broadcast_parameters(params, group=None):
             dist.broadcast(p, src=src, group=group)
 
 
-def ring_all_reduce_bytes(nbytes, n_ranks):
-    """Bytes each rank sends in a ring all-reduce of nbytes: 2 (N-1)/N * nbytes.
+def ring_bytes_sent(kind, nbytes, n_ranks):
+    """Bytes one rank sends in a ring collective over nbytes of full-size data.
 
-    A reduce-scatter ((N-1)/N) followed by an all-gather ((N-1)/N).
+    A reduce-scatter or an all-gather passes N-1 of the N chunks on:
+    (N-1)/N * nbytes. An all-reduce is one of each: 2 (N-1)/N * nbytes.
     """
-    return 2 * (n_ranks - 1) * nbytes // n_ranks
+    passes = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[kind]
+    return passes * (n_ranks - 1) * nbytes // n_ranks
+
+
+def free_storage(t):
+    """Release t's memory but keep the tensor (and every view of it) for later."""
+    t.untyped_storage().resize_(0)
+
+
+def allocate_storage(t):
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def is_allocated(t):
+    return t.untyped_storage().nbytes() > 0
 
 
 class Bucket:
-    """One flat gradient buffer shared by a few parameters."""
+    """A few parameters whose gradients travel together, in one flat buffer.
 
-    def __init__(self, params):
+    The buffer is padded to a multiple of the group size, so that ZeRO can
+    give every rank an equal contiguous shard of it.
+    """
+
+    def __init__(self, params, n_ranks):
         self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.grad_views, offset = {}, 0
+        numel = sum(p.numel() for p in params)
+        self.padded = math.ceil(numel / n_ranks) * n_ranks
+        self.offsets, offset = {}, 0
         for p in params:
-            self.grad_views[p] = self.flat[offset:offset + p.numel()].view_as(p)
+            self.offsets[p] = offset
             offset += p.numel()
-        self.ready = set()  # parameters whose gradient for this step has arrived
-        self.work = None    # the in-flight all-reduce, once launched
+        self.grad = torch.zeros(self.padded, dtype=params[0].dtype, device=params[0].device)
+        self.grad_views = {p: self.view(self.grad, p) for p in params}
+        self.ready = set()     # parameters whose gradient for this step has arrived
+        self.launched = False  # its collective has been issued this step
+        self.work = None       # the collective in flight
+
+    def view(self, flat, p):
+        """p's place inside a flat buffer laid out like this bucket."""
+        return flat[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p)
+
+    @property
+    def nbytes(self):
+        return self.padded * self.grad.element_size()
 
 
-def make_buckets(params, bucket_bytes):
+def make_buckets(params, bucket_bytes, n_ranks):
     """Group params (already in gradient-arrival order) into buckets of about bucket_bytes."""
     buckets, current, size = [], [], 0
     for p in params:
         if current and (size >= bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(current))
+            buckets.append(Bucket(current, n_ranks))
             current, size = [], 0
         current.append(p)
         size += p.numel() * p.element_size()
     if current:
-        buckets.append(Bucket(current))
+        buckets.append(Bucket(current, n_ranks))
     return buckets
 
 
@@ -96,17 +148,22 @@ class DataParallel:
         self.group = group
         self.n_ranks = dist.get_world_size(group)
         self.sync = True
+        self.reduce_every_backward = False  # ZeRO-2/3 reduce each micro-batch's gradients
         self.comm_bytes = Counter()  # bytes this rank sent, per collective kind
         if broadcast:
             broadcast_parameters(self.params, group)
-        self.buckets = make_buckets(reversed(self.params), bucket_bytes)
+        self.buckets = self._make_buckets(bucket_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
         for p in self.params:
+            bucket = self.bucket_of[p]
             if p.grad is not None:
-                self.bucket_of[p].grad_views[p].copy_(p.grad)
-            p.grad = self.bucket_of[p].grad_views[p]
+                bucket.grad_views[p].copy_(p.grad)
+            p.grad = bucket.grad_views[p]
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_buckets(self, bucket_bytes):
+        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks)
 
     @contextmanager
     def no_sync(self):
@@ -119,17 +176,21 @@ class DataParallel:
 
     def _on_grad_ready(self, p):
         bucket = self.bucket_of[p]
-        view = bucket.grad_views[p]
-        if p.grad is not view:  # the grad was reset to None: move it back into its bucket
+        if self.sync and bucket.launched:  # a second backward since the buckets were reduced
+            if not self.reduce_every_backward:
+                raise RuntimeError("a gradient arrived after its bucket was reduced: "
+                                   "wrap all but the last backward of a step in no_sync()")
+            self.finish_grad_sync()
+        view = self._grad_view(bucket, p)
+        if p.grad is not view:  # a new gradient tensor (first backward, or grads set to None): move it in
             view.copy_(p.grad)
             p.grad = view
-        if not self.sync:
-            return
-        if bucket.work is not None:
-            raise RuntimeError("a gradient arrived after its bucket was all-reduced: "
-                               "wrap all but the last backward of a step in no_sync()")
-        bucket.ready.add(p)
-        self._launch_ready_buckets()
+        if self.sync:
+            bucket.ready.add(p)
+            self._launch_ready_buckets()
+
+    def _grad_view(self, bucket, p):
+        return bucket.grad_views[p]
 
     def _launch_ready_buckets(self):
         while self.next_to_launch < len(self.buckets):
@@ -139,28 +200,277 @@ class DataParallel:
             self._launch(bucket)
 
     def _launch(self, bucket):
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        self.comm_bytes["all_reduce"] += ring_all_reduce_bytes(bucket.flat.numel() * bucket.flat.element_size(),
-                                                              self.n_ranks)
+        self._reduce(bucket)
+        bucket.launched = True
         self.next_to_launch += 1
+
+    def _reduce(self, bucket):
+        bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
+        self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", bucket.nbytes, self.n_ranks)
+
+    def _complete(self, bucket):
+        bucket.grad.div_(self.n_ranks)
+
+    def _wait(self, bucket):
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+            self._complete(bucket)
 
     def finish_grad_sync(self):
         """Launch what backward did not (unused parameters count as zero), wait, average."""
         for bucket in self.buckets[self.next_to_launch:]:
             for p in bucket.params:
                 if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
-                    bucket.grad_views[p].zero_()  # this rank computed no gradient for p
-                    p.grad = bucket.grad_views[p]
+                    p.grad = self._grad_view(bucket, p).zero_()  # this rank computed no gradient for p
             self._launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.flat.div_(self.n_ranks)
-            bucket.work, bucket.ready = None, set()
+            self._wait(bucket)
+            bucket.ready, bucket.launched = set(), False
         self.next_to_launch = 0
 
     def zero_grad(self):
         for bucket in self.buckets:
-            bucket.flat.zero_()
+            bucket.grad.zero_()
+
+
+class ZeRO(DataParallel):
+    """ZeRO stage 1, 2 or 3 over `group`: this rank keeps and updates only its shards.
+
+    make_optimizer(shards) builds the optimizer (say AdamW) over this rank's
+    flat parameter shards; it is `self.optimizer`, and `step()` runs it and
+    brings every rank's parameters up to date. Stage 3 needs `units`: the
+    submodules whose parameters are gathered together, in forward order
+    (for a transformer: embedding, each block, final norm, head); together
+    they must hold every parameter of `module`.
+
+    Usage per step (stage 2 and 3 need no no_sync: see `no_sync`):
+        loss.backward()          # reduce-scatters launch from here
+        zero.finish_grad_sync()  # this rank's shard of the averaged gradient
+        zero.clip_grad_norm_(1.0)
+        zero.step()
+        zero.zero_grad()
+    """
+
+    def __init__(self, module, group, stage, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        if stage == 3 and not units:
+            raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
+        self.stage, self.units = stage, list(units)
+        self.names = {p: name for name, p in module.named_parameters()}
+        super().__init__(module.parameters(), group, bucket_bytes, broadcast)
+        self.rank = dist.get_rank(group)
+        self.reduce_every_backward = stage >= 2
+        for bucket in self.buckets:
+            self._shard(bucket)
+        self.optimizer = make_optimizer([b.param_shard for b in self.buckets])
+        if stage >= 2:  # no full gradient is kept between backwards
+            for bucket in self.buckets:
+                free_storage(bucket.grad)
+            for p in self.params:
+                p.grad = None
+        if stage == 3:
+            self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
+            for i, unit in enumerate(self.units):
+                unit.register_forward_pre_hook(partial(self._before_forward, i))
+                unit.register_forward_hook(partial(self._after_forward, i))
+                free_storage(self.unit_buckets[i].param_full)
+
+    def _make_buckets(self, bucket_bytes):
+        if self.stage < 3:
+            return super()._make_buckets(bucket_bytes)
+        params = [[p for p in unit.parameters() if p.requires_grad] for unit in self.units]
+        covered = [p for unit_params in params for p in unit_params]
+        if sorted(map(id, covered)) != sorted(map(id, self.params)):
+            raise ValueError("ZeRO-3 units must hold every trainable parameter of the module exactly once")
+        return [Bucket(unit_params, self.n_ranks) for unit_params in reversed(params)]
+
+    def _shard(self, bucket):
+        """Flatten the bucket's parameters; this rank keeps elements [r*S, (r+1)*S) of it."""
+        bucket.param_full = torch.zeros_like(bucket.grad)
+        for p in bucket.params:
+            view = bucket.view(bucket.param_full, p)
+            view.copy_(p.detach())
+            p.data = view  # the parameter now lives inside the flat buffer
+        size = bucket.padded // self.n_ranks
+        mine = bucket.param_full[self.rank * size:(self.rank + 1) * size]
+        # Stages 1 and 2 keep full parameters, so the shard is a view of them;
+        # stage 3 keeps only the shard, and the full buffer comes and goes.
+        bucket.param_shard = mine.clone() if self.stage == 3 else mine
+        bucket.param_shard.grad = bucket.grad_shard = torch.zeros_like(mine)
+        bucket.gathered, bucket.gather_work = self.stage < 3, None
+
+    @property
+    def param_shards(self):
+        return [b.param_shard for b in self.buckets]
+
+    @property
+    def grad_shards(self):
+        return [b.grad_shard for b in self.buckets]
+
+    # -- gradients: reduce-scatter instead of all-reduce ---------------------
+
+    @contextmanager
+    def no_sync(self):
+        """Stage 1: accumulate full gradients locally, reduce once after the last micro-batch.
+
+        Stages 2 and 3 never hold a full gradient between backwards (that is
+        their memory saving), so every backward reduce-scatters and the shard
+        accumulates: no_sync changes nothing there. This assumes every
+        backward produces a gradient for every parameter on every rank (so the
+        collectives stay in step), as a dense model's backward does.
+        """
+        with super().no_sync() if self.stage == 1 else nullcontext():
+            yield
+
+    def _grad_view(self, bucket, p):
+        if not is_allocated(bucket.grad):  # stages 2 and 3 free it after each reduce-scatter
+            allocate_storage(bucket.grad)
+            bucket.grad.zero_()
+        return bucket.grad_views[p]
+
+    def _reduce(self, bucket):
+        if self.stage >= 2:  # finish the previous bucket first: one full gradient bucket in flight at a time
+            for earlier in self.buckets[:self.next_to_launch]:
+                self._wait(earlier)
+        bucket.reduced = torch.empty_like(bucket.grad_shard)
+        bucket.work = reduce_scatter_flat(bucket.reduced, bucket.grad, group=self.group, async_op=True)
+        self.comm_bytes["reduce_scatter"] += ring_bytes_sent("reduce_scatter", bucket.nbytes, self.n_ranks)
+        if self.stage >= 2:  # the next backward must not accumulate into a buffer that is being reduced
+            for p in bucket.params:
+                p.grad = None
+        if self.stage == 3:
+            self._free_params(bucket)  # all its gradients have arrived: its backward is over
+
+    def _complete(self, bucket):
+        bucket.reduced.div_(self.n_ranks)
+        if self.stage == 1:
+            bucket.grad_shard.copy_(bucket.reduced)  # the full gradients already summed the micro-batches
+        else:
+            bucket.grad_shard.add_(bucket.reduced)   # accumulate over micro-batches in the shard
+            free_storage(bucket.grad)
+        bucket.reduced = None
+
+    def zero_grad(self):
+        for bucket in self.buckets:
+            bucket.grad_shard.zero_()
+            if self.stage == 1:
+                bucket.grad.zero_()
+
+    # -- optimizer step on the shards -----------------------------------------
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the global gradient norm: every shard is disjoint, so each element counts once."""
+        squares = sum(g.to(torch.float64).square().sum() for g in self.grad_shards)
+        dist.all_reduce(squares, group=self.group)
+        self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), self.n_ranks)
+        total_norm = squares.sqrt()
+        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in self.grad_shards:
+            g.mul_(scale.to(g.dtype))
+        return total_norm
+
+    def step(self):
+        """Update this rank's shards, then (stages 1, 2) all-gather the new parameters."""
+        self.optimizer.step()
+        if self.stage < 3:  # stage 3 gathers just in time, at the next forward
+            works = [self._all_gather(b) for b in self.buckets]
+            for work in works:
+                work.wait()
+
+    def _all_gather(self, bucket):
+        self.comm_bytes["all_gather"] += ring_bytes_sent("all_gather", bucket.nbytes, self.n_ranks)
+        return all_gather_flat(bucket.param_full, bucket.param_shard, group=self.group, async_op=True)
+
+    # -- stage 3: parameters exist in full only while a unit computes -----------
+
+    def _before_forward(self, i, module, args):
+        self._gather(i)
+        self._prefetch(i + 1)  # the next unit's gather overlaps this unit's compute
+
+    def _after_forward(self, i, module, args, output):
+        self._free_params(self.unit_buckets[i])
+        if torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(lambda grad: self._before_backward(i))
+
+    def _before_backward(self, i):
+        self._gather(i)        # backward needs the weights again,
+        self._prefetch(i - 1)  # and the unit before this one comes next
+
+    def _prefetch(self, i):
+        if not 0 <= i < len(self.unit_buckets) or self.unit_buckets[i].gathered:
+            return
+        bucket = self.unit_buckets[i]
+        allocate_storage(bucket.param_full)
+        bucket.gather_work = self._all_gather(bucket)
+        bucket.gathered = True
+
+    def _gather(self, i):
+        self._prefetch(i)
+        bucket = self.unit_buckets[i]
+        if bucket.gather_work is not None:
+            bucket.gather_work.wait()
+            bucket.gather_work = None
+
+    def _free_params(self, bucket):
+        if bucket.gather_work is not None:
+            bucket.gather_work.wait()
+            bucket.gather_work = None
+        free_storage(bucket.param_full)
+        bucket.gathered = False
+
+    @contextmanager
+    def full_parameters(self):
+        """Every parameter gathered for the duration (stage 3), e.g. to save a checkpoint."""
+        if self.stage == 3:
+            for i in range(len(self.unit_buckets)):
+                self._gather(i)
+        try:
+            yield
+        finally:
+            if self.stage == 3:
+                for bucket in self.buckets:
+                    self._free_params(bucket)
+
+    # -- consolidated optimizer state, keyed by parameter name -----------------
+
+    def full_optimizer_state(self):
+        """{parameter name: {'step', 'exp_avg', ...}} as a single device's optimizer would hold it."""
+        full_state = {}
+        for bucket in self.buckets:
+            state = self.optimizer.state.get(bucket.param_shard, {})
+            flats = {}
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == bucket.param_shard.shape:
+                    flats[key] = torch.empty_like(bucket.grad)
+                    all_gather_flat(flats[key], value, group=self.group)
+            for p in bucket.params if state else ():
+                full_state[self.names[p]] = {key: bucket.view(flats[key], p).clone() if key in flats
+                                             else value.clone() if torch.is_tensor(value) else value
+                                             for key, value in state.items()}
+        return full_state
+
+    def load_full_optimizer_state(self, full_state):
+        """The inverse of full_optimizer_state: take this rank's shard of every state tensor."""
+        for bucket in self.buckets:
+            size = bucket.padded // self.n_ranks
+            first = full_state[self.names[bucket.params[0]]]
+            state = {}
+            for key, value in first.items():
+                if torch.is_tensor(value) and value.shape == bucket.params[0].shape:
+                    flat = torch.zeros_like(bucket.grad)
+                    for p in bucket.params:
+                        bucket.view(flat, p).copy_(full_state[self.names[p]][key])
+                    state[key] = flat[self.rank * size:(self.rank + 1) * size].clone()
+                else:
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+            self.optimizer.state[bucket.param_shard] = state
+
+
+def gpt_units(model):
+    """ZeRO-3 units of model.py's GPT, in forward order (the only model knowledge in this file)."""
+    return [model.tok_emb, model.pos_emb, *model.blocks, model.norm, model.lm_head]
 
 
 # ---------------------------------------------------------------------------
@@ -174,38 +484,58 @@ def _self_check():
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                                    torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(device, torch.float64)
-    replica = copy.deepcopy(reference)
-    steps, micro_batches, per_rank = 3, 2, 4
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(replica.parameters(), lr=1e-2)
-    dp = DataParallel(replica.parameters(), bucket_bytes=4096)  # several buckets, so overlap is exercised
-    worst = 0.0
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(micro_batches, world, per_rank, 16, generator=g, dtype=torch.float64).to(device)
-        y = torch.randn(micro_batches, world, per_rank, 4, generator=g, dtype=torch.float64).to(device)
-        # Single device: the whole global batch, accumulated over micro-batches.
+                                    torch.nn.Tanh(), torch.nn.Linear(64, 3)).to(device, torch.float64)
+    steps, micro_batches, per_rank, max_norm = 3, 2, 4, 0.05  # max_norm small: clipping is active
+    batches = [torch.randn(micro_batches, world, per_rank, 16, generator=torch.Generator().manual_seed(step),
+                           dtype=torch.float64).to(device) for step in range(steps)]
+    loss_fn = lambda model, x: model(x).square().mean() / micro_batches  # noqa: E731
+
+    # Single device: the whole global batch, accumulated over micro-batches.
+    ref_model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    for x in batches:
         for m in range(micro_batches):
-            loss = torch.nn.functional.mse_loss(reference(x[m].flatten(0, 1)), y[m].flatten(0, 1))
-            (loss / micro_batches).backward()
-        # Data parallel: this rank's slice, all-reduce only after the last micro-batch.
-        for m in range(micro_batches):
-            with dp.no_sync() if m < micro_batches - 1 else nullcontext():
-                (torch.nn.functional.mse_loss(replica(x[m, rank]), y[m, rank]) / micro_batches).backward()
-        dp.finish_grad_sync()
-        for a, b in zip(reference.parameters(), replica.parameters()):
-            worst = max(worst, (a.grad - b.grad).abs().max().item())
-        ref_opt.step(), opt.step()
-        ref_opt.zero_grad(), opt.zero_grad()
-    for a, b in zip(reference.parameters(), replica.parameters()):
-        worst = max(worst, (a - b).abs().max().item())
+            loss_fn(ref_model, x[m].flatten(0, 1)).backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    report = []
+    for stage in (0, 1, 2, 3):
+        model = copy.deepcopy(reference)
+        if stage == 0:
+            sync = DataParallel(model.parameters(), bucket_bytes=4096)  # several buckets: overlap exercised
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            units = [m for m in model if any(True for _ in m.parameters())]
+            sync = ZeRO(model, None, stage, lambda shards: torch.optim.AdamW(shards, lr=1e-2),
+                        units=units, bucket_bytes=4096)
+            opt = sync.optimizer
+        for x in batches:
+            for m in range(micro_batches):  # this rank's slice; reduce after the last micro-batch
+                with sync.no_sync() if m < micro_batches - 1 else nullcontext():
+                    loss_fn(model, x[m, rank]).backward()
+            sync.finish_grad_sync()
+            if stage == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                opt.step()
+                opt.zero_grad()
+            else:
+                sync.clip_grad_norm_(max_norm)
+                sync.step()
+                sync.zero_grad()
+        with sync.full_parameters() if stage else nullcontext():
+            worst = max((a - b).abs().max().item() for a, b in zip(ref_model.parameters(), model.parameters()))
+        report.append((stage, worst))
     if rank == 0:
-        print(f"dp.py self-check on {world} ranks ({backend}): largest difference from one device "
-              f"(gradients and parameters, float64, {steps} AdamW steps) = {worst:.3g}")
+        for stage, worst in report:
+            name = "plain data parallel" if stage == 0 else f"ZeRO-{stage}"
+            print(f"dp.py self-check, {name:19s} on {world} ranks ({backend}): largest difference from one "
+                  f"device (parameters after {steps} AdamW steps with clipping, float64) = {worst:.3g}")
     dist.destroy_process_group()
-    if worst > 1e-12:
-        raise SystemExit(f"rank {rank}: data parallel run differs from the single device by {worst:.3g}")
+    failed = [stage for stage, worst in report if worst > 1e-12]
+    if failed:
+        raise SystemExit(f"rank {rank}: stages {failed} differ from the single device")
 
 
 if __name__ == "__main__":

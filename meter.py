@@ -11,8 +11,10 @@ same on a CPU as on a GPU:
 - activations: the tensors autograd saves for backward, seen through
   `torch.autograd.graph.saved_tensors_hooks`. A saved tensor is live from the
   forward that saves it until the backward that frees its graph; the meter
-  keeps the running total and its peak. Parameters saved for backward are
-  not activations and are left out.
+  keeps the running total and its peak. Parameters saved for backward (or
+  views of them, like a transposed weight) are not activations and are left
+  out; they are recognised by identity, not by address, because ZeRO-3
+  moves a parameter's memory each time it gathers it.
 """
 import torch
 
@@ -55,13 +57,13 @@ class ActivationMeter:
     """Live and peak bytes of the activations saved for backward, inside `with meter:`."""
 
     def __init__(self, params=()):
-        self.excluded = {storage_key(p) for p in params}
+        self.param_ids = {id(p) for p in params}
         self.refs, self.sizes = {}, {}
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor):
-        if storage_key(tensor) in self.excluded:
+        if id(tensor) in self.param_ids or id(tensor._base) in self.param_ids:
             return tensor
         return _Saved(self, tensor)
 

@@ -21,15 +21,16 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from data import load_data
-from dp import DataParallel
+from dp import DataParallel, ZeRO, gpt_units
 from mesh import Mesh, mesh_shape
-from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes
+from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
 from model import GPT, GPTConfig, at_least_float32
 
 PRESETS = {  # model shapes; vocab_size applies to the synthetic language only
@@ -90,12 +91,11 @@ def parse_args(argv=None):
 
 def check_args(args, world):
     """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
-    not_yet = {"--tp": args.tp > 1, "--pp": args.pp > 1, "--cp": args.cp > 1, "--ep": args.ep > 1,
-               "--zero": args.zero > 0, "--sp": args.sp}
+    not_yet = {"--tp": args.tp > 1, "--pp": args.pp > 1, "--cp": args.cp > 1, "--ep": args.ep > 1, "--sp": args.sp}
     for flag, used in not_yet.items():
         if used:
             raise ConfigError(f"{flag} is not implemented yet in this repository; only data parallelism "
-                              f"(dp = the world size) is available")
+                              f"(dp = the world size, with --zero 0-3) is available")
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -163,8 +163,8 @@ def build_model(config, seed, dtype, device):
     return model
 
 
-def make_optimizer(model, args):
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+def make_optimizer(params, args):
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
 
 def local_micro_batches(tokens, n_micro, n_data, data_rank):
@@ -182,29 +182,21 @@ def local_micro_batches(tokens, n_micro, n_data, data_rank):
 # Checkpoints: consolidated to model.py's layout, whatever the configuration.
 # ---------------------------------------------------------------------------
 
-def save_checkpoint(path, model, optimizer, step, args):
-    names = {p: n for n, p in model.named_parameters()}
-    state = {
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": {names[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                      for p, s in optimizer.state.items()},
-        "step": step,
-        "args": vars(args),
-    }
+def save_checkpoint(path, state):
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a crash mid-write never leaves a torn checkpoint
 
 
-def load_checkpoint(path, model, optimizer):
-    """Restore model and optimizer; returns the step to continue from."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"])
-    params = dict(model.named_parameters())
-    for name, s in state["optimizer"].items():
-        p = params[name]
-        optimizer.state[p] = {k: v if k == "step" else v.to(p.device, p.dtype) for k, v in s.items()}
-    return state["step"]
+def load_checkpoint(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def to_cpu(state):
+    """A copy of a (nested) state on the CPU, safe to keep while training goes on."""
+    if isinstance(state, dict):
+        return {k: to_cpu(v) for k, v in state.items()}
+    return state.detach().cpu().clone() if torch.is_tensor(state) else state
 
 
 # ---------------------------------------------------------------------------
@@ -212,20 +204,61 @@ def load_checkpoint(path, model, optimizer):
 # ---------------------------------------------------------------------------
 
 class Trainer:
+    """The model with its parallel dimensions applied, its optimizer, and one training step."""
+
     def __init__(self, args, mesh, data, device):
         self.args, self.mesh, self.data, self.device = args, mesh, data, device
-        self.rank = dist.get_rank()
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                          else nullcontext())
+        # 1. The full model, identical on every rank (restored from a checkpoint when resuming).
         self.model = build_model(model_config(args, data.vocab_size), args.seed, dtype, device)
+        checkpoint = load_checkpoint(args.resume) if args.resume else None
+        if checkpoint:
+            self.model.load_state_dict(checkpoint["model"])
         self.params = list(self.model.parameters())
-        self.dp = None
-        if mesh.size("dense") > 1:
-            self.dp = DataParallel(self.params, mesh.groups["dense"], bucket_bytes=int(args.bucket_mb * 2**20))
-        self.optimizer = make_optimizer(self.model, args)
+        # 2. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
+        group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
+        self.zero = None
+        if args.zero:
+            self.zero = ZeRO(self.model, group, args.zero, lambda shards: make_optimizer(shards, args),
+                             units=gpt_units(self.model) if args.zero == 3 else (), bucket_bytes=bucket_bytes)
+            self.grad_sync, self.optimizer = self.zero, self.zero.optimizer
+        else:
+            self.grad_sync = DataParallel(self.params, group, bucket_bytes) if mesh.size("dense") > 1 else None
+            self.optimizer = make_optimizer(self.params, args)
+        self.start_step = 0
+        if checkpoint:
+            self.load_optimizer_state(checkpoint["optimizer"])
+            self.start_step = checkpoint["step"]
         self.meter = ActivationMeter(self.params)
         self.comm_sent = {kind: 0 for kind in COMM_KINDS}
+
+    # -- consolidated state: model.py's layout, whatever the configuration --------
+
+    def full_state_dict(self):
+        with self.zero.full_parameters() if self.zero else nullcontext():
+            return to_cpu(self.model.state_dict())
+
+    def full_optimizer_state(self):
+        """{parameter name: AdamW state}, as one device holds it (a collective under ZeRO)."""
+        if self.zero:
+            return to_cpu(self.zero.full_optimizer_state())
+        names = {p: name for name, p in self.model.named_parameters()}
+        return to_cpu({names[p]: state for p, state in self.optimizer.state.items()})
+
+    def load_optimizer_state(self, by_name):
+        if self.zero:
+            return self.zero.load_full_optimizer_state(by_name)
+        for name, p in self.model.named_parameters():
+            if name in by_name:
+                self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device, p.dtype)
+                                           for k, v in by_name[name].items()}
+
+    def checkpoint(self, step):
+        """The consolidated checkpoint (every rank must call this; rank 0 writes it)."""
+        return dict(model=self.full_state_dict(), optimizer=self.full_optimizer_state(), step=step,
+                    args=vars(self.args))
 
     def n_data(self):
         return self.mesh.size("data")
@@ -240,29 +273,41 @@ class Trainer:
         micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(), self.mesh.index("data")))
         for m, (inputs, targets) in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
-            with self.dp.no_sync() if self.dp and not last else nullcontext():  # average once, after the last
+            with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():  # reduce after the last
                 with self.meter, self.autocast:
                     _, loss = self.model(inputs, targets)
                 (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
             losses.append(loss.item())
         wait_start = time.perf_counter()
-        if self.dp:
-            self.dp.finish_grad_sync()
+        if self.grad_sync:
+            self.grad_sync.finish_grad_sync()
         comm_wait = time.perf_counter() - wait_start
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, args.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+            self.clip_gradients(args.grad_clip)
+        if self.zero:
+            self.zero.step()  # update this rank's shards, then gather the parameters
+            self.zero.zero_grad()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         return self.rank_record(sum(losses) / len(losses), elapsed - comm_wait, comm_wait)
 
+    def clip_gradients(self, max_norm):
+        """Clip to the global gradient norm (ZeRO: over all shards, each element counted once)."""
+        if self.zero:
+            return self.zero.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
     def rank_record(self, loss, compute_s, comm_wait_s):
-        sent = self.dp.comm_bytes if self.dp else {}
-        record = dict(loss=loss, param_bytes=parameter_bytes(self.params), grad_bytes=gradient_bytes(self.params),
+        sent = self.grad_sync.comm_bytes if self.grad_sync else {}
+        param_shards, grad_shards = (self.zero.param_shards, self.zero.grad_shards) if self.zero else ([], [])
+        record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
+                      grad_bytes=gradient_bytes(self.params) + tensor_bytes(grad_shards),
                       optim_bytes=optimizer_bytes(self.optimizer), activation_peak_bytes=self.meter.peak,
                       compute_s=compute_s, comm_wait_s=comm_wait_s)
         for kind in COMM_KINDS:  # bytes sent during this step
@@ -307,7 +352,6 @@ def train(args):
     data = load_data(args.data, vocab_size=PRESETS[args.model]["vocab_size"], seed=args.seed)
     trainer = Trainer(args, mesh, data, device)
     run_dir = os.path.join(args.out, run_name(args, world))
-    start_step = load_checkpoint(args.resume, trainer.model, trainer.optimizer) if args.resume else 0
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -320,7 +364,7 @@ def train(args):
     losses, val_losses, wall = [], {}, 0.0
     tokens_per_step = args.batch_size * args.seq_len
     end = min(args.steps, args.stop_at or args.steps)
-    for step in range(start_step, end):
+    for step in range(trainer.start_step, end):
         record = gather_records(trainer.train_step(step))
         step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
         wall += step_s
@@ -332,9 +376,9 @@ def train(args):
         if (step + 1) % args.eval_interval == 0 or last:
             entry["val_loss"] = val_losses[step] = trainer.validation_loss()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
+            state = trainer.checkpoint(step + 1)
             if rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), trainer.model, trainer.optimizer,
-                                step + 1, args)
+                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), state)
         if rank == 0:
             log.write(json.dumps(entry) + "\n")
             log.flush()
@@ -343,8 +387,28 @@ def train(args):
                 print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s", flush=True)
     if log:
         log.close()
-    state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
-    return dict(losses=losses, val_losses=val_losses, state_dict=state, entropy_floor=data.entropy_rate)
+    return dict(losses=losses, val_losses=val_losses, state_dict=trainer.full_state_dict(),
+                entropy_floor=data.entropy_rate)
+
+
+def refuse(message, rank, world):
+    """Say on this rank why the launch cannot run, and exit with status 2.
+
+    Every rank reaches the same verdict without communicating. torchrun stops
+    all ranks as soon as one exits, so before exiting each rank counts itself
+    in the launcher's key-value store and waits (30 s at most) until every
+    rank has printed its message.
+    """
+    sys.stderr.write(f"[rank {rank}] train.py: error: {message}\n")  # one write: lines of ranks never interleave
+    sys.stderr.flush()
+    if world > 1 and "MASTER_ADDR" in os.environ:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=30))
+        store.add("train.py/refused", 1)
+        deadline = time.monotonic() + 30
+        while store.add("train.py/refused", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    sys.exit(2)
 
 
 def main(argv=None):
@@ -354,8 +418,7 @@ def main(argv=None):
     try:
         check_args(args, world)  # before any process group exists: a bad launch cannot hang
     except ConfigError as e:
-        print(f"[rank {rank}] train.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(str(e), rank, world)
     train(args)
     dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ def reference_run(argv):
     args = train.parse_args([*argv, "--dtype", "float64"])
     data = load_data(args.data, vocab_size=train.PRESETS[args.model]["vocab_size"], seed=args.seed)
     model = train.build_model(train.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
-    optimizer = train.make_optimizer(model, args)
+    optimizer = train.make_optimizer(model.parameters(), args)
     losses, grad_norms = [], []
     for step in range(args.steps):
         tokens = data.batch("train", step, args.batch_size, args.seq_len)

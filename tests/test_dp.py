@@ -1,12 +1,14 @@
 """Data parallelism equals the single device, step for step, in float64."""
 import copy
+import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import train
-from distributed import run_on_ranks, torchrun
+from distributed import REPO, run_on_ranks, torchrun
 from dp import DataParallel
 from oracle import assert_matches_oracle, reference_run
 
@@ -121,8 +123,10 @@ def test_second_backward_without_no_sync_is_an_error():
         assert "no_sync" in message
 
 
-def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    (tmp_path / "dp.py").write_text(open(f"{train.__file__[:-len('train.py')]}dp.py").read())
-    out = torchrun(2, "dp.py", cwd=tmp_path)
+def test_self_check_covers_every_stage_alone_in_an_empty_folder(tmp_path):
+    shutil.copy(os.path.join(REPO, "dp.py"), tmp_path)
+    out = torchrun(4, "dp.py", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "largest difference from one device" in out.stdout
+    for name in ("plain data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
+        line = next(line for line in out.stdout.splitlines() if f"self-check, {name} " in line)
+        assert float(line.rsplit("= ", 1)[1]) < 1e-12

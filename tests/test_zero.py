@@ -1,0 +1,154 @@
+"""ZeRO-1, 2 and 3 equal the single device, and shard memory and communication as the article says.
+
+The article counts 16 bytes per parameter (mixed precision: 2 weights, 2
+gradients, 12 Adam). These float64 runs hold 8 bytes of weights, 8 of
+gradients and 16 of Adam state (two moments) per parameter, and ZeRO divides
+them the same way: optimizer state by N from stage 1, gradients from stage
+2, parameters from stage 3 (each bucket padded to a multiple of N).
+"""
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from distributed import run_on_ranks
+from dp import ZeRO, gpt_units
+from oracle import assert_matches_oracle, reference_run
+
+# Clipping at 0.05 is active at every step of this run (checked in test_dp.py's oracle as well).
+ARGV = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
+        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
+        "--log-interval", "1000"]
+F64 = 8  # bytes per element
+STEP_COUNTER = 4  # AdamW keeps a one-element float32 step count per parameter tensor
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    result = reference_run(ARGV)
+    assert min(result["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
+    return result
+
+
+def tiny_model():
+    args = train.parse_args(ARGV)
+    return train.build_model(train.model_config(args, 64), 0, torch.float64, torch.device("cpu"))
+
+
+def padded(numel, n_ranks):
+    return math.ceil(numel / n_ranks) * n_ranks
+
+
+def bucket_sizes(stage, n_ranks):
+    """Padded element counts of the flat buckets: one bucket for stages 1-2 (25 MiB), one per unit for stage 3."""
+    model = tiny_model()
+    if stage == 3:
+        return [padded(sum(p.numel() for p in unit.parameters()), n_ranks) for unit in gpt_units(model)]
+    return [padded(sum(p.numel() for p in model.parameters()), n_ranks)]
+
+
+def train_worker(argv):
+    return train.train(train.parse_args(argv))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_matches_single_device_and_shards_as_the_article_says(tmp_path, oracle, stage, world):
+    results = run_on_ranks(world, train_worker, [*ARGV, "--zero", str(stage), "--out", str(tmp_path)])
+    for result in results:
+        assert_matches_oracle(result, oracle)
+
+    log = [json.loads(line) for line in (tmp_path / f"gpu{world}_tp1_pp1_cp1_ep1" / "log.jsonl").open()]
+    n_params = sum(p.numel() for p in tiny_model().parameters())
+    n_tensors = len(list(tiny_model().parameters()))
+    sizes = bucket_sizes(stage, world)
+    full = sum(sizes) * F64           # the padded flat buffers, in bytes
+    shard = full // world              # this rank's 1/N of them
+    replicated_optimizer = 2 * n_params * F64 + STEP_COUNTER * n_tensors
+    for entry in log:
+        # Memory, per rank, counted from the tensors that exist after the step.
+        assert entry["optim_bytes"] == [2 * shard + STEP_COUNTER * len(sizes)] * world
+        assert entry["optim_bytes"][0] < replicated_optimizer / world * 1.05   # 1/N, up to padding
+        expected_grads = shard if stage >= 2 else full + shard   # stage 1: full gradients + the reduced shard
+        assert entry["grad_bytes"] == [expected_grads] * world
+        expected_params = shard if stage == 3 else full          # stage 3: only the shard between uses
+        assert entry["param_bytes"] == [expected_params] * world
+
+    # Communication, per rank per step: ring collectives send (N-1)/N of the full buffer each.
+    one_pass = sum(size * F64 * (world - 1) // world for size in sizes)
+    micro_batches = 2
+    reduce_scatters = 1 if stage == 1 else micro_batches        # stages 2, 3 reduce every backward
+    all_gathers = 1 if stage < 3 else 2 * micro_batches         # stage 3: before forward and before backward
+    clip_norm_all_reduce = 2 * (world - 1) * F64 // world       # the global norm: one float64
+    for entry in log[:-1]:  # the last step's record is taken before validation gathers again
+        assert entry["comm_reduce_scatter_bytes"] == [reduce_scatters * one_pass] * world
+        assert entry["comm_all_gather_bytes"] == [all_gathers * one_pass] * world
+        assert entry["comm_all_reduce_bytes"] == [clip_norm_all_reduce] * world
+    # With one micro-batch that is the article's 2 Psi (stages 1, 2, like plain data parallelism:
+    # 2 (N-1)/N Psi) and 3 Psi for stage 3.
+    per_step_single_micro_batch = (1 + (1 if stage < 3 else 2)) * one_pass
+    assert per_step_single_micro_batch == (2 if stage < 3 else 3) * one_pass
+
+
+def test_plain_data_parallel_replicates_everything_and_communicates_two_psi(tmp_path):
+    results = run_on_ranks(4, train_worker, [*ARGV, "--out", str(tmp_path)])
+    assert_matches_oracle(results[0], reference_run(ARGV))
+    log = [json.loads(line) for line in (tmp_path / "gpu4_tp1_pp1_cp1_ep1" / "log.jsonl").open()]
+    params = list(tiny_model().parameters())
+    n_params = sum(p.numel() for p in params)
+    bucket = bucket_sizes(1, 4)[0] * F64  # the gradient bucket, padded like ZeRO's (here by < 4 elements)
+    for entry in log:
+        assert entry["param_bytes"] == [n_params * F64] * 4
+        assert entry["grad_bytes"] == [bucket] * 4
+        assert entry["optim_bytes"] == [2 * n_params * F64 + STEP_COUNTER * len(params)] * 4
+        assert entry["comm_all_reduce_bytes"] == [2 * 3 * bucket // 4] * 4  # 2 (N-1)/N Psi
+
+
+def test_stop_under_zero3_resume_under_zero1_on_more_ranks(tmp_path):
+    argv = [*ARGV, "--steps", "4"]
+    first = run_on_ranks(2, train_worker, [*argv, "--zero", "3", "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
+    checkpoint = tmp_path / "a" / "gpu2_tp1_pp1_cp1_ep1" / "checkpoint.pt"
+    second = run_on_ranks(4, train_worker, [*argv, "--zero", "1", "--resume", str(checkpoint),
+                                            "--out", str(tmp_path / "b")])[0]
+    assert_matches_oracle(dict(losses=first["losses"] + second["losses"], state_dict=second["state_dict"]),
+                          reference_run(argv))
+
+
+class Recorder(torch.nn.Module):
+    """A toy unit that records which units hold full parameters while it computes."""
+
+    def __init__(self, log, index):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.log, self.index = log, index
+
+    def forward(self, x):
+        self.log.append((self.index, [unit.linear.weight.untyped_storage().nbytes() > 0 for unit in self.all_units]))
+        return torch.tanh(self.linear(x))
+
+
+def zero3_timeline_worker():
+    torch.manual_seed(0)
+    log = []
+    units = [Recorder(log, i) for i in range(4)]
+    for unit in units:
+        unit.all_units = units
+    model = torch.nn.Sequential(*units)
+    zero = ZeRO(model, None, 3, lambda shards: torch.optim.SGD(shards, lr=0.1), units=units)
+    freed_before = [u.linear.weight.untyped_storage().nbytes() for u in units]
+    model(torch.randn(2, 6, dtype=torch.float64)).sum().backward()
+    zero.finish_grad_sync()
+    freed_after = [u.linear.weight.untyped_storage().nbytes() for u in units]
+    return log, freed_before, freed_after
+
+
+def test_zero3_gathers_one_unit_ahead_and_frees_behind():
+    for log, freed_before, freed_after in run_on_ranks(2, zero3_timeline_worker):
+        assert freed_before == freed_after == [0, 0, 0, 0]  # no full parameter exists between uses
+        for index, held in log:
+            # While unit i computes: unit i is gathered, unit i+1 is being prefetched, all others are freed.
+            assert held == [j in (index, index + 1) for j in range(4)]
