@@ -7,6 +7,8 @@ ranks and swap two seams that are kept deliberately small:
 
 - `CausalSelfAttention.core(q, k, v)` is the attention core (context
   parallelism replaces it with ring attention);
+- `GPT.loss_fn(logits, targets)` is the cross-entropy (tensor parallelism
+  replaces it with one that never gathers the vocabulary-sharded logits);
 - positions are passed in explicitly (`pos`), so a rank holding a shard of the
   sequence that is not contiguous still embeds the right positions.
 
@@ -54,6 +56,11 @@ def at_least_float32(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def cross_entropy(logits, targets):
+    """Mean cross-entropy over all tokens, computed in float32 or better."""
+    return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten())
+
+
 def causal_attention(q, k, v):
     """softmax(q kᵀ / √d + causal mask) v for (batch, heads, seq, head_dim) tensors."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -62,17 +69,20 @@ def causal_attention(q, k, v):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.head_dim = config.d_model // config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # output laid out as (q|k|v, head, head_dim)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.core = causal_attention  # the swappable seam (see the module docstring)
 
     def forward(self, x):
-        batch, seq, d_model = x.shape
-        heads = self.qkv(x).view(batch, seq, 3, self.n_head, d_model // self.n_head)
+        qkv = self.qkv(x)
+        # Shapes are read off qkv's output, so a rank holding some of the heads (tensor parallelism),
+        # or whose qkv gathers the sequence (sequence parallelism), runs this unchanged.
+        batch, seq = qkv.shape[:2]
+        heads = qkv.view(batch, seq, 3, -1, self.head_dim)
         q, k, v = heads.permute(2, 0, 3, 1, 4)  # each (batch, heads, seq, head_dim)
         y = self.core(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
@@ -161,6 +171,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.loss_fn = cross_entropy  # the swappable seam (see the module docstring)
         self.apply(self._init_weights)
         # GPT-2: scale the projections that write into the residual stream by
         # 1/sqrt(2 * n_layer), so the stream's variance does not grow with depth.
@@ -190,7 +201,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten())
+        loss = self.loss_fn(logits, targets)
         moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]
         if moe_layers:
             loss = loss + self.config.aux_loss_coef * sum(m.aux_loss for m in moe_layers)

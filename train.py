@@ -25,13 +25,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from data import load_data
+import tp
 from dp import DataParallel, ZeRO, gpt_units
 from mesh import Mesh, mesh_shape
 from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
-from model import GPT, GPTConfig, at_least_float32
+from model import GPT, GPTConfig
 
 PRESETS = {  # model shapes; vocab_size applies to the synthetic language only
     "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
@@ -39,9 +39,13 @@ PRESETS = {  # model shapes; vocab_size applies to the synthetic language only
     "medium": dict(n_layer=8, n_head=8, d_model=256, seq_len=256, vocab_size=256),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<kind>_bytes
+    "dp": ("all_reduce", "all_gather", "reduce_scatter"),
+    "tp": ("all_reduce", "all_gather", "reduce_scatter"),
+}
+COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
-              "compute_s", "comm_wait_s") + tuple(f"comm_{kind}_bytes" for kind in COMM_KINDS)
+              "compute_s", "comm_wait_s") + COMM_FIELDS
 
 
 class ConfigError(ValueError):
@@ -91,11 +95,11 @@ def parse_args(argv=None):
 
 def check_args(args, world):
     """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
-    not_yet = {"--tp": args.tp > 1, "--pp": args.pp > 1, "--cp": args.cp > 1, "--ep": args.ep > 1, "--sp": args.sp}
+    not_yet = {"--pp": args.pp > 1, "--cp": args.cp > 1, "--ep": args.ep > 1}
     for flag, used in not_yet.items():
         if used:
-            raise ConfigError(f"{flag} is not implemented yet in this repository; only data parallelism "
-                              f"(dp = the world size, with --zero 0-3) is available")
+            raise ConfigError(f"{flag} is not implemented yet in this repository; data parallelism "
+                              f"(with --zero 0-3) and tensor parallelism (--tp, --sp) are")
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -113,6 +117,22 @@ def check_args(args, world):
                           "which comes with expert parallelism (ep.py); run MoE on one rank for now")
     if args.experts and not 1 <= args.top_k <= args.experts:
         raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.sp and args.tp == 1:
+        raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
+                          "it needs --tp > 1")
+    if args.tp > 1:
+        if args.experts:
+            raise ConfigError("--tp with --experts: tensor parallelism inside experts comes with expert "
+                              "parallelism (ep.py)")
+        if args.zero:
+            raise ConfigError("--zero with --tp is not supported yet: ZeRO's flat shards would mix "
+                              "tensor-sharded and replicated parameters in one global gradient norm")
+        preset = PRESETS[args.model]
+        vocab = padded_vocab(256 if args.data else preset["vocab_size"])
+        problem = tp.check_tensor_parallel(args.tp, preset["n_head"], 4 * preset["d_model"], vocab,
+                                           args.seq_len if args.sp else None)
+        if problem:
+            raise ConfigError(f"--tp {args.tp}: {problem}")
     return shape
 
 
@@ -144,8 +164,13 @@ def init_distributed():
     return torch.device("cpu")
 
 
+def padded_vocab(vocab_size):
+    """The vocabulary rounded up to a multiple of 64 (as nanoGPT does), so it splits over tensor-parallel ranks."""
+    return -(-vocab_size // 64) * 64
+
+
 def model_config(args, vocab_size):
-    preset = dict(PRESETS[args.model], seq_len=args.seq_len, vocab_size=vocab_size)
+    preset = dict(PRESETS[args.model], seq_len=args.seq_len, vocab_size=padded_vocab(vocab_size))
     return GPTConfig(**preset, n_experts=args.experts, top_k=args.top_k, aux_loss_coef=args.aux_loss_coef)
 
 
@@ -216,8 +241,14 @@ class Trainer:
         checkpoint = load_checkpoint(args.resume) if args.resume else None
         if checkpoint:
             self.model.load_state_dict(checkpoint["model"])
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        # 2. Tensor parallelism: weight matrices split over the tp group (Megatron), optionally the sequence too.
+        self.tp_group, self.tp_size, self.tp_layouts = mesh.groups["tp"], mesh.size("tp"), {}
+        if self.tp_size > 1:
+            tp.apply_tensor_parallel(self.model, self.tp_group, sequence_parallel=args.sp)
+            self.tp_layouts = tp.sharded_layouts(self.model)
         self.params = list(self.model.parameters())
-        # 2. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
+        # 3. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
         self.zero = None
         if args.zero:
@@ -232,27 +263,43 @@ class Trainer:
             self.load_optimizer_state(checkpoint["optimizer"])
             self.start_step = checkpoint["step"]
         self.meter = ActivationMeter(self.params)
-        self.comm_sent = {kind: 0 for kind in COMM_KINDS}
+        self.comm_baseline = {}
+        self.reset_comm_baseline()
 
     # -- consolidated state: model.py's layout, whatever the configuration --------
 
+    def unshard(self, name, tensor):
+        """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp)."""
+        if name not in self.tp_layouts:
+            return tensor
+        dim, n_chunks = self.tp_layouts[name]
+        return tp.unshard(tensor, dim, self.tp_group, n_chunks)
+
+    def shard(self, name, full):
+        """This rank's part of a full-size tensor laid out like parameter `name`."""
+        if name not in self.tp_layouts:
+            return full
+        dim, n_chunks = self.tp_layouts[name]
+        return tp.shard(full, dim, self.mesh.index("tp"), self.tp_size, n_chunks)
+
     def full_state_dict(self):
         with self.zero.full_parameters() if self.zero else nullcontext():
-            return to_cpu(self.model.state_dict())
+            return to_cpu({name: self.unshard(name, t) for name, t in self.model.state_dict().items()})
 
     def full_optimizer_state(self):
-        """{parameter name: AdamW state}, as one device holds it (a collective under ZeRO)."""
+        """{parameter name: AdamW state}, as one device holds it (collectives under ZeRO and tp)."""
         if self.zero:
             return to_cpu(self.zero.full_optimizer_state())
         names = {p: name for name, p in self.model.named_parameters()}
-        return to_cpu({names[p]: state for p, state in self.optimizer.state.items()})
+        return to_cpu({names[p]: {k: self.unshard(names[p], v) if k != "step" else v for k, v in state.items()}
+                       for p, state in self.optimizer.state.items()})
 
     def load_optimizer_state(self, by_name):
         if self.zero:
             return self.zero.load_full_optimizer_state(by_name)
         for name, p in self.model.named_parameters():
             if name in by_name:
-                self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device, p.dtype)
+                self.optimizer.state[p] = {k: v if k == "step" else self.shard(name, v).to(p.device, p.dtype)
                                            for k, v in by_name[name].items()}
 
     def checkpoint(self, step):
@@ -298,21 +345,43 @@ class Trainer:
         return self.rank_record(sum(losses) / len(losses), elapsed - comm_wait, comm_wait)
 
     def clip_gradients(self, max_norm):
-        """Clip to the global gradient norm (ZeRO: over all shards, each element counted once)."""
+        """Clip to the norm of the whole model's gradient, every element counted once.
+
+        After synchronisation, data-parallel replicas hold identical gradients,
+        so one rank of the dense group sees every element. Under tensor
+        parallelism a sharded parameter's elements are spread over the tp
+        ranks and a replicated one is on each: weighting the replicated ones
+        1/tp and summing over the tp group counts every element once.
+        """
         if self.zero:
             return self.zero.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        squares = sum(p.grad.to(torch.float64).square().sum() / (1 if name in self.tp_layouts else self.tp_size)
+                      for name, p in self.model.named_parameters())
+        if self.tp_size > 1:
+            dist.all_reduce(squares, group=self.tp_group)
+        total_norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
+        return total_norm
+
+    def comm_counters(self):
+        """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
+        sources = {"dp": self.grad_sync.comm_bytes if self.grad_sync else {}, "tp": tp.comm_bytes}
+        return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
+                for dim, kinds in COMM_KINDS.items() for kind in kinds}
+
+    def reset_comm_baseline(self):
+        """Count from here (so a step's record leaves out validation and checkpoint traffic)."""
+        self.comm_baseline = self.comm_counters()
 
     def rank_record(self, loss, compute_s, comm_wait_s):
-        sent = self.grad_sync.comm_bytes if self.grad_sync else {}
         param_shards, grad_shards = (self.zero.param_shards, self.zero.grad_shards) if self.zero else ([], [])
         record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
                       grad_bytes=gradient_bytes(self.params) + tensor_bytes(grad_shards),
                       optim_bytes=optimizer_bytes(self.optimizer), activation_peak_bytes=self.meter.peak,
                       compute_s=compute_s, comm_wait_s=comm_wait_s)
-        for kind in COMM_KINDS:  # bytes sent during this step
-            record[f"comm_{kind}_bytes"] = sent.get(kind, 0) - self.comm_sent[kind]
-            self.comm_sent[kind] = sent.get(kind, 0)
+        counters = self.comm_counters()  # bytes sent during this step
+        record.update({field: counters[field] - self.comm_baseline[field] for field in COMM_FIELDS})
+        self.comm_baseline = counters
         return record
 
     @torch.no_grad()
@@ -324,7 +393,7 @@ class Trainer:
             inputs, targets = next(local_micro_batches(tokens, 1, self.n_data(), self.mesh.index("data")))
             with self.autocast:
                 logits, _ = self.model(inputs)
-            total += F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten()).item()
+            total += self.model.loss_fn(logits, targets).item()
         return mean_over_ranks(total / args.eval_batches)
 
 
@@ -358,7 +427,7 @@ def train(args):
             json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
                            world=world, device=str(device), entropy_floor=data.entropy_rate), f, indent=2)
         floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
-        print(f"run {run_dir}: {world} ranks {shape}, {sum(p.numel() for p in trainer.params):,} parameters, "
+        print(f"run {run_dir}: {world} ranks {shape}, {trainer.n_params:,} parameters, "
               f"loss floor (entropy rate) {floor}", flush=True)
     log = open(os.path.join(run_dir, "log.jsonl"), "a" if args.resume else "w") if rank == 0 else None
     losses, val_losses, wall = [], {}, 0.0
@@ -379,6 +448,7 @@ def train(args):
             state = trainer.checkpoint(step + 1)
             if rank == 0:
                 save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), state)
+        trainer.reset_comm_baseline()
         if rank == 0:
             log.write(json.dumps(entry) + "\n")
             log.flush()

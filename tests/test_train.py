@@ -11,10 +11,27 @@ from oracle import assert_matches_oracle, reference_run
 QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval", "1000"]
 
 
+@pytest.mark.parametrize("world,flags,message", [
+    (2, ["--pp", "2"], "--pp is not implemented yet"),
+    (2, ["--tp", "3"], "world size 2 is not divisible by tp*pp*cp*ep = 3*1*1*1 = 3"),
+    (3, ["--tp", "3"], "--tp 3: attention heads 4 does not divide by the tensor-parallel size 3"),
+    (2, ["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
+    (2, ["--tp", "2", "--zero", "1"], "--zero with --tp is not supported yet"),
+    (4, ["--tp", "2", "--sp", "--seq-len", "15"], "sequence length (sequence parallelism) 15 does not divide"),
+    (2, ["--experts", "4", "--top-k", "5"], "--experts with data parallelism needs"),
+    (1, ["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
+    (2, ["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
+    (1, ["--micro-batches", "0"], "--micro-batches must be at least 1"),
+])
+def test_refused_flags_say_why(world, flags, message):
+    with pytest.raises(train.ConfigError) as refusal:
+        train.check_args(train.parse_args([*QUICK, *flags]), world)
+    assert message in str(refusal.value)
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--tp", "2"], "--tp is not implemented yet"),
+    (["--pp", "2"], "--pp is not implemented yet"),
     (["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
-    (["--experts", "4"], "--experts with data parallelism needs"),
 ])
 def test_refused_flags_fail_fast_on_every_rank(tmp_path, flags, message):
     out = torchrun(2, "train.py", *QUICK, "--out", str(tmp_path), *flags, timeout=60)
@@ -42,9 +59,9 @@ def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
         # AdamW: two float32 moments per parameter and a float32 step counter per tensor.
         assert entry["optim_bytes"] == [8 * n_params + 4 * len(params)] * 2
         # Ring all-reduce of every gradient once per step: 2 (N-1)/N * 4 * n_params, N = 2.
-        assert entry["comm_all_reduce_bytes"] == [4 * n_params] * 2
+        assert entry["comm_dp_all_reduce_bytes"] == [4 * n_params] * 2
         assert all(b > 0 for b in entry["activation_peak_bytes"])
-        assert entry["comm_reduce_scatter_bytes"] == [0, 0]
+        assert entry["comm_dp_reduce_scatter_bytes"] == [0, 0]
     val = {e["step"]: e["val_loss"] for e in log if "val_loss" in e}
     assert sorted(val) == [19, 39, 59]
     start = log[0]["loss"]

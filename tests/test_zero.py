@@ -85,9 +85,9 @@ def test_zero_matches_single_device_and_shards_as_the_article_says(tmp_path, ora
     all_gathers = 1 if stage < 3 else 2 * micro_batches         # stage 3: before forward and before backward
     clip_norm_all_reduce = 2 * (world - 1) * F64 // world       # the global norm: one float64
     for entry in log[:-1]:  # the last step's record is taken before validation gathers again
-        assert entry["comm_reduce_scatter_bytes"] == [reduce_scatters * one_pass] * world
-        assert entry["comm_all_gather_bytes"] == [all_gathers * one_pass] * world
-        assert entry["comm_all_reduce_bytes"] == [clip_norm_all_reduce] * world
+        assert entry["comm_dp_reduce_scatter_bytes"] == [reduce_scatters * one_pass] * world
+        assert entry["comm_dp_all_gather_bytes"] == [all_gathers * one_pass] * world
+        assert entry["comm_dp_all_reduce_bytes"] == [clip_norm_all_reduce] * world
     # With one micro-batch that is the article's 2 Psi (stages 1, 2, like plain data parallelism:
     # 2 (N-1)/N Psi) and 3 Psi for stage 3.
     per_step_single_micro_batch = (1 + (1 if stage < 3 else 2)) * one_pass
@@ -105,7 +105,7 @@ def test_plain_data_parallel_replicates_everything_and_communicates_two_psi(tmp_
         assert entry["param_bytes"] == [n_params * F64] * 4
         assert entry["grad_bytes"] == [bucket] * 4
         assert entry["optim_bytes"] == [2 * n_params * F64 + STEP_COUNTER * len(params)] * 4
-        assert entry["comm_all_reduce_bytes"] == [2 * 3 * bucket // 4] * 4  # 2 (N-1)/N Psi
+        assert entry["comm_dp_all_reduce_bytes"] == [2 * 3 * bucket // 4] * 4  # 2 (N-1)/N Psi
 
 
 def test_stop_under_zero3_resume_under_zero1_on_more_ranks(tmp_path):

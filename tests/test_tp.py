@@ -1,0 +1,178 @@
+"""Tensor parallelism (with and without sequence parallelism) equals the single device."""
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tp
+import train
+from distributed import REPO, run_on_ranks, torchrun
+from meter import ActivationMeter
+from model import Block, GPTConfig
+from oracle import assert_matches_oracle, reference_run
+
+ARGV = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
+        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
+        "--log-interval", "1000"]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    result = reference_run(ARGV)
+    assert min(result["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
+    return result
+
+
+def train_worker(argv):
+    return train.train(train.parse_args(argv))
+
+
+@pytest.mark.parametrize("world,flags", [
+    (2, ["--tp", "2"]), (2, ["--tp", "2", "--sp"]), (4, ["--tp", "4"]), (4, ["--tp", "4", "--sp"]),
+    (4, ["--tp", "2"]),  # tp=2 x dp=2
+], ids=lambda v: v if isinstance(v, int) else " ".join(v))
+def test_tensor_parallel_matches_single_device(tmp_path, oracle, world, flags):
+    for result in run_on_ranks(world, train_worker, [*ARGV, *flags, "--out", str(tmp_path)]):
+        assert_matches_oracle(result, oracle)
+
+
+# -- each layer against its single-device counterpart -------------------------
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def check_linear(kind, sp, rank, n):
+    """Output, input gradient and gathered weight/bias gradients of a parallel linear against nn.Linear."""
+    d_in, d_out = (8, 12) if kind == "column" else (12, 8)
+    full = torch.nn.Linear(d_in, d_out, dtype=torch.float64)
+    layer_class = tp.ColumnParallelLinear if kind == "column" else tp.RowParallelLinear
+    layer = layer_class(copy.deepcopy(full), None, sequence_parallel=sp)
+    x = torch.randn(3, 4, d_in, dtype=torch.float64, requires_grad=True)  # (batch, seq, features)
+    grad_y = torch.randn(3, 4, d_out, dtype=torch.float64)
+    (full(x) * grad_y).sum().backward()
+    # What this rank sees: column layers take the full input (sp: a sequence shard) and give some output
+    # features; row layers take some input features and give the full output (sp: a sequence shard).
+    seq = lambda t: t.chunk(n, 1)[rank] if sp else t  # noqa: E731
+    feat = lambda t: t.chunk(n, -1)[rank]  # noqa: E731
+    x_local = (seq(x) if kind == "column" else feat(x)).detach().requires_grad_()
+    y_local = layer(x_local)
+    (y_local * (feat(grad_y) if kind == "column" else seq(grad_y))).sum().backward()
+    unseq = lambda t: tp.unshard(t, 1, None) if sp else t  # noqa: E731
+    unfeat = lambda t: tp.unshard(t, -1, None)  # noqa: E731
+    y = unfeat(y_local) if kind == "column" else unseq(y_local)
+    grad_x = unseq(x_local.grad) if kind == "column" else unfeat(x_local.grad)
+    errors = [max_diff(y, full(x)), max_diff(grad_x, x.grad)]
+    for name, p in layer.named_parameters():
+        grad = tp.unshard(p.grad, layer.layouts[name][0], None) if name in layer.layouts else p.grad
+        errors.append(max_diff(grad, getattr(full, name).grad))
+    return max(errors)
+
+
+def check_embedding(sp, rank, n):
+    full = torch.nn.Embedding(16, 8, dtype=torch.float64)
+    layer = tp.VocabParallelEmbedding(copy.deepcopy(full), None, sequence_parallel=sp)
+    ids = torch.randint(0, 16, (3, 4))
+    grad_y = torch.randn(3, 4, 8, dtype=torch.float64)
+    (full(ids) * grad_y).sum().backward()
+    y_local = layer(ids)
+    (y_local * (grad_y.chunk(n, 1)[rank] if sp else grad_y)).sum().backward()
+    y = tp.unshard(y_local, 1, None) if sp else y_local
+    return max(max_diff(y, full(ids)), max_diff(tp.unshard(layer.weight.grad, 0, None), full.weight.grad))
+
+
+def check_cross_entropy(rank, n):
+    logits = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 16, (3, 4))
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    expected.backward()
+    local = logits.detach().chunk(n, -1)[rank].clone().requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(local, targets, rank * 16 // n, None)
+    loss.backward()
+    return max(max_diff(loss, expected), max_diff(tp.unshard(local.grad, -1, None), logits.grad))
+
+
+def layers_worker():
+    """Largest difference of each parallel layer from its single-device counterpart, float64."""
+    torch.manual_seed(0)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    errors = {"cross-entropy": check_cross_entropy(rank, n)}
+    for sp in (False, True):
+        errors[f"column sp={sp}"] = check_linear("column", sp, rank, n)
+        errors[f"row sp={sp}"] = check_linear("row", sp, rank, n)
+        errors[f"embedding sp={sp}"] = check_embedding(sp, rank, n)
+    return errors
+
+
+@pytest.fixture(scope="module")
+def layer_errors():
+    return run_on_ranks(2, layers_worker)
+
+
+@pytest.mark.parametrize("layer", ["column sp=False", "column sp=True", "row sp=False", "row sp=True",
+                                   "embedding sp=False", "embedding sp=True", "cross-entropy"])
+def test_each_layer_matches_its_single_device_counterpart(layer_errors, layer):
+    for errors in layer_errors:
+        assert errors[layer] < 1e-14
+
+
+# -- communication and activation memory of one block ------------------------------------
+
+def block_worker(sequence_parallel):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=16)
+    block = Block(config, 0).double()
+    # Apply the block's part of apply_tensor_parallel.
+    group = None
+    block.attn.qkv = tp.ColumnParallelLinear(block.attn.qkv, group, sequence_parallel, n_chunks=3)
+    block.attn.proj = tp.RowParallelLinear(block.attn.proj, group, sequence_parallel)
+    block.mlp.fc = tp.ColumnParallelLinear(block.mlp.fc, group, sequence_parallel)
+    block.mlp.proj = tp.RowParallelLinear(block.mlp.proj, group, sequence_parallel)
+    if sequence_parallel:
+        block.norm1 = tp.SequenceParallelLayerNorm(block.norm1, group)
+        block.norm2 = tp.SequenceParallelLayerNorm(block.norm2, group)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    if sequence_parallel:
+        x = x.chunk(dist.get_world_size(), 1)[dist.get_rank()].clone()  # only this rank's shard exists
+    x.requires_grad_()
+    meter = ActivationMeter(list(block.parameters()))
+    tp.comm_bytes.clear()
+    with meter:
+        y = block(x)
+    forward = dict(tp.comm_bytes)
+    tp.comm_bytes.clear()
+    y.sum().backward()
+    return forward, dict(tp.comm_bytes), meter.peak
+
+
+def test_block_communication_and_activation_memory():
+    n, b, s, h = 2, 2, 8, 16
+    activation = b * s * h * 8  # bytes of one (batch, seq, hidden) float64 tensor
+    ring = (n - 1) / n
+    plain = run_on_ranks(2, block_worker, False)[0]
+    seq_par = run_on_ranks(2, block_worker, True)[0]
+    # Without sequence parallelism: two all-reduces of b*s*h in forward (g after attention and after the MLP)
+    # and two in backward (f before qkv and before fc); an all-reduce sends 2 (N-1)/N of its data.
+    assert plain[0] == {"all_reduce": 2 * 2 * ring * activation}
+    assert plain[1] == {"all_reduce": 2 * 2 * ring * activation}
+    # With it: the same volume as all-gathers and reduce-scatters, plus the summed gradients of the six
+    # replicated vectors applied to sequence shards (two layer norms' weight and bias, two row biases).
+    assert seq_par[0] == {"all_gather": 2 * ring * activation, "reduce_scatter": 2 * ring * activation}
+    assert seq_par[1] == {"all_gather": 2 * ring * activation, "reduce_scatter": 2 * ring * activation,
+                          "all_reduce": 6 * 2 * ring * h * 8}
+    # Activation memory: what the two layer norms save (their input, and a mean and a reciprocal standard
+    # deviation per token) is now kept for 1/N of the sequence; the matmuls save what they did before.
+    norms_saved = 2 * (activation + 2 * b * s * 8)
+    assert plain[2] - seq_par[2] == norms_saved * (1 - 1 / n)
+
+
+def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
+    shutil.copy(os.path.join(REPO, "tp.py"), tmp_path)
+    out = torchrun(2, "tp.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "tp.py self-check" in line]
+    assert len(lines) == 2 and all(float(line.rsplit("= ", 1)[1]) < 1e-12 for line in lines)

@@ -1,0 +1,420 @@
+"""Tensor parallelism (Megatron-LM), with Megatron-style sequence parallelism.
+
+Split the weight matrices themselves across a tensor-parallel group of N ranks.
+
+- Column-parallel linear: W = [W_1 | ... | W_N] split by output features;
+  rank i computes Y_i = X W_i, its own slice of the output (article:
+  Y = [XW_1 | XW_2]). Attention's q, k, v are split this way by heads, the
+  MLP's first matrix by hidden units, the LM head by vocabulary entries.
+- Row-parallel linear: W split by input features; rank i holds X_i (the
+  slice a column-parallel layer produced) and computes the partial product
+  X_i W_i; the partial products are summed (article: Y = X_1 W_1 + X_2 W_2).
+
+Column then row needs no communication in between (GELU and attention act
+on each rank's slice alone), so a transformer block costs one all-reduce
+after attention and one after the MLP in forward, and the conjugate ones in
+backward. They are the two conjugate operators of Megatron-LM:
+
+    f = CopyToTensorParallel      forward: identity      backward: all-reduce
+    g = ReduceFromTensorParallel  forward: all-reduce    backward: identity
+
+Sequence parallelism: outside the tensor-parallel regions (layer norms, the
+residual stream, dropout) every rank would hold the same full activations.
+Instead each rank keeps 1/N of the sequence there, and g and f become
+
+    ScatterToSequenceParallel     forward: reduce-scatter  backward: all-gather
+    GatherFromSequenceParallel    forward: all-gather      backward: reduce-scatter
+
+An all-reduce is a reduce-scatter followed by an all-gather, so the traffic
+is the same and the activation memory outside the matmuls drops by N. A
+parameter applied to a sequence shard (layer norm weights, the row-parallel
+bias, position embeddings) then only sees 1/N of the tokens, so its gradient
+is summed over the group: f applied to the parameter does exactly that.
+
+The embedding is split by vocabulary (each rank looks up the ids it holds,
+the others contribute zeros, g sums), and the cross-entropy is computed on
+vocabulary-sharded logits without ever gathering them.
+
+Sharding slices an existing full model, so the single device and the
+parallel run start identical; `unshard` gathers a shard back to full size.
+
+Self-check: torchrun --nproc_per_node 2 tp.py
+"""
+import copy
+from collections import Counter
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# torch 2.13 renamed the flat collectives; older releases only know the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+comm_bytes = Counter()  # bytes this rank sent, per collective kind, assuming ring algorithms
+
+
+def _count(kind, full_bytes, n_ranks):
+    passes = 2 if kind == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
+    comm_bytes[kind] += passes * (n_ranks - 1) * full_bytes // n_ranks
+
+
+def all_reduce(x, group, op=dist.ReduceOp.SUM):
+    x = x.clone()
+    dist.all_reduce(x, op=op, group=group)
+    _count("all_reduce", x.numel() * x.element_size(), dist.get_world_size(group))
+    return x
+
+
+def all_gather_sequence(x, group):
+    """(batch, seq/N, ...) on each rank -> (batch, seq, ...), rank r's part at position r."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: every backend takes it
+    _count("all_gather", out.numel() * out.element_size(), n)
+    return out.movedim(0, 1).flatten(1, 2)
+
+
+def reduce_scatter_sequence(x, group):
+    """(batch, seq, ...) partial sums on each rank -> this rank's (batch, seq/N, ...) of their sum."""
+    n = dist.get_world_size(group)
+    if x.shape[1] % n:
+        raise ValueError(f"sequence length {x.shape[1]} does not divide by the tensor-parallel size {n}")
+    chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # (N, batch, seq/N, ...)
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
+    _count("reduce_scatter", chunks.numel() * chunks.element_size(), n)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The conjugate operators
+# ---------------------------------------------------------------------------
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """f: identity forward; all-reduce backward (every rank's use of x contributes to its gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g: all-reduce forward (sum the partial products); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSequenceParallel(torch.autograd.Function):
+    """Entering a tensor-parallel region: all-gather the sequence forward, reduce-scatter it backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ScatterToSequenceParallel(torch.autograd.Function):
+    """Leaving a tensor-parallel region: reduce-scatter the sequence forward, all-gather it backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+# ---------------------------------------------------------------------------
+# Slicing a full tensor, and gathering it back
+# ---------------------------------------------------------------------------
+
+def shard(full, dim, rank, n_ranks, n_chunks=1):
+    """This rank's slice of `full` along dim. With n_chunks > 1 the dimension holds
+    n_chunks consecutive blocks (attention's q|k|v) and each block is split."""
+    blocks = full.chunk(n_chunks, dim)
+    return torch.cat([block.chunk(n_ranks, dim)[rank] for block in blocks], dim).clone()
+
+
+def unshard(local, dim, group, n_chunks=1):
+    """The inverse of shard: the full tensor, from every rank's slice."""
+    n = dist.get_world_size(group)
+    pieces = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    blocks = [piece.chunk(n_chunks, dim) for piece in pieces]
+    return torch.cat([blocks[r][c] for c in range(n_chunks) for r in range(n)], dim)
+
+
+def _sharded_parameter(full, dim, group, n_chunks=1):
+    return nn.Parameter(shard(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), n_chunks))
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X W_i + b_i: this rank's output features (the input is replicated, or gathered)."""
+
+    def __init__(self, full: nn.Linear, group, sequence_parallel=False, n_chunks=1):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _sharded_parameter(full.weight, 0, group, n_chunks)
+        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, group, n_chunks)
+        self.layouts = {"weight": (0, n_chunks), "bias": (0, n_chunks)}  # how to unshard each parameter
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = GatherFromSequenceParallel.apply(x, self.group)
+        else:
+            x = CopyToTensorParallel.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i W_i + b: this rank's input features; the bias is added once, after the sum."""
+
+    def __init__(self, full: nn.Linear, group, sequence_parallel=False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _sharded_parameter(full.weight, 1, group)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.layouts = {"weight": (1, 1)}
+
+    def forward(self, x):
+        partial_sum = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = ScatterToSequenceParallel.apply(partial_sum, self.group)
+            bias = None if self.bias is None else CopyToTensorParallel.apply(self.bias, self.group)
+        else:
+            y, bias = ReduceFromTensorParallel.apply(partial_sum, self.group), self.bias
+        return y if bias is None else y + bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous range of the vocabulary; ids outside it look up zeros."""
+
+    def __init__(self, full: nn.Embedding, group, sequence_parallel=False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        if full.num_embeddings % n:
+            raise ValueError(f"vocabulary {full.num_embeddings} does not divide by the tensor-parallel size {n}")
+        self.per_rank = full.num_embeddings // n
+        self.vocab_start = rank * self.per_rank
+        self.weight = _sharded_parameter(full.weight, 0, group)
+        self.layouts = {"weight": (0, 1)}
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        partial_lookup = F.embedding(local.masked_fill(outside, 0), self.weight)
+        partial_lookup = partial_lookup.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return ScatterToSequenceParallel.apply(partial_lookup, self.group)
+        return ReduceFromTensorParallel.apply(partial_lookup, self.group)
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """A layer norm on this rank's sequence shard; f sums its weight and bias gradients over the group."""
+
+    def __init__(self, full: nn.LayerNorm, group):
+        super().__init__()
+        self.group, self.shape, self.eps = group, full.normalized_shape, full.eps
+        self.weight = nn.Parameter(full.weight.detach().clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x):
+        weight = CopyToTensorParallel.apply(self.weight, self.group)
+        bias = CopyToTensorParallel.apply(self.bias, self.group)
+        return F.layer_norm(x, self.shape, weight, bias, self.eps)
+
+
+class SequenceParallelPositionEmbedding(nn.Module):
+    """Position embeddings of this rank's sequence shard (positions are given for the whole sequence)."""
+
+    def __init__(self, full: nn.Embedding, group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach().clone())
+
+    def forward(self, pos):
+        mine = pos.chunk(dist.get_world_size(self.group), -1)[dist.get_rank(self.group)]
+        return F.embedding(mine, CopyToTensorParallel.apply(self.weight, self.group))
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocabulary-sharded logits, without gathering them.
+
+    loss = log sum_v exp(z_v - m) - (z_target - m), with the max m, the target
+    logit and the sum of exponentials each reduced over the group. The
+    gradient is softmax - one_hot(target), on this rank's shard only.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        per_rank = logits.shape[-1]
+        logits_max = all_reduce(logits.max(-1).values, group, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_target = targets - vocab_start
+        inside = (local_target >= 0) & (local_target < per_rank)
+        local_target = local_target.clamp(0, per_rank - 1)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
+        exp = shifted.exp()
+        # One all-reduce for both sums: the target's logit (on one rank) and the sum of exponentials.
+        target_logit, sum_exp = all_reduce(torch.stack([target_logit, exp.sum(-1)]), group)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, inside)
+        ctx.input_dtype = logits.dtype
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_start, group):
+    """Mean over all tokens: a drop-in for the single device's cross-entropy."""
+    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group).mean()
+
+
+# ---------------------------------------------------------------------------
+# Applying it to model.py's GPT (the only model knowledge in this file)
+# ---------------------------------------------------------------------------
+
+def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None):
+    """Why a model cannot be split n_ranks ways (seq_len given: with sequence parallelism), or None."""
+    for what, size in [("attention heads", n_head), ("MLP hidden size", d_ff), ("vocabulary", vocab_size),
+                       ("sequence length (sequence parallelism)", seq_len)]:
+        if size is not None and size % n_ranks:
+            return f"{what} {size} does not divide by the tensor-parallel size {n_ranks}"
+    return None
+
+
+def apply_tensor_parallel(model, group, sequence_parallel=False):
+    """Shard a GPT in place across `group`: heads, MLP units and vocabulary split N ways."""
+    c = model.config
+    n = dist.get_world_size(group)
+    problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.vocab_size, c.seq_len if sequence_parallel else None)
+    if problem:
+        raise ValueError(problem)
+    if c.n_experts:
+        raise ValueError("tensor parallelism inside MoE experts comes with expert parallelism (ep.py)")
+    sp = sequence_parallel
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
+    if sp:
+        model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
+    for block in model.blocks:
+        block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp, n_chunks=3)  # heads split within q, k, v
+        block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
+        block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group, sp)
+        block.mlp.proj = RowParallelLinear(block.mlp.proj, group, sp)
+        if sp:
+            block.norm1 = SequenceParallelLayerNorm(block.norm1, group)
+            block.norm2 = SequenceParallelLayerNorm(block.norm2, group)
+    if sp:
+        model.norm = SequenceParallelLayerNorm(model.norm, group)
+    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
+    model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
+    return model
+
+
+def sharded_layouts(model):
+    """{parameter name: (dim, n_chunks)} for every parameter split across the group; others are replicated."""
+    return {f"{module_name}.{name}": layout
+            for module_name, module in model.named_modules() if hasattr(module, "layouts")
+            for name, layout in module.layouts.items() if getattr(module, name, None) is not None}
+
+
+def full_state_dict(model, group):
+    """The model's state dict with every shard gathered back to full size (the single device's layout)."""
+    layouts = sharded_layouts(model)
+    return {name: unshard(t, layouts[name][0], group, layouts[name][1]) if name in layouts else t
+            for name, t in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------
+# Self-check: torchrun --nproc_per_node 2 tp.py
+# ---------------------------------------------------------------------------
+
+class _ToyLM(nn.Module):
+    """Embedding, a pre-norm MLP block with a residual, final norm, head: the pieces tp.py splits."""
+
+    def __init__(self, vocab=16, d=8, seq=4):
+        super().__init__()
+        self.tok_emb, self.pos_emb = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.norm1, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def forward(self, ids, targets):
+        x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        x = x + self.proj(F.gelu(self.fc(self.norm1(x))))
+        return self.loss_fn(self.lm_head(self.norm(x)), targets)
+
+
+def _split_toy(model, group, sp):
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
+    model.fc, model.proj = ColumnParallelLinear(model.fc, group, sp), RowParallelLinear(model.proj, group, sp)
+    if sp:
+        model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
+        model.norm1, model.norm = SequenceParallelLayerNorm(model.norm1, group), SequenceParallelLayerNorm(model.norm, group)
+    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
+    model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
+    return model
+
+
+def _self_check():
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    reference = _ToyLM(vocab=8 * world, seq=2 * world).to(device, torch.float64)
+    ids = torch.randint(0, 8 * world, (3, 2 * world + 1), generator=torch.Generator().manual_seed(1)).to(device)
+    ref_loss = reference(ids[:, :-1], ids[:, 1:])
+    ref_loss.backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    for sp in (False, True):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        model = _split_toy(model, None, sp)
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        layouts = sharded_layouts(model)
+        worst = (loss - ref_loss).abs().item()
+        for name, p in model.named_parameters():
+            grad = unshard(p.grad, layouts[name][0], None, layouts[name][1]) if name in layouts else p.grad
+            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+        if rank == 0:
+            print(f"tp.py self-check on {world} ranks ({backend}), sequence parallel {'on ' if sp else 'off'}: "
+                  f"largest difference from one device (loss and every gradient, float64) = {worst:.3g}")
+        if worst > 1e-12:
+            raise SystemExit(f"rank {rank}: tensor-parallel result differs from the single device by {worst:.3g}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _self_check()
