@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data import load_data
+import pp
 import tp
 from dp import DataParallel, ZeRO, gpt_units
 from mesh import Mesh, mesh_shape
@@ -42,10 +43,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<kind>_bytes
     "dp": ("all_reduce", "all_gather", "reduce_scatter"),
     "tp": ("all_reduce", "all_gather", "reduce_scatter"),
+    "pp": ("send_recv",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
-              "compute_s", "comm_wait_s") + COMM_FIELDS
+              "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
 class ConfigError(ValueError):
@@ -58,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
     p.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -87,19 +90,25 @@ def parse_args(argv=None):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--schedule", choices=sorted(pp.SCHEDULES), default="1f1b", help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved schedule; default 2 there, else 1)")
+    p.add_argument("--pp-debug", action="store_true", help="print every pipeline send and receive")
     args = p.parse_args(argv)
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
+    args.layers = args.layers or PRESETS[args.model]["n_layer"]
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
     return args
 
 
 def check_args(args, world):
     """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
-    not_yet = {"--pp": args.pp > 1, "--cp": args.cp > 1, "--ep": args.ep > 1}
+    not_yet = {"--cp": args.cp > 1, "--ep": args.ep > 1}
     for flag, used in not_yet.items():
         if used:
             raise ConfigError(f"{flag} is not implemented yet in this repository; data parallelism "
-                              f"(with --zero 0-3) and tensor parallelism (--tp, --sp) are")
+                              f"(--zero 0-3), tensor parallelism (--tp, --sp) and pipeline parallelism (--pp) are")
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -133,7 +142,26 @@ def check_args(args, world):
                                            args.seq_len if args.sp else None)
         if problem:
             raise ConfigError(f"--tp {args.tp}: {problem}")
+    check_pipeline(args)
     return shape
+
+
+def check_pipeline(args):
+    if args.pp == 1:
+        if args.schedule == "interleaved" or args.virtual_stages > 1:
+            raise ConfigError("--schedule interleaved and --virtual-stages need pipeline parallelism (--pp > 1)")
+        return
+    if args.zero >= 2:
+        raise ConfigError(f"--zero {args.zero} with --pp is not supported: ZeRO-2/3 reduce gradients in every "
+                          f"backward, which a pipeline runs once per micro-batch and stage (M times the traffic, "
+                          f"and ZeRO-3 would gather every stage's weights per micro-batch); use --zero 1")
+    if args.experts:
+        raise ConfigError("--pp with --experts: the load-balancing loss of every stage comes with ep.py")
+    try:
+        pp.make_schedule(args.schedule, args.micro_batches, args.pp, 0, args.virtual_stages)
+        pp.split_layers(args.layers, args.pp * args.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
 
 
 def run_name(args, world):
@@ -170,7 +198,7 @@ def padded_vocab(vocab_size):
 
 
 def model_config(args, vocab_size):
-    preset = dict(PRESETS[args.model], seq_len=args.seq_len, vocab_size=padded_vocab(vocab_size))
+    preset = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=padded_vocab(vocab_size))
     return GPTConfig(**preset, n_experts=args.experts, top_k=args.top_k, aux_loss_coef=args.aux_loss_coef)
 
 
@@ -247,8 +275,15 @@ class Trainer:
         if self.tp_size > 1:
             tp.apply_tensor_parallel(self.model, self.tp_group, sequence_parallel=args.sp)
             self.tp_layouts = tp.sharded_layouts(self.model)
+        # 3. Pipeline parallelism: this rank keeps its stage's layers (V chunks with interleaving).
+        self.pp_group, self.pp_size, self.chunks = mesh.groups["pp"], mesh.size("pp"), None
+        if self.pp_size > 1:
+            self.chunks = pp.apply_pipeline_parallel(self.model, self.pp_group, args.virtual_stages)
+            seq = args.seq_len // self.tp_size if args.sp else args.seq_len  # sequence parallelism sends a shard
+            micro = args.batch_size // (args.micro_batches * self.n_data())
+            self.stage_shape = (micro, seq, self.model.config.d_model)
         self.params = list(self.model.parameters())
-        # 3. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
+        # 4. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
         self.zero = None
         if args.zero:
@@ -263,6 +298,7 @@ class Trainer:
             self.load_optimizer_state(checkpoint["optimizer"])
             self.start_step = checkpoint["step"]
         self.meter = ActivationMeter(self.params)
+        self.pp_bytes_sent = 0
         self.comm_baseline = {}
         self.reset_comm_baseline()
 
@@ -282,17 +318,27 @@ class Trainer:
         dim, n_chunks = self.tp_layouts[name]
         return tp.shard(full, dim, self.mesh.index("tp"), self.tp_size, n_chunks)
 
+    def merge_stages(self, by_name):
+        """Every pipeline stage's {name: value}, merged (stages hold disjoint names)."""
+        if self.pp_size == 1:
+            return by_name
+        everyone = [None] * self.pp_size
+        dist.all_gather_object(everyone, by_name, group=self.pp_group)
+        return {name: value for stage in everyone for name, value in stage.items()}
+
     def full_state_dict(self):
         with self.zero.full_parameters() if self.zero else nullcontext():
-            return to_cpu({name: self.unshard(name, t) for name, t in self.model.state_dict().items()})
+            mine = to_cpu({name: self.unshard(name, t) for name, t in self.model.state_dict().items()})
+        return self.merge_stages(mine)
 
     def full_optimizer_state(self):
-        """{parameter name: AdamW state}, as one device holds it (collectives under ZeRO and tp)."""
+        """{parameter name: AdamW state}, as one device holds it (collectives under ZeRO, tp and pp)."""
         if self.zero:
-            return to_cpu(self.zero.full_optimizer_state())
+            return self.merge_stages(to_cpu(self.zero.full_optimizer_state()))
         names = {p: name for name, p in self.model.named_parameters()}
-        return to_cpu({names[p]: {k: self.unshard(names[p], v) if k != "step" else v for k, v in state.items()}
-                       for p, state in self.optimizer.state.items()})
+        return self.merge_stages(to_cpu({names[p]: {k: self.unshard(names[p], v) if k != "step" else v
+                                                    for k, v in state.items()}
+                                         for p, state in self.optimizer.state.items()}))
 
     def load_optimizer_state(self, by_name):
         if self.zero:
@@ -315,20 +361,26 @@ class Trainer:
         args = self.args
         tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
         self.meter.reset_peak()
-        losses = []
         start = time.perf_counter()
         micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(), self.mesh.index("data")))
-        for m, (inputs, targets) in enumerate(micro_batches):
-            last = m == len(micro_batches) - 1
-            with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():  # reduce after the last
-                with self.meter, self.autocast:
-                    _, loss = self.model(inputs, targets)
-                (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
-            losses.append(loss.item())
+        pipeline = pp.PipelineStats()  # stays empty without pipeline parallelism
+        if self.chunks:
+            actions = pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, self.mesh.index("pp"),
+                                       args.virtual_stages)
+            losses = self.run_pipeline(actions, micro_batches, pipeline)
+        else:
+            losses = []
+            for m, (inputs, targets) in enumerate(micro_batches):
+                last = m == len(micro_batches) - 1
+                with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():  # reduce after the last
+                    with self.forward_context():
+                        _, loss = self.model(inputs, targets)
+                    (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
+                losses.append(loss.item())
         wait_start = time.perf_counter()
         if self.grad_sync:
             self.grad_sync.finish_grad_sync()
-        comm_wait = time.perf_counter() - wait_start
+        comm_wait = time.perf_counter() - wait_start + pipeline.wait_s
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         if args.grad_clip > 0:
@@ -342,7 +394,23 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        return self.rank_record(sum(losses) / len(losses), elapsed - comm_wait, comm_wait)
+        loss = sum(losses) / len(losses) if losses else math.nan  # only the last pipeline stage has a loss
+        return self.rank_record(loss, elapsed - comm_wait, comm_wait, pipeline)
+
+    @contextmanager
+    def forward_context(self):
+        """Around every forward: count the activations saved for backward; autocast to bf16 if asked."""
+        with self.meter, self.autocast:
+            yield
+
+    def run_pipeline(self, actions, micro_batches, stats=None):
+        """Run a pipeline schedule on this rank's chunks; the last stage returns its micro-batch losses."""
+        stats = stats or pp.PipelineStats()
+        losses = pp.run_schedule(actions, self.chunks, micro_batches, self.model.loss_fn, self.pp_group,
+                                 self.stage_shape, self.params[0].dtype, self.device, grad_sync=self.grad_sync,
+                                 stats=stats, debug=self.args.pp_debug, forward_context=self.forward_context)
+        self.pp_bytes_sent += stats.bytes_sent
+        return losses
 
     def clip_gradients(self, max_norm):
         """Clip to the norm of the whole model's gradient, every element counted once.
@@ -359,13 +427,16 @@ class Trainer:
                       for name, p in self.model.named_parameters())
         if self.tp_size > 1:
             dist.all_reduce(squares, group=self.tp_group)
+        if self.pp_size > 1:  # every stage holds different layers
+            dist.all_reduce(squares, group=self.pp_group)
         total_norm = squares.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
         return total_norm
 
     def comm_counters(self):
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
-        sources = {"dp": self.grad_sync.comm_bytes if self.grad_sync else {}, "tp": tp.comm_bytes}
+        sources = {"dp": self.grad_sync.comm_bytes if self.grad_sync else {}, "tp": tp.comm_bytes,
+                   "pp": {"send_recv": self.pp_bytes_sent}}
         return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
                 for dim, kinds in COMM_KINDS.items() for kind in kinds}
 
@@ -373,12 +444,13 @@ class Trainer:
         """Count from here (so a step's record leaves out validation and checkpoint traffic)."""
         self.comm_baseline = self.comm_counters()
 
-    def rank_record(self, loss, compute_s, comm_wait_s):
+    def rank_record(self, loss, compute_s, comm_wait_s, pipeline):
         param_shards, grad_shards = (self.zero.param_shards, self.zero.grad_shards) if self.zero else ([], [])
         record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
                       grad_bytes=gradient_bytes(self.params) + tensor_bytes(grad_shards),
                       optim_bytes=optimizer_bytes(self.optimizer), activation_peak_bytes=self.meter.peak,
-                      compute_s=compute_s, comm_wait_s=comm_wait_s)
+                      compute_s=compute_s, comm_wait_s=comm_wait_s, pp_bubble=pipeline.bubble(),
+                      pp_peak_in_flight=pipeline.peak_in_flight)
         counters = self.comm_counters()  # bytes sent during this step
         record.update({field: counters[field] - self.comm_baseline[field] for field in COMM_FIELDS})
         self.comm_baseline = counters
@@ -387,20 +459,28 @@ class Trainer:
     @torch.no_grad()
     def validation_loss(self):
         """Mean cross-entropy over --eval-batches held-out global batches (no MoE auxiliary loss)."""
-        args, total = self.args, 0.0
+        args, losses = self.args, []
         for i in range(args.eval_batches):
             tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
-            inputs, targets = next(local_micro_batches(tokens, 1, self.n_data(), self.mesh.index("data")))
-            with self.autocast:
-                logits, _ = self.model(inputs)
-            total += self.model.loss_fn(logits, targets).item()
-        return mean_over_ranks(total / args.eval_batches)
+            # The same micro-batches as training, so a pipeline sees the shapes it was built for.
+            micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(),
+                                                     self.mesh.index("data")))
+            if self.chunks:
+                losses += self.run_pipeline(pp.forward_only(args.micro_batches, self.pp_size,
+                                                            self.mesh.index("pp"), args.virtual_stages), micro_batches)
+            else:
+                for inputs, targets in micro_batches:
+                    with self.autocast:
+                        logits, _ = self.model(inputs)
+                    losses.append(self.model.loss_fn(logits, targets).item())
+        return mean_over_ranks(losses)
 
 
-def mean_over_ranks(value):
-    t = torch.tensor([value], dtype=torch.float64)
+def mean_over_ranks(values):
+    """The mean of every rank's values (ranks without any, like early pipeline stages, add nothing)."""
+    t = torch.tensor([sum(values), len(values)], dtype=torch.float64)
     dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return (t[0] / t[1]).item()
 
 
 def gather_records(record):
@@ -437,10 +517,13 @@ def train(args):
         record = gather_records(trainer.train_step(step))
         step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
         wall += step_s
-        loss = sum(record["loss"]) / world
+        with_loss = [x for x in record["loss"] if not math.isnan(x)]  # pipelines: the last stage's ranks
+        loss = sum(with_loss) / len(with_loss)
         losses.append(loss)
         entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
                      tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
+        if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
+            entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages)
         last = step == end - 1
         if (step + 1) % args.eval_interval == 0 or last:
             entry["val_loss"] = val_losses[step] = trainer.validation_loss()
@@ -454,7 +537,9 @@ def train(args):
             log.flush()
             if step % args.log_interval == 0 or last or "val_loss" in entry:
                 val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
-                print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s", flush=True)
+                bubble = (f"  bubble {max(entry['pp_bubble']):.2f} (ideal {entry['pp_bubble_formula']:.2f})"
+                          if args.pp > 1 else "")
+                print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{bubble}", flush=True)
     if log:
         log.close()
     return dict(losses=losses, val_losses=val_losses, state_dict=trainer.full_state_dict(),
