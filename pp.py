@@ -245,22 +245,25 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
 class GPTChunk:
     """Layers [layers] of a GPT; the first chunk embeds token ids, the last returns logits."""
 
-    def __init__(self, model, layers, first, last):
+    def __init__(self, model, layers, first, last, positions=None):
         self.model, self.layers, self.first, self.last = model, layers, first, last
+        self.positions = positions  # of the tokens this rank holds (None: 0..seq-1)
 
     def __call__(self, x):
         m = self.model
         if self.first:
-            x = m.tok_emb(x) + m.pos_emb(torch.arange(x.shape[1], device=x.device))
+            pos = torch.arange(x.shape[1], device=x.device) if self.positions is None else self.positions
+            x = m.tok_emb(x) + m.pos_emb(pos)
         for i in self.layers:
             x = m.blocks[i](x)
         return m.lm_head(m.norm(x)) if self.last else x
 
 
-def apply_pipeline_parallel(model, group, n_chunks=1):
+def apply_pipeline_parallel(model, group, n_chunks=1, positions=None):
     """Keep only this rank's layers of a GPT (others become empty); returns its chunks in order.
 
     Parameter names stay those of the full model, so checkpoints merge across stages by name.
+    positions: those of the tokens this rank holds, if not 0..seq-1 (context parallelism).
     """
     n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
     ranges = split_layers(model.config.n_layer, n_stages * n_chunks)
@@ -273,7 +276,8 @@ def apply_pipeline_parallel(model, group, n_chunks=1):
         model.tok_emb = model.pos_emb = None
     if n_stages * n_chunks - 1 not in mine:
         model.norm = model.lm_head = None
-    return [GPTChunk(model, ranges[chunk], chunk == 0, chunk == n_stages * n_chunks - 1) for chunk in mine]
+    return [GPTChunk(model, ranges[chunk], chunk == 0, chunk == n_stages * n_chunks - 1, positions)
+            for chunk in mine]
 
 
 # ---------------------------------------------------------------------------

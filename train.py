@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data import load_data
+import cp
 import pp
 import tp
 from dp import DataParallel, ZeRO, gpt_units
@@ -44,6 +45,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "dp": ("all_reduce", "all_gather", "reduce_scatter"),
     "tp": ("all_reduce", "all_gather", "reduce_scatter"),
     "pp": ("send_recv",),
+    "cp": ("send_recv",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
@@ -104,11 +106,9 @@ def parse_args(argv=None):
 
 def check_args(args, world):
     """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
-    not_yet = {"--cp": args.cp > 1, "--ep": args.ep > 1}
-    for flag, used in not_yet.items():
-        if used:
-            raise ConfigError(f"{flag} is not implemented yet in this repository; data parallelism "
-                              f"(--zero 0-3), tensor parallelism (--tp, --sp) and pipeline parallelism (--pp) are")
+    if args.ep > 1:
+        raise ConfigError("--ep is not implemented yet in this repository; data (--zero 0-3), tensor "
+                          "(--tp, --sp), pipeline (--pp) and context (--cp) parallelism are")
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -126,6 +126,11 @@ def check_args(args, world):
                           "which comes with expert parallelism (ep.py); run MoE on one rank for now")
     if args.experts and not 1 <= args.top_k <= args.experts:
         raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.seq_len % (2 * args.cp):
+        raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
+                          f"(each rank holds an early and a late chunk, for load balance)")
+    if args.cp > 1 and args.experts:
+        raise ConfigError("--cp with --experts: the load-balancing loss over every rank's tokens comes with ep.py")
     if args.sp and args.tp == 1:
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")
@@ -139,7 +144,7 @@ def check_args(args, world):
         preset = PRESETS[args.model]
         vocab = padded_vocab(256 if args.data else preset["vocab_size"])
         problem = tp.check_tensor_parallel(args.tp, preset["n_head"], 4 * preset["d_model"], vocab,
-                                           args.seq_len if args.sp else None)
+                                           args.seq_len // args.cp if args.sp else None)
         if problem:
             raise ConfigError(f"--tp {args.tp}: {problem}")
     check_pipeline(args)
@@ -275,15 +280,21 @@ class Trainer:
         if self.tp_size > 1:
             tp.apply_tensor_parallel(self.model, self.tp_group, sequence_parallel=args.sp)
             self.tp_layouts = tp.sharded_layouts(self.model)
-        # 3. Pipeline parallelism: this rank keeps its stage's layers (V chunks with interleaving).
+        # 3. Context parallelism: this rank holds a zigzag shard of the sequence; attention goes round a ring.
+        self.cp_size, self.positions = mesh.size("cp"), None
+        if self.cp_size > 1:
+            cp.apply_context_parallel(self.model, mesh.groups["cp"])
+            self.positions = cp.zigzag_positions(args.seq_len, self.cp_size, mesh.index("cp"), device)
+        # 4. Pipeline parallelism: this rank keeps its stage's layers (V chunks with interleaving).
         self.pp_group, self.pp_size, self.chunks = mesh.groups["pp"], mesh.size("pp"), None
         if self.pp_size > 1:
-            self.chunks = pp.apply_pipeline_parallel(self.model, self.pp_group, args.virtual_stages)
-            seq = args.seq_len // self.tp_size if args.sp else args.seq_len  # sequence parallelism sends a shard
+            self.chunks = pp.apply_pipeline_parallel(self.model, self.pp_group, args.virtual_stages, self.positions)
+            seq = args.seq_len // self.cp_size
+            seq = seq // self.tp_size if args.sp else seq  # sequence parallelism sends a shard
             micro = args.batch_size // (args.micro_batches * self.n_data())
             self.stage_shape = (micro, seq, self.model.config.d_model)
         self.params = list(self.model.parameters())
-        # 4. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
+        # 5. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
         self.zero = None
         if args.zero:
@@ -356,13 +367,21 @@ class Trainer:
     def n_data(self):
         return self.mesh.size("data")
 
+    def local_micro_batches(self, tokens):
+        """This rank's (inputs, targets) per micro-batch: its data slice, and its sequence shard under cp."""
+        batches = local_micro_batches(tokens, self.args.micro_batches, self.n_data(), self.mesh.index("data"))
+        if self.cp_size == 1:
+            return list(batches)
+        shard = lambda t: cp.shard_sequence(t, self.cp_size, self.mesh.index("cp"))  # noqa: E731
+        return [(shard(inputs), shard(targets)) for inputs, targets in batches]
+
     def train_step(self, step):
         """One optimizer step over the global batch; returns this rank's log values."""
         args = self.args
         tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
         self.meter.reset_peak()
         start = time.perf_counter()
-        micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(), self.mesh.index("data")))
+        micro_batches = self.local_micro_batches(tokens)
         pipeline = pp.PipelineStats()  # stays empty without pipeline parallelism
         if self.chunks:
             actions = pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, self.mesh.index("pp"),
@@ -374,7 +393,7 @@ class Trainer:
                 last = m == len(micro_batches) - 1
                 with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():  # reduce after the last
                     with self.forward_context():
-                        _, loss = self.model(inputs, targets)
+                        _, loss = self.model(inputs, targets, pos=self.positions)
                     (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
                 losses.append(loss.item())
         wait_start = time.perf_counter()
@@ -436,7 +455,7 @@ class Trainer:
     def comm_counters(self):
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
         sources = {"dp": self.grad_sync.comm_bytes if self.grad_sync else {}, "tp": tp.comm_bytes,
-                   "pp": {"send_recv": self.pp_bytes_sent}}
+                   "pp": {"send_recv": self.pp_bytes_sent}, "cp": cp.comm_bytes}
         return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
                 for dim, kinds in COMM_KINDS.items() for kind in kinds}
 
@@ -463,15 +482,14 @@ class Trainer:
         for i in range(args.eval_batches):
             tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
             # The same micro-batches as training, so a pipeline sees the shapes it was built for.
-            micro_batches = list(local_micro_batches(tokens, args.micro_batches, self.n_data(),
-                                                     self.mesh.index("data")))
+            micro_batches = self.local_micro_batches(tokens)
             if self.chunks:
                 losses += self.run_pipeline(pp.forward_only(args.micro_batches, self.pp_size,
                                                             self.mesh.index("pp"), args.virtual_stages), micro_batches)
             else:
                 for inputs, targets in micro_batches:
                     with self.autocast:
-                        logits, _ = self.model(inputs)
+                        logits, _ = self.model(inputs, pos=self.positions)
                     losses.append(self.model.loss_fn(logits, targets).item())
         return mean_over_ranks(losses)
 

@@ -1,0 +1,262 @@
+"""Context parallelism: the sequence split over ranks, exact attention by ring attention.
+
+Every layer except attention treats tokens independently, so a rank can hold
+1/N of the sequence and run norms, MLPs and the loss on it alone. Attention
+needs every earlier key and value: ring attention passes the K/V blocks
+round a ring of N ranks, and each rank combines its queries with each block
+as it passes (the article's four steps), while the next block is already on
+its way (communication overlaps computation).
+
+Load balance (zigzag). With causal attention the last tokens attend to the
+whole sequence and the first to almost nothing. Cut the sequence into 2N
+chunks and give rank r chunks r and 2N-1-r: every rank then holds one early
+and one late chunk, and computes the same number of (query chunk, key chunk)
+blocks, 2N + 1 of them (`blocks_computed` counts them).
+
+Combining blocks. For each block, the partial output O_b and its
+log-sum-exp L_b = log sum exp(q k^T / sqrt(d)) are merged into the running
+ones (online softmax):
+
+    L = log(exp(L) + exp(L_b)),    O = O exp(L_old - L) + O_b exp(L_b - L)
+
+computed in float32 or better. A pair of chunks whose keys all come after
+its queries is skipped; a chunk paired with itself gets the causal mask; any
+other pair needs no mask at all.
+
+Backward recomputes each block's probabilities from the saved log-sum-exp
+(P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
+K/V block, picking up each rank's contribution, until they are back home.
+
+Self-check: torchrun --nproc_per_node 4 cp.py
+"""
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+KV_TAG, GRAD_TAG = 0, 1  # K/V blocks travel with one tag, their gradient accumulators with the other
+comm_bytes = Counter()   # bytes this rank sent, per kind
+blocks_computed = Counter()  # attention blocks (pairs of chunks) computed by this rank: "forward", "backward"
+
+
+# ---------------------------------------------------------------------------
+# Zigzag sharding of the sequence
+# ---------------------------------------------------------------------------
+
+def zigzag_positions(seq_len, n_ranks, rank, device=None):
+    """The positions rank `rank` holds: chunks r and 2N-1-r of 2N equal chunks."""
+    if seq_len % (2 * n_ranks):
+        raise ValueError(f"sequence length {seq_len} does not divide into 2 x {n_ranks} context-parallel chunks")
+    chunk = seq_len // (2 * n_ranks)
+    first, second = rank * chunk, (2 * n_ranks - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)]).to(device)
+
+
+def shard_sequence(x, n_ranks, rank, dim=1):
+    """This rank's zigzag shard of x along dim."""
+    return x.index_select(dim, zigzag_positions(x.shape[dim], n_ranks, rank, x.device))
+
+
+def restore_order(shards, dim=1):
+    """The full sequence from every rank's shard (listed in rank order)."""
+    n = len(shards)
+    seq_len = sum(s.shape[dim] for s in shards)
+    order = torch.cat([zigzag_positions(seq_len, n, r) for r in range(n)]).to(shards[0].device)
+    return torch.cat(shards, dim).index_select(dim, torch.argsort(order))
+
+
+# ---------------------------------------------------------------------------
+# One block, and merging blocks
+# ---------------------------------------------------------------------------
+
+def block_attention(q, k, v, causal):
+    """(output, log-sum-exp) of q against one block of keys and values, in float32 or better."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:  # the diagonal block: query i sees keys 0..i
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """Online softmax: fold one block's (output, log-sum-exp) into the running pair."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
+
+
+def chunk_pairs(rank, source, n_ranks):
+    """(query half, key half, causal) for every pair of chunks that needs computing.
+
+    The local queries are chunks (r, 2N-1-r); the block from rank j holds chunks
+    (j, 2N-1-j). Keys after the queries are skipped, equal chunks are causal.
+    """
+    q_chunks = (rank, 2 * n_ranks - 1 - rank)
+    k_chunks = (source, 2 * n_ranks - 1 - source)
+    return [(qi, ki, q_chunks[qi] == k_chunks[ki]) for qi in range(2) for ki in range(2)
+            if k_chunks[ki] <= q_chunks[qi]]
+
+
+class _Ring:
+    """Sends to the next rank and receives from the previous one, posted together and waited on later."""
+
+    def __init__(self, group):
+        self.group = group
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = group or dist.group.WORLD
+        self.next = dist.get_global_rank(world, (rank + 1) % n)
+        self.prev = dist.get_global_rank(world, (rank - 1) % n)
+
+    def pass_on(self, tensors, tag):
+        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
+        tensors = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        comm_bytes["send_recv"] += sum(t.numel() * t.element_size() for t in tensors)
+        return dist.batch_isend_irecv(ops), received
+
+
+def _wait(works):
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        ring = _Ring(group)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        qh = q.to(dtype).chunk(2, dim=2)  # the two local chunks
+        out = [torch.zeros_like(h) for h in qh]
+        lse = [torch.full(h.shape[:-1], float("-inf"), dtype=dtype, device=q.device) for h in qh]
+        kv = (k, v)
+        for step in range(n):
+            source = (rank - step) % n
+            if step < n - 1:  # the next block is on its way while this one is computed
+                works, next_kv = ring.pass_on(kv, KV_TAG)
+            kh, vh = (t.to(dtype).chunk(2, dim=2) for t in kv)
+            for qi, ki, causal in chunk_pairs(rank, source, n):
+                block_out, block_lse = block_attention(qh[qi], kh[ki], vh[ki], causal)
+                out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
+                blocks_computed["forward"] += 1
+            if step < n - 1:
+                _wait(works)
+                kv = next_kv
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        ring = _Ring(group)
+        dtype = out.dtype
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qh, do, oh, lh = (t.to(dtype).chunk(2, dim=2) for t in (q, grad_out, out, lse))
+        delta = [(d * o).sum(-1) for d, o in zip(do, oh)]  # rowsum(dO * O) = sum_j P_ij dP_ij
+        dq = [torch.zeros_like(h) for h in qh]
+        kv = (k, v)
+        grad_acc, pending = None, None
+        for step in range(n):
+            source = (rank - step) % n
+            if step < n - 1:
+                works, next_kv = ring.pass_on(kv, KV_TAG)
+            kh, vh = (t.to(dtype).chunk(2, dim=2) for t in kv)
+            dk, dv = [torch.zeros_like(h) for h in kh], [torch.zeros_like(h) for h in vh]
+            for qi, ki, causal in chunk_pairs(rank, source, n):
+                scores = torch.matmul(qh[qi], kh[ki].transpose(-2, -1)) * scale
+                if causal:
+                    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+                p = torch.exp(scores - lh[qi].unsqueeze(-1))      # recomputed from the saved log-sum-exp
+                dv[ki] += torch.matmul(p.transpose(-2, -1), do[qi])
+                ds = p * (torch.matmul(do[qi], vh[ki].transpose(-2, -1)) - delta[qi].unsqueeze(-1))
+                dq[qi] += torch.matmul(ds, kh[ki]) * scale
+                dk[ki] += torch.matmul(ds.transpose(-2, -1), qh[qi]) * scale
+                blocks_computed["backward"] += 1
+            contribution = (torch.cat(dk, dim=2), torch.cat(dv, dim=2))
+            if pending is not None:  # the accumulators of this block, from the ranks it visited before
+                _wait(pending[0])
+                grad_acc = tuple(a + c for a, c in zip(pending[1], contribution))
+            else:
+                grad_acc = contribution
+            pending = ring.pass_on(grad_acc, GRAD_TAG)  # on the last step this sends each block home
+            if step < n - 1:
+                _wait(works)
+                kv = next_kv
+        _wait(pending[0])
+        dk_home, dv_home = pending[1]
+        return torch.cat(dq, dim=2).to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None
+
+
+def ring_attention(q, k, v, group):
+    """Causal attention output for this rank's zigzag shard (and its log-sum-exp, second)."""
+    return RingAttention.apply(q, k, v, group)
+
+
+# ---------------------------------------------------------------------------
+# Applying it to model.py's GPT (the only model knowledge in this file)
+# ---------------------------------------------------------------------------
+
+class RingAttentionCore:
+    """A drop-in for model.causal_attention on zigzag-sharded sequences."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, q, k, v):
+        return ring_attention(q, k, v, self.group)[0]
+
+
+def apply_context_parallel(model, group):
+    """Give every attention layer the ring-attention core; the caller shards tokens and positions."""
+    n = dist.get_world_size(group)
+    if model.config.seq_len % (2 * n):
+        raise ValueError(f"sequence length {model.config.seq_len} does not divide into 2 x {n} chunks")
+    for block in model.blocks:
+        if hasattr(block, "attn"):
+            block.attn.core = RingAttentionCore(group)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Self-check: torchrun --nproc_per_node 4 cp.py
+# ---------------------------------------------------------------------------
+
+def _self_check():
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 3, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True)
+    expected.backward(grad)
+    local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out, _ = ring_attention(*local, None)
+    out.backward(shard_sequence(grad, n, rank, dim=2))
+    worst = (out - shard_sequence(expected, n, rank, dim=2)).abs().max().item()
+    for mine, reference in zip(local, full):
+        worst = max(worst, (mine.grad - shard_sequence(reference.grad, n, rank, dim=2)).abs().max().item())
+    worst_all = torch.tensor([worst], device=device)
+    dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"cp.py self-check on {n} ranks ({backend}): largest difference from full causal attention "
+              f"(output, dQ, dK, dV, float64) = {worst_all.item():.3g}; blocks per rank: "
+              f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
+    dist.destroy_process_group()
+    if worst_all.item() > 1e-12:
+        raise SystemExit(f"rank {rank}: ring attention differs from full attention")
+
+
+if __name__ == "__main__":
+    _self_check()
