@@ -143,10 +143,13 @@ class DataParallel:
         optimizer.step()
     """
 
-    def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True):
+    def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.n_ranks = dist.get_world_size(group)
+        # Gradients are summed over the group, then divided by the number of ranks the loss is averaged
+        # over: the group's size, unless (experts) the group is only a part of them.
+        self.divide_by = divide_by or self.n_ranks
         self.sync = True
         self.reduce_every_backward = False  # ZeRO-2/3 reduce each micro-batch's gradients
         self.comm_bytes = Counter()  # bytes this rank sent, per collective kind
@@ -209,7 +212,7 @@ class DataParallel:
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", bucket.nbytes, self.n_ranks)
 
     def _complete(self, bucket):
-        bucket.grad.div_(self.n_ranks)
+        bucket.grad.div_(self.divide_by)
 
     def _wait(self, bucket):
         if bucket.work is not None:
@@ -344,7 +347,7 @@ class ZeRO(DataParallel):
             self._free_params(bucket)  # all its gradients have arrived: its backward is over
 
     def _complete(self, bucket):
-        bucket.reduced.div_(self.n_ranks)
+        bucket.reduced.div_(self.divide_by)
         if self.stage == 1:
             bucket.grad_shard.copy_(bucket.reduced)  # the full gradients already summed the micro-batches
         else:

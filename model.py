@@ -202,9 +202,9 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = self.loss_fn(logits, targets)
-        moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]
-        if moe_layers:
-            loss = loss + self.config.aux_loss_coef * sum(m.aux_loss for m in moe_layers)
+        aux_losses = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
+        if aux_losses:  # MoE layers (or their expert-parallel versions) set aux_loss in their forward
+            loss = loss + self.config.aux_loss_coef * sum(aux_losses)
         return logits, loss
 
     @torch.no_grad()

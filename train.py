@@ -19,7 +19,8 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from collections import Counter
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from data import load_data
 import cp
+import ep
 import pp
 import tp
 from dp import DataParallel, ZeRO, gpt_units
@@ -46,6 +48,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "tp": ("all_reduce", "all_gather", "reduce_scatter"),
     "pp": ("send_recv",),
     "cp": ("send_recv",),
+    "ep": ("all_to_all",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
@@ -88,6 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="an expert takes at most this x its fair share of a rank's tokens (0: dropless)")
     for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")]:
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
@@ -106,9 +111,15 @@ def parse_args(argv=None):
 
 def check_args(args, world):
     """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
-    if args.ep > 1:
-        raise ConfigError("--ep is not implemented yet in this repository; data (--zero 0-3), tensor "
-                          "(--tp, --sp), pipeline (--pp) and context (--cp) parallelism are")
+    if args.ep > 1 and not args.experts:
+        raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
+    if args.experts and args.experts % args.ep:
+        raise ConfigError(f"--experts {args.experts} do not divide over --ep {args.ep} ranks")
+    if args.experts and args.zero:
+        raise ConfigError("--zero with --experts is not supported yet: expert parameters would need a ZeRO "
+                          "instance of their own over the expert-gradient group")
+    if args.capacity_factor < 0 or (args.capacity_factor and not args.experts):
+        raise ConfigError("--capacity-factor must be positive and needs --experts")
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -121,16 +132,11 @@ def check_args(args, world):
     if args.batch_size % (args.micro_batches * n_data):
         raise ConfigError(f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
                           f"x {n_data} data ranks (a multiple of {args.micro_batches * n_data})")
-    if args.experts and shape.dp > 1:
-        raise ConfigError("--experts with data parallelism needs the load-balancing loss over all data ranks, "
-                          "which comes with expert parallelism (ep.py); run MoE on one rank for now")
     if args.experts and not 1 <= args.top_k <= args.experts:
         raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
     if args.seq_len % (2 * args.cp):
         raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
                           f"(each rank holds an early and a late chunk, for load balance)")
-    if args.cp > 1 and args.experts:
-        raise ConfigError("--cp with --experts: the load-balancing loss over every rank's tokens comes with ep.py")
     if args.sp and args.tp == 1:
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")
@@ -261,6 +267,28 @@ def to_cpu(state):
 # Training
 # ---------------------------------------------------------------------------
 
+class GradientSync:
+    """Several data-parallel gradient averagers (dense and expert parameters) driven as one."""
+
+    def __init__(self, syncs):
+        self.syncs = syncs
+
+    @contextmanager
+    def no_sync(self):
+        with ExitStack() as stack:
+            for sync in self.syncs:
+                stack.enter_context(sync.no_sync())
+            yield
+
+    def finish_grad_sync(self):
+        for sync in self.syncs:
+            sync.finish_grad_sync()
+
+    @property
+    def comm_bytes(self):
+        return sum((sync.comm_bytes for sync in self.syncs), Counter())
+
+
 class Trainer:
     """The model with its parallel dimensions applied, its optimizer, and one training step."""
 
@@ -285,7 +313,13 @@ class Trainer:
         if self.cp_size > 1:
             cp.apply_context_parallel(self.model, mesh.groups["cp"])
             self.positions = cp.zigzag_positions(args.seq_len, self.cp_size, mesh.index("cp"), device)
-        # 4. Pipeline parallelism: this rank keeps its stage's layers (V chunks with interleaving).
+        # 4. Expert parallelism: each rank keeps E/ep experts; tokens reach them by all-to-all. The
+        #    load-balancing statistics span every rank holding different tokens (the dense group).
+        self.moe_layers = []
+        if args.experts:
+            ep.apply_expert_parallel(self.model, mesh.groups["ep"], mesh.groups["dense"], args.capacity_factor)
+            self.moe_layers = [m for m in self.model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+        # 5. Pipeline parallelism: this rank keeps its stage's layers (V chunks with interleaving).
         self.pp_group, self.pp_size, self.chunks = mesh.groups["pp"], mesh.size("pp"), None
         if self.pp_size > 1:
             self.chunks = pp.apply_pipeline_parallel(self.model, self.pp_group, args.virtual_stages, self.positions)
@@ -294,7 +328,8 @@ class Trainer:
             micro = args.batch_size // (args.micro_batches * self.n_data())
             self.stage_shape = (micro, seq, self.model.config.d_model)
         self.params = list(self.model.parameters())
-        # 5. Data parallelism over the dense-gradient group: gradients averaged (ZeRO: sharded).
+        # 6. Data parallelism: dense gradients averaged over the dense-gradient group (ZeRO: sharded),
+        #    expert gradients over the expert-gradient group (divided by the dense group's size, see ep.py).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
         self.zero = None
         if args.zero:
@@ -302,7 +337,15 @@ class Trainer:
                              units=gpt_units(self.model) if args.zero == 3 else (), bucket_bytes=bucket_bytes)
             self.grad_sync, self.optimizer = self.zero, self.zero.optimizer
         else:
-            self.grad_sync = DataParallel(self.params, group, bucket_bytes) if mesh.size("dense") > 1 else None
+            named = list(self.model.named_parameters())
+            dense = [p for name, p in named if not ep.is_expert_parameter(name)]
+            experts = [p for name, p in named if ep.is_expert_parameter(name)]
+            syncs = []
+            if mesh.size("dense") > 1:
+                syncs.append(DataParallel(dense, group, bucket_bytes))
+            if experts and mesh.size("dense") > 1:
+                syncs.append(DataParallel(experts, mesh.groups["expert"], bucket_bytes, divide_by=mesh.size("dense")))
+            self.grad_sync = GradientSync(syncs) if syncs else None
             self.optimizer = make_optimizer(self.params, args)
         self.start_step = 0
         if checkpoint:
@@ -330,12 +373,14 @@ class Trainer:
         return tp.shard(full, dim, self.mesh.index("tp"), self.tp_size, n_chunks)
 
     def merge_stages(self, by_name):
-        """Every pipeline stage's {name: value}, merged (stages hold disjoint names)."""
-        if self.pp_size == 1:
-            return by_name
-        everyone = [None] * self.pp_size
-        dist.all_gather_object(everyone, by_name, group=self.pp_group)
-        return {name: value for stage in everyone for name, value in stage.items()}
+        """{name: value} merged over pipeline stages and expert-parallel ranks, which hold different names
+        (besides replicated ones, identical everywhere)."""
+        for group in ("pp", "ep"):
+            if self.mesh.size(group) > 1:
+                everyone = [None] * self.mesh.size(group)
+                dist.all_gather_object(everyone, by_name, group=self.mesh.groups[group])
+                by_name = {name: value for part in everyone for name, value in part.items()}
+        return by_name
 
     def full_state_dict(self):
         with self.zero.full_parameters() if self.zero else nullcontext():
@@ -382,6 +427,7 @@ class Trainer:
         self.meter.reset_peak()
         start = time.perf_counter()
         micro_batches = self.local_micro_batches(tokens)
+        self.routing = dict(tokens_per_expert=[[0] * args.experts for _ in self.moe_layers], dropped_tokens=0)
         pipeline = pp.PipelineStats()  # stays empty without pipeline parallelism
         if self.chunks:
             actions = pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, self.mesh.index("pp"),
@@ -394,6 +440,7 @@ class Trainer:
                 with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():  # reduce after the last
                     with self.forward_context():
                         _, loss = self.model(inputs, targets, pos=self.positions)
+                    self.count_routing()
                     (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
                 losses.append(loss.item())
         wait_start = time.perf_counter()
@@ -416,6 +463,12 @@ class Trainer:
         loss = sum(losses) / len(losses) if losses else math.nan  # only the last pipeline stage has a loss
         return self.rank_record(loss, elapsed - comm_wait, comm_wait, pipeline)
 
+    def count_routing(self):
+        """Add the last forward's tokens per expert (summed over all ranks already) to this step's."""
+        for total, layer in zip(self.routing["tokens_per_expert"], self.moe_layers):
+            total[:] = [a + b for a, b in zip(total, layer.tokens_per_expert)]
+            self.routing["dropped_tokens"] += layer.dropped
+
     @contextmanager
     def forward_context(self):
         """Around every forward: count the activations saved for backward; autocast to bf16 if asked."""
@@ -435,19 +488,22 @@ class Trainer:
         """Clip to the norm of the whole model's gradient, every element counted once.
 
         After synchronisation, data-parallel replicas hold identical gradients,
-        so one rank of the dense group sees every element. Under tensor
-        parallelism a sharded parameter's elements are spread over the tp
-        ranks and a replicated one is on each: weighting the replicated ones
-        1/tp and summing over the tp group counts every element once.
+        so one rank of the dense group sees every element it holds. Across the
+        tp, ep and pp groups ranks hold different parameters, or different
+        shards of them, plus copies of the replicated ones: summing over those
+        groups, with each replicated gradient weighted 1/copies, counts every
+        element once.
         """
         if self.zero:
             return self.zero.clip_grad_norm_(max_norm)
-        squares = sum(p.grad.to(torch.float64).square().sum() / (1 if name in self.tp_layouts else self.tp_size)
-                      for name, p in self.model.named_parameters())
-        if self.tp_size > 1:
-            dist.all_reduce(squares, group=self.tp_group)
-        if self.pp_size > 1:  # every stage holds different layers
-            dist.all_reduce(squares, group=self.pp_group)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.model.named_parameters():
+            copies = (1 if name in self.tp_layouts else self.tp_size) * \
+                     (1 if ep.is_expert_parameter(name) else self.mesh.size("ep"))
+            squares += p.grad.to(torch.float64).square().sum() / copies
+        for group in ("tp", "ep", "pp"):
+            if self.mesh.size(group) > 1:
+                dist.all_reduce(squares, group=self.mesh.groups[group])
         total_norm = squares.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
         return total_norm
@@ -455,7 +511,7 @@ class Trainer:
     def comm_counters(self):
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
         sources = {"dp": self.grad_sync.comm_bytes if self.grad_sync else {}, "tp": tp.comm_bytes,
-                   "pp": {"send_recv": self.pp_bytes_sent}, "cp": cp.comm_bytes}
+                   "pp": {"send_recv": self.pp_bytes_sent}, "cp": cp.comm_bytes, "ep": ep.comm_bytes}
         return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
                 for dim, kinds in COMM_KINDS.items() for kind in kinds}
 
@@ -540,6 +596,8 @@ def train(args):
         losses.append(loss)
         entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
                      tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
+        if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
+            entry.update(trainer.routing)
         if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
             entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages)
         last = step == end - 1

@@ -1,0 +1,234 @@
+"""Expert parallelism: the experts of a mixture-of-experts layer spread over ranks.
+
+A mixture-of-experts layer replaces the MLP by E expert MLPs and a router;
+each token goes to its top-k experts and comes back as the gate-weighted
+sum of their outputs (article: y = sum_i g_i(x) E_i(x), gates renormalised
+over the chosen experts, 0.60/0.35 -> 0.63/0.37). With expert parallelism
+each of the N ranks of an expert-parallel group holds E/N experts, and
+tokens travel to the rank that holds their expert with an all-to-all:
+
+1. route: softmax over the experts, top-k, renormalised gates (float32 or better);
+2. dispatch: sort the (token, choice) pairs by expert, tell every rank how
+   many tokens it will get for each of its experts (an all-to-all of counts),
+   then send the tokens (an all-to-all with uneven splits);
+3. compute: each local expert runs on the tokens it received (possibly none:
+   it still runs, on an empty batch, so its gradient is a well-defined zero);
+4. combine: the reverse all-to-all brings the outputs home, where they are
+   weighted by their gates and added into place.
+
+The all-to-all is an autograd function whose backward is the reverse
+all-to-all. Routing is dropless unless a capacity factor is given: then an
+expert takes at most capacity_factor * tokens * k / E of a rank's tokens, in
+token order, and the rest are dropped (their output is zero, the residual
+stream carries them) and counted.
+
+Load balance: the Switch Transformer loss E * sum_i f_i P_i, with f_i the
+fraction of token assignments that went to expert i and P_i its mean router
+probability, both over the whole micro-batch: the statistics are summed over
+every rank that holds different tokens, so the loss equals the single
+device's.
+
+Gradients: the router and everything outside the experts are averaged over
+the ranks holding different tokens, as in data parallelism. An expert sees
+tokens from all N ranks of its group, so summing its gradient over the
+expert-gradient group and dividing by the number of ranks the loss is
+averaged over (not by the group's size) gives the single device's gradient.
+
+Self-check: torchrun --nproc_per_node 4 ep.py
+"""
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
+
+
+def route(router_logits, top_k):
+    """(gates, experts, probs): top-k of the softmax, gates renormalised to sum to one."""
+    probs = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).softmax(-1)
+    top_probs, experts = probs.topk(top_k, dim=-1)
+    return top_probs / top_probs.sum(-1, keepdim=True), experts, probs
+
+
+def capacity_mask(experts, n_experts, capacity):
+    """Which (token, choice) assignments an expert keeps: the first `capacity` of each expert, in token order."""
+    flat = experts.flatten()
+    one_hot = F.one_hot(flat, n_experts)
+    rank_within_expert = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+    return (rank_within_expert < capacity).view_as(experts)
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of x, split by input_splits, go to the ranks of the group; backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x, output_splits, input_splits, group):
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    rank, row_bytes = dist.get_rank(group), x[0].numel() * x.element_size() if len(x) else 0
+    comm_bytes["all_to_all"] += sum(n for r, n in enumerate(input_splits) if r != rank) * row_bytes
+    return out
+
+
+class ExpertParallelMoE(nn.Module):
+    """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks with distinct tokens.
+
+    Made from a single-device MoE (`router`, `experts`, `top_k`): the router is
+    replicated, this rank keeps experts [r*E/N, (r+1)*E/N) under their global
+    indices, so parameter names match the single device's.
+    """
+
+    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0):
+        super().__init__()
+        self.n_experts, self.top_k = len(moe.experts), moe.top_k
+        n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.n_experts % n:
+            raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
+        self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
+        self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
+        self.router = moe.router
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
+        self.aux_loss = self.tokens_per_expert = None
+        self.dropped = 0
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        gates, experts, probs = route(self.router(tokens), self.top_k)
+        keep = torch.ones_like(experts, dtype=torch.bool)
+        if self.capacity_factor:
+            capacity = int(self.capacity_factor * len(tokens) * self.top_k / self.n_experts + 0.999999)
+            keep = capacity_mask(experts, self.n_experts, capacity)
+        self.aux_loss = self._load_balancing_loss(probs, experts, keep)
+        out = self._dispatch_compute_combine(tokens, gates, experts, keep)
+        return out.view_as(x)
+
+    def _load_balancing_loss(self, probs, experts, keep):
+        """This rank's share of E * sum_i f_i P_i over the whole micro-batch (see the module docstring).
+
+        f_i and the token count are summed over stats_group (no gradient flows
+        through them). Each rank contributes E * N * sum_i f_i * (sum of its own
+        p_ti) / T: averaged over the N ranks, as data parallelism averages the
+        losses, that is exactly E * sum_i f_i P_i, value and gradient.
+        """
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts).to(probs.dtype)
+        stats = torch.cat([counts, torch.tensor([len(probs), (~keep).sum()], dtype=probs.dtype, device=probs.device)])
+        dist.all_reduce(stats, group=self.stats_group)
+        counts, n_tokens, dropped = stats[:-2], stats[-2], stats[-1]
+        self.tokens_per_expert, self.dropped = counts.long().tolist(), int(dropped)
+        f = counts / (n_tokens * self.top_k)
+        n_ranks = dist.get_world_size(self.stats_group)
+        return self.n_experts * n_ranks * (f * probs.sum(0)).sum() / n_tokens
+
+    def _dispatch_compute_combine(self, tokens, gates, experts, keep):
+        n = dist.get_world_size(self.ep_group)
+        flat_experts = experts.flatten()[keep.flatten()]
+        assignment = torch.nonzero(keep.flatten()).squeeze(1)  # index into the (token, choice) pairs
+        order = torch.argsort(flat_experts, stable=True)        # grouped by expert, hence by owner rank
+        token_of, expert_of = assignment[order] // self.top_k, flat_experts[order]
+        send_counts = torch.bincount(expert_of, minlength=self.n_experts)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # per (source rank, local expert)
+        send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
+        recv_counts = recv_counts.view(n, self.per_rank)
+        received = AllToAll.apply(tokens[token_of], recv_counts.sum(1).tolist(), send_splits, self.ep_group)
+        # received rows are grouped by source rank, then by local expert: run each expert on its rows.
+        pieces = list(received.split(recv_counts.flatten().tolist()))
+        for e, expert in enumerate(self.experts.values()):
+            rows = [pieces[src * self.per_rank + e] for src in range(n)]
+            outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
+            for src in range(n):
+                pieces[src * self.per_rank + e] = outputs[src]
+        returned = AllToAll.apply(torch.cat(pieces), send_splits, recv_counts.sum(1).tolist(), self.ep_group)
+        weights = gates.flatten()[keep.flatten()][order].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_of, returned * weights.unsqueeze(1))
+
+
+def is_expert_parameter(name):
+    return ".experts." in name
+
+
+def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0):
+    """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here)."""
+    for block in model.blocks:
+        if hasattr(getattr(block, "mlp", None), "experts"):
+            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Self-check: torchrun --nproc_per_node 4 ep.py
+# ---------------------------------------------------------------------------
+
+class _ToyMoE(nn.Module):
+    """Router and experts, computed on one device for every token (the reference)."""
+
+    def __init__(self, d, n_experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                     for _ in range(n_experts))
+
+    def forward(self, tokens):
+        gates, experts, probs = route(self.router(tokens), self.top_k)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token_idx, choice = torch.where(experts == e)
+            out.index_add_(0, token_idx, expert(tokens[token_idx]) * gates[token_idx, choice, None])
+        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).to(probs.dtype)
+        aux = len(self.experts) * (counts / experts.numel() * probs.mean(0)).sum()
+        return out, aux
+
+
+def _self_check():
+    import copy
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    reference = _ToyMoE(8, 2 * n, 2).to(device, torch.float64)
+    g = torch.Generator().manual_seed(1)
+    tokens, grad = (torch.randn(n, 5, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
+    expected, expected_aux = reference(tokens.flatten(0, 1))
+    ((expected * grad.flatten(0, 1)).sum() + expected_aux).backward()
+    layer = ExpertParallelMoE(copy.deepcopy(reference), None, None)
+    for p in layer.parameters():
+        p.grad = None
+    out = layer(tokens[rank])
+    # Each rank holds 1/n of the tokens: its aux-loss term is n times too large on its own, averaged below.
+    ((out * grad[rank]).sum() + layer.aux_loss / n).backward()
+    dist.all_reduce(layer.router.weight.grad)  # the router is replicated: its gradient is summed over ranks
+    aux = layer.aux_loss.detach().clone()
+    dist.all_reduce(aux)
+    worst = max((out - expected.view(n, 5, 8)[rank]).abs().max().item(), (aux / n - expected_aux).abs().item(),
+                (layer.router.weight.grad - reference.router.weight.grad).abs().max().item())
+    for e, expert in layer.experts.items():
+        for p, ref in zip(expert.parameters(), reference.experts[int(e)].parameters()):
+            worst = max(worst, (p.grad - ref.grad).abs().max().item())
+    worst_all = torch.tensor([worst], device=device)
+    dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"ep.py self-check on {n} ranks ({backend}), {2 * n} experts, top-2: largest difference from one "
+              f"device (output, load-balancing loss, router and expert gradients, float64) = {worst_all.item():.3g}; "
+              f"tokens per expert {layer.tokens_per_expert}", flush=True)
+    dist.destroy_process_group()
+    if worst_all.item() > 1e-12:
+        raise SystemExit(f"rank {rank}: expert parallelism differs from the single device")
+
+
+if __name__ == "__main__":
+    _self_check()
