@@ -1,0 +1,162 @@
+"""Expert parallelism equals the single-device mixture of experts."""
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep
+import train
+from distributed import REPO, run_on_ranks, torchrun
+from model import MoE, GPTConfig
+from oracle import assert_matches_oracle, reference_run
+
+BASE = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
+        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
+        "--log-interval", "1000", "--experts", "4"]
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    cache = {}
+
+    def get(top_k):
+        if top_k not in cache:
+            cache[top_k] = reference_run([*BASE, "--top-k", str(top_k)])
+            assert min(cache[top_k]["grad_norms"]) > 0.05, "clipping must be active"
+        return cache[top_k]
+    return get
+
+
+def train_worker(argv):
+    return train.train(train.parse_args(argv))
+
+
+@pytest.mark.parametrize("world,ep_size,top_k", [(2, 2, 2), (4, 4, 2), (4, 2, 2), (2, 2, 1), (2, 1, 2)],
+                         ids=["ep2", "ep4", "ep2-dp2", "ep2-top1", "dp2-experts-replicated"])
+def test_expert_parallel_matches_single_device(tmp_path, oracles, world, ep_size, top_k):
+    argv = [*BASE, "--top-k", str(top_k), "--ep", str(ep_size), "--out", str(tmp_path)]
+    for result in run_on_ranks(world, train_worker, argv):
+        assert_matches_oracle(result, oracles(top_k))  # the loss includes the load-balancing loss
+
+
+# -- one layer, with a skewed router ------------------------------------------------------------
+
+D, E, TOKENS = 8, 4, 12
+
+
+def skewed_moe():
+    """A reference MoE whose router never picks experts 0 and 3 (their logit is -100 x feature 0 = -500)."""
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(d_model=D, n_head=1, d_ff=16, n_experts=E, top_k=2)).double()
+    with torch.no_grad():
+        moe.router.weight[[0, 3]] = 0.0
+        moe.router.weight[[0, 3], 0] = -100.0
+    return moe
+
+
+def local_tokens(rank):
+    x = torch.randn(2, TOKENS, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x[..., 0] = 5.0
+    return x[rank]
+
+
+def skewed_worker():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    reference = skewed_moe()
+    layer = ep.ExpertParallelMoE(copy.deepcopy(reference), None, None)
+    all_tokens = torch.stack([local_tokens(r) for r in range(n)])
+    grad = torch.randn_like(all_tokens, generator=torch.Generator().manual_seed(2))
+    expected = reference(all_tokens.flatten(0, 1))
+    ((expected * grad.flatten(0, 1)).sum() + reference.aux_loss).backward()
+
+    ep.comm_bytes.clear()
+    out = layer(local_tokens(rank).requires_grad_())  # in a model the tokens need gradients too
+    forward_bytes = ep.comm_bytes["all_to_all"]
+    # Each rank's aux term is N times its share (see ep.py): dividing by N here plays data parallelism's mean.
+    ((out * grad[rank]).sum() + layer.aux_loss / n).backward()
+    backward_bytes = ep.comm_bytes["all_to_all"] - forward_bytes
+    dist.all_reduce(layer.router.weight.grad)
+    aux = layer.aux_loss.detach().clone()
+    dist.all_reduce(aux)
+
+    _, experts, _ = ep.route(reference.router(local_tokens(rank)), 2)
+    owner = experts // (E // n)
+    routed_away = (owner != rank).sum()  # assignments whose expert lives on another rank
+    routed_here = routed_away.clone()  # with two ranks: the other rank's assignments to my experts
+    dist.all_reduce(routed_here)
+    routed_away, routed_here = routed_away.item(), routed_here.item() - routed_away.item()
+    errors = [(out - expected.view(n, TOKENS, D)[rank]).abs().max().item(), abs(aux.item() / n - reference.aux_loss.item()),
+              (layer.router.weight.grad - reference.router.weight.grad).abs().max().item()]
+    for e, expert in layer.experts.items():
+        for p, ref in zip(expert.parameters(), reference.experts[int(e)].parameters()):
+            ref_grad = torch.zeros_like(p) if ref.grad is None else ref.grad  # an unused expert gets no gradient
+            errors.append((p.grad - ref_grad).abs().max().item())
+    return dict(worst=max(errors), tokens_per_expert=layer.tokens_per_expert, my_experts=sorted(layer.experts),
+                forward_bytes=forward_bytes, backward_bytes=backward_bytes, routed_away=routed_away,
+                routed_here=routed_here)
+
+
+def test_skewed_router_with_idle_experts_still_matches():
+    results = run_on_ranks(2, skewed_worker)
+    for rank, r in enumerate(results):
+        assert r["worst"] < 1e-12
+        assert r["tokens_per_expert"][0] == r["tokens_per_expert"][3] == 0  # rank 0 and rank 1 each own an idle one
+        assert r["my_experts"] == [str(e) for e in range(rank * E // 2, (rank + 1) * E // 2)]  # E/ep experts each
+        # All-to-all traffic, D float64 values a row: forward, this rank sends its tokens bound for the other
+        # rank's experts (dispatch) and returns the other rank's tokens it computed (combine); backward sends
+        # their gradients the other way, the same volume.
+        expected = (r["routed_away"] + r["routed_here"]) * D * 8
+        assert r["forward_bytes"] == r["backward_bytes"] == expected
+        assert r["routed_away"] > 0
+
+
+def capacity_worker(capacity_factor):
+    """The expert-parallel layer with a capacity factor against the same rule applied on one device."""
+    rank = dist.get_rank()
+    reference = skewed_moe()
+    layer = ep.ExpertParallelMoE(copy.deepcopy(reference), None, None, capacity_factor=capacity_factor)
+    tokens = local_tokens(rank)
+    out = layer(tokens)
+    gates, experts, _ = ep.route(reference.router(tokens), 2)
+    capacity = -(-int(capacity_factor * TOKENS * 2) // E) if capacity_factor * TOKENS * 2 % E == 0 else \
+        int(capacity_factor * TOKENS * 2 / E) + 1
+    expected, kept = torch.zeros_like(tokens), {e: 0 for e in range(E)}
+    for t in range(TOKENS):  # first come, first served, in token order
+        for choice in range(2):
+            e = experts[t, choice].item()
+            if kept[e] < capacity:
+                kept[e] += 1
+                expected[t] += gates[t, choice] * reference.experts[e](tokens[t])
+    dropped_here = 2 * TOKENS - sum(kept.values())
+    dropped = torch.tensor([dropped_here])
+    dist.all_reduce(dropped)
+    return (out - expected).abs().max().item(), layer.dropped, dropped.item()
+
+
+def test_capacity_factor_drops_overflow_in_token_order():
+    for worst, logged, expected_dropped in run_on_ranks(2, capacity_worker, 0.75):
+        assert worst < 1e-12
+        assert logged == expected_dropped > 0  # two busy experts share all tokens: some must be dropped
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ep", "2", "--experts", "3"], "--experts 3 do not divide over --ep 2 ranks"),
+    (["--ep", "2", "--experts", "0"], "--ep spreads the experts of MoE layers: it needs --experts"),
+    (["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
+    (["--experts", "4", "--zero", "1"], "--zero with --experts is not supported yet"),
+])
+def test_refused_expert_flags(flags, message):
+    with pytest.raises(train.ConfigError) as refusal:
+        train.check_args(train.parse_args([*BASE, *flags]), 2)
+    assert message in str(refusal.value)
+
+
+def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
+    shutil.copy(os.path.join(REPO, "ep.py"), tmp_path)
+    out = torchrun(4, "ep.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if "ep.py self-check" in line)
+    assert float(line.split("= ")[1].split(";")[0]) < 1e-12
