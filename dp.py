@@ -363,10 +363,26 @@ class ZeRO(DataParallel):
 
     # -- optimizer step on the shards -----------------------------------------
 
-    def clip_grad_norm_(self, max_norm):
-        """Clip by the global gradient norm: every shard is disjoint, so each element counts once."""
-        squares = sum(g.to(torch.float64).square().sum() for g in self.grad_shards)
-        dist.all_reduce(squares, group=self.group)
+    def clip_grad_norm_(self, max_norm, weights=None, other_groups=()):
+        """Clip by the global gradient norm: the shards are disjoint, so each element counts once.
+
+        When the module is itself a shard of a larger model (tensor or pipeline
+        parallelism), the sum of squares is also summed over other_groups, with
+        each parameter's squares multiplied by weights[p] (1/copies for a
+        parameter that ranks of those groups hold a copy of).
+        """
+        squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_shard.device)
+        for bucket in self.buckets:
+            square = bucket.grad_shard.to(torch.float64).square()
+            if weights:  # per-element weights of this rank's shard, from the parameters' weights
+                flat = torch.zeros(bucket.padded, dtype=torch.float64, device=square.device)
+                for p in bucket.params:
+                    bucket.view(flat, p).fill_(weights.get(p, 1.0))
+                size = bucket.padded // self.n_ranks
+                square = square * flat[self.rank * size:(self.rank + 1) * size]
+            squares += square.sum()
+        for group in (self.group, *other_groups):
+            dist.all_reduce(squares, group=group)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), self.n_ranks)
         total_norm = squares.sqrt()
         scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_

@@ -162,6 +162,15 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def moe_aux_losses(module):
+    """The load-balancing losses the MoE layers under `module` set in their last forward.
+
+    Found by attribute, so an MoE layer that another file replaced (expert
+    parallelism) or wrapped (sequence parallelism) is found too.
+    """
+    return [m.aux_loss for m in module.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -202,8 +211,8 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = self.loss_fn(logits, targets)
-        aux_losses = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
-        if aux_losses:  # MoE layers (or their expert-parallel versions) set aux_loss in their forward
+        aux_losses = moe_aux_losses(self.blocks)
+        if aux_losses:
             loss = loss + self.config.aux_loss_coef * sum(aux_losses)
         return logits, loss
 

@@ -181,9 +181,13 @@ class _P2P:
 
 def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, device,
                  grad_sync=None, stats=None, debug=False, forward_context=nullcontext):
-    """Execute this rank's actions; returns the loss of each micro-batch on the last stage (else []).
+    """Execute this rank's actions; returns (losses, side_losses) as floats.
 
-    chunks: this rank's model chunks, callables x -> y (chunk c is model chunk c*P + rank).
+    losses: of each micro-batch, on the last stage (elsewhere []). side_losses:
+    of each (chunk, micro-batch) whose chunk returned one (an MoE layer's
+    load-balancing loss), on any stage: its gradient flows from where it is
+    computed, so no stage has to hold every stage's side losses.
+    chunks: this rank's model chunks, callables x -> y or (y, side_loss) (chunk c is model chunk c*P + rank).
     micro_batches: (inputs, targets) per micro-batch; the first stage reads inputs, the last targets.
     loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
     grad_sync: a data-parallel wrapper with no_sync(): gradients are reduced only during the last
@@ -195,7 +199,7 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
     stats = stats or PipelineStats()
     last_backward = {chunk: max(m for kind, c, m in actions if kind == "backward" and c == chunk)
                      for chunk in {c for kind, c, _ in actions if kind == "backward"}}
-    saved, losses, in_flight = {}, [], 0
+    saved, losses, side_losses, in_flight = {}, [], [], 0
     start = time.perf_counter()
     for kind, c, m in actions:
         model_chunk, n_model_chunks = c * n_stages + rank, len(chunks) * n_stages
@@ -208,26 +212,37 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
             stats.wait_s += compute - wait
             with forward_context():
                 y = chunks[c](x)
+                y, side = y if isinstance(y, tuple) else (y, None)
+                # What backward starts from: this micro-batch's share of the loss (the mean over micro-batches,
+                # as gradient accumulation does) on the last stage, the output elsewhere, plus any side loss.
+                roots = []
+                if side is not None:
+                    side_losses.append(side.detach())
+                    roots.append(side / len(micro_batches))
                 if last:
                     loss = loss_fn(y, micro_batches[m][1])
                     losses.append(loss.detach())
-                    y = loss / len(micro_batches)  # the mean over micro-batches, as gradient accumulation does
+                    roots.append(loss / len(micro_batches))
             stats.compute_s += time.perf_counter() - compute
             if not last:
                 p2p.send(y, p2p.next, FORWARD_TAG, what)
             if torch.is_grad_enabled():
-                saved[c, m] = (x, y)
+                saved[c, m] = (x, y if not last else None, roots)
                 in_flight += 1
                 stats.peak_in_flight = max(stats.peak_in_flight, in_flight)
         else:
-            x, y = saved.pop((c, m))
+            x, y, roots = saved.pop((c, m))
             wait = time.perf_counter()
-            grad = None if last else p2p.recv(p2p.next, BACKWARD_TAG, what)
+            if not last:
+                roots = [y, *roots]
+                grads = [p2p.recv(p2p.next, BACKWARD_TAG, what)] + [None] * (len(roots) - 1)
+            else:
+                grads = [None] * len(roots)
             compute = time.perf_counter()
             stats.wait_s += compute - wait
             reduce_now = grad_sync is None or m == last_backward[c]
             with nullcontext() if reduce_now else grad_sync.no_sync():
-                torch.autograd.backward(y, grad)
+                torch.autograd.backward(roots, grads)
             stats.compute_s += time.perf_counter() - compute
             in_flight -= 1
             if not first:
@@ -235,7 +250,7 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
     p2p.flush()
     stats.total_s += time.perf_counter() - start
     stats.bytes_sent += p2p.bytes_sent
-    return [loss.item() for loss in losses]
+    return [loss.item() for loss in losses], [side.item() for side in side_losses]
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +271,11 @@ class GPTChunk:
             x = m.tok_emb(x) + m.pos_emb(pos)
         for i in self.layers:
             x = m.blocks[i](x)
-        return m.lm_head(m.norm(x)) if self.last else x
+        y = m.lm_head(m.norm(x)) if self.last else x
+        # The load-balancing losses of this chunk's MoE layers (set by their forward) are its side loss.
+        aux = [mod.aux_loss for i in self.layers for mod in m.blocks[i].modules()
+               if isinstance(getattr(mod, "aux_loss", None), torch.Tensor)]
+        return (y, m.config.aux_loss_coef * sum(aux)) if aux else y
 
 
 def apply_pipeline_parallel(model, group, n_chunks=1, positions=None):
@@ -314,8 +333,8 @@ def _self_check():
         chunks = [nn.Sequential(*[layers[i] for i in ranges[c * n_stages + rank]]) for c in range(n_chunks)]
         stats = PipelineStats()
         actions = make_schedule(name, n_micro, n_stages, rank, n_chunks)
-        losses = run_schedule(actions, chunks, micro_batches, loss_fn, None, (batch, width), torch.float64, device,
-                              stats=stats)
+        losses, _ = run_schedule(actions, chunks, micro_batches, loss_fn, None, (batch, width), torch.float64,
+                                 device, stats=stats)
         worst = 0.0
         for c in range(n_chunks):
             for i in ranges[c * n_stages + rank]:

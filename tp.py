@@ -131,6 +131,33 @@ class GatherFromSequenceParallel(torch.autograd.Function):
         return reduce_scatter_sequence(grad, ctx.group), None
 
 
+class GatherReplicatedSequence(torch.autograd.Function):
+    """Around a region every rank computes identically (a mixture of experts' router): all-gather the
+    sequence forward; backward keep this rank's chunk, as every rank holds the same gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), 1)[dist.get_rank(ctx.group)], None
+
+
+class SplitSequence(torch.autograd.Function):
+    """Leaving such a region: keep this rank's chunk of the sequence forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
 class ScatterToSequenceParallel(torch.autograd.Function):
     """Leaving a tensor-parallel region: reduce-scatter the sequence forward, all-gather it backward."""
 
@@ -304,6 +331,27 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start, group):
 # Applying it to model.py's GPT (the only model knowledge in this file)
 # ---------------------------------------------------------------------------
 
+class SequenceParallelMoE(nn.Module):
+    """A mixture of experts under sequence parallelism: every rank routes the whole sequence (identically),
+    its experts' matrices split as column- then row-parallel; each rank keeps its chunk of the result."""
+
+    def __init__(self, moe, group):
+        super().__init__()
+        self.moe, self.group = moe, group
+
+    def forward(self, x):
+        full = GatherReplicatedSequence.apply(x, self.group)
+        return SplitSequence.apply(self.moe(full), self.group)
+
+
+def split_experts(moe, group):
+    """Split each expert's MLP like a dense one: its tokens are the same on every rank of the group."""
+    experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
+    for expert in experts:
+        expert.fc = ColumnParallelLinear(expert.fc, group)
+        expert.proj = RowParallelLinear(expert.proj, group)  # reduced before the gates weight it
+
+
 def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None):
     """Why a model cannot be split n_ranks ways (seq_len given: with sequence parallelism), or None."""
     for what, size in [("attention heads", n_head), ("MLP hidden size", d_ff), ("vocabulary", vocab_size),
@@ -320,8 +368,6 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
     problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.vocab_size, c.seq_len if sequence_parallel else None)
     if problem:
         raise ValueError(problem)
-    if c.n_experts:
-        raise ValueError("tensor parallelism inside MoE experts comes with expert parallelism (ep.py)")
     sp = sequence_parallel
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
     if sp:
@@ -329,8 +375,13 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
     for block in model.blocks:
         block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp, n_chunks=3)  # heads split within q, k, v
         block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
-        block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group, sp)
-        block.mlp.proj = RowParallelLinear(block.mlp.proj, group, sp)
+        if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts split
+            split_experts(block.mlp, group)
+            if sp:
+                block.mlp = SequenceParallelMoE(block.mlp, group)
+        else:
+            block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group, sp)
+            block.mlp.proj = RowParallelLinear(block.mlp.proj, group, sp)
         if sp:
             block.norm1 = SequenceParallelLayerNorm(block.norm1, group)
             block.norm2 = SequenceParallelLayerNorm(block.norm2, group)

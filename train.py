@@ -141,12 +141,6 @@ def check_args(args, world):
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")
     if args.tp > 1:
-        if args.experts:
-            raise ConfigError("--tp with --experts: tensor parallelism inside experts comes with expert "
-                              "parallelism (ep.py)")
-        if args.zero:
-            raise ConfigError("--zero with --tp is not supported yet: ZeRO's flat shards would mix "
-                              "tensor-sharded and replicated parameters in one global gradient norm")
         preset = PRESETS[args.model]
         vocab = padded_vocab(256 if args.data else preset["vocab_size"])
         problem = tp.check_tensor_parallel(args.tp, preset["n_head"], 4 * preset["d_model"], vocab,
@@ -166,8 +160,6 @@ def check_pipeline(args):
         raise ConfigError(f"--zero {args.zero} with --pp is not supported: ZeRO-2/3 reduce gradients in every "
                           f"backward, which a pipeline runs once per micro-batch and stage (M times the traffic, "
                           f"and ZeRO-3 would gather every stage's weights per micro-batch); use --zero 1")
-    if args.experts:
-        raise ConfigError("--pp with --experts: the load-balancing loss of every stage comes with ep.py")
     try:
         pp.make_schedule(args.schedule, args.micro_batches, args.pp, 0, args.virtual_stages)
         pp.split_layers(args.layers, args.pp * args.virtual_stages)
@@ -303,22 +295,23 @@ class Trainer:
         if checkpoint:
             self.model.load_state_dict(checkpoint["model"])
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        # 2. Tensor parallelism: weight matrices split over the tp group (Megatron), optionally the sequence too.
-        self.tp_group, self.tp_size, self.tp_layouts = mesh.groups["tp"], mesh.size("tp"), {}
-        if self.tp_size > 1:
-            tp.apply_tensor_parallel(self.model, self.tp_group, sequence_parallel=args.sp)
-            self.tp_layouts = tp.sharded_layouts(self.model)
-        # 3. Context parallelism: this rank holds a zigzag shard of the sequence; attention goes round a ring.
-        self.cp_size, self.positions = mesh.size("cp"), None
-        if self.cp_size > 1:
-            cp.apply_context_parallel(self.model, mesh.groups["cp"])
-            self.positions = cp.zigzag_positions(args.seq_len, self.cp_size, mesh.index("cp"), device)
-        # 4. Expert parallelism: each rank keeps E/ep experts; tokens reach them by all-to-all. The
+        # 2. Expert parallelism: each rank keeps E/ep experts; tokens reach them by all-to-all. The
         #    load-balancing statistics span every rank holding different tokens (the dense group).
         self.moe_layers = []
         if args.experts:
             ep.apply_expert_parallel(self.model, mesh.groups["ep"], mesh.groups["dense"], args.capacity_factor)
             self.moe_layers = [m for m in self.model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+        # 3. Tensor parallelism: weight matrices split over the tp group (Megatron), optionally the sequence
+        #    too; inside the experts just placed as well.
+        self.tp_group, self.tp_size, self.tp_layouts = mesh.groups["tp"], mesh.size("tp"), {}
+        if self.tp_size > 1:
+            tp.apply_tensor_parallel(self.model, self.tp_group, sequence_parallel=args.sp)
+            self.tp_layouts = tp.sharded_layouts(self.model)
+        # 4. Context parallelism: this rank holds a zigzag shard of the sequence; attention goes round a ring.
+        self.cp_size, self.positions = mesh.size("cp"), None
+        if self.cp_size > 1:
+            cp.apply_context_parallel(self.model, mesh.groups["cp"])
+            self.positions = cp.zigzag_positions(args.seq_len, self.cp_size, mesh.index("cp"), device)
         # 5. Pipeline parallelism: this rank keeps its stage's layers (V chunks with interleaving).
         self.pp_group, self.pp_size, self.chunks = mesh.groups["pp"], mesh.size("pp"), None
         if self.pp_size > 1:
@@ -390,19 +383,21 @@ class Trainer:
     def full_optimizer_state(self):
         """{parameter name: AdamW state}, as one device holds it (collectives under ZeRO, tp and pp)."""
         if self.zero:
-            return self.merge_stages(to_cpu(self.zero.full_optimizer_state()))
-        names = {p: name for name, p in self.model.named_parameters()}
-        return self.merge_stages(to_cpu({names[p]: {k: self.unshard(names[p], v) if k != "step" else v
-                                                    for k, v in state.items()}
-                                         for p, state in self.optimizer.state.items()}))
+            local = self.zero.full_optimizer_state()  # this rank's (tensor-sharded) parameters, by name
+        else:
+            names = {p: name for name, p in self.model.named_parameters()}
+            local = {names[p]: state for p, state in self.optimizer.state.items()}
+        return self.merge_stages(to_cpu({name: {k: v if k == "step" else self.unshard(name, v)
+                                                for k, v in state.items()} for name, state in local.items()}))
 
     def load_optimizer_state(self, by_name):
+        params = dict(self.model.named_parameters())
+        local = {name: {k: v if k == "step" else self.shard(name, v).to(params[name].device, params[name].dtype)
+                        for k, v in state.items()} for name, state in by_name.items() if name in params}
         if self.zero:
-            return self.zero.load_full_optimizer_state(by_name)
-        for name, p in self.model.named_parameters():
-            if name in by_name:
-                self.optimizer.state[p] = {k: v if k == "step" else self.shard(name, v).to(p.device, p.dtype)
-                                           for k, v in by_name[name].items()}
+            return self.zero.load_full_optimizer_state(local)
+        for name, state in local.items():
+            self.optimizer.state[params[name]] = state
 
     def checkpoint(self, step):
         """The consolidated checkpoint (every rank must call this; rank 0 writes it)."""
@@ -432,7 +427,9 @@ class Trainer:
         if self.chunks:
             actions = pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, self.mesh.index("pp"),
                                        args.virtual_stages)
-            losses = self.run_pipeline(actions, micro_batches, pipeline)
+            losses, side_losses = self.run_pipeline(actions, micro_batches, pipeline)
+            # This stage's share of the step's loss: the cross-entropy (last stage) and its layers' side losses.
+            contribution = (sum(losses) + sum(side_losses)) / args.micro_batches
         else:
             losses = []
             for m, (inputs, targets) in enumerate(micro_batches):
@@ -443,6 +440,7 @@ class Trainer:
                     self.count_routing()
                     (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
                 losses.append(loss.item())
+            contribution = sum(losses) / len(losses)
         wait_start = time.perf_counter()
         if self.grad_sync:
             self.grad_sync.finish_grad_sync()
@@ -460,8 +458,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        loss = sum(losses) / len(losses) if losses else math.nan  # only the last pipeline stage has a loss
-        return self.rank_record(loss, elapsed - comm_wait, comm_wait, pipeline)
+        return self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline)
 
     def count_routing(self):
         """Add the last forward's tokens per expert (summed over all ranks already) to this step's."""
@@ -476,7 +473,7 @@ class Trainer:
             yield
 
     def run_pipeline(self, actions, micro_batches, stats=None):
-        """Run a pipeline schedule on this rank's chunks; the last stage returns its micro-batch losses."""
+        """Run a pipeline schedule on this rank's chunks: (last stage's micro-batch losses, side losses)."""
         stats = stats or pp.PipelineStats()
         losses = pp.run_schedule(actions, self.chunks, micro_batches, self.model.loss_fn, self.pp_group,
                                  self.stage_shape, self.params[0].dtype, self.device, grad_sync=self.grad_sync,
@@ -494,19 +491,24 @@ class Trainer:
         groups, with each replicated gradient weighted 1/copies, counts every
         element once.
         """
+        weights = {p: 1 / self.copies(name) for name, p in self.model.named_parameters()}
+        other_groups = [self.mesh.groups[g] for g in ("tp", "ep", "pp") if self.mesh.size(g) > 1]
         if self.zero:
-            return self.zero.clip_grad_norm_(max_norm)
+            return self.zero.clip_grad_norm_(max_norm, weights, other_groups)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
-            copies = (1 if name in self.tp_layouts else self.tp_size) * \
-                     (1 if ep.is_expert_parameter(name) else self.mesh.size("ep"))
-            squares += p.grad.to(torch.float64).square().sum() / copies
-        for group in ("tp", "ep", "pp"):
-            if self.mesh.size(group) > 1:
-                dist.all_reduce(squares, group=self.mesh.groups[group])
+        for p in self.params:
+            squares += p.grad.to(torch.float64).square().sum() * weights[p]
+        for group in other_groups:
+            dist.all_reduce(squares, group=group)
         total_norm = squares.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
         return total_norm
+
+    def copies(self, name):
+        """How many ranks of the tp and ep groups hold a copy of parameter `name` (1: each holds its own)."""
+        tp_copies = 1 if name in self.tp_layouts else self.tp_size
+        ep_copies = 1 if ep.is_expert_parameter(name) else self.mesh.size("ep")
+        return tp_copies * ep_copies
 
     def comm_counters(self):
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
@@ -540,8 +542,8 @@ class Trainer:
             # The same micro-batches as training, so a pipeline sees the shapes it was built for.
             micro_batches = self.local_micro_batches(tokens)
             if self.chunks:
-                losses += self.run_pipeline(pp.forward_only(args.micro_batches, self.pp_size,
-                                                            self.mesh.index("pp"), args.virtual_stages), micro_batches)
+                actions = pp.forward_only(args.micro_batches, self.pp_size, self.mesh.index("pp"), args.virtual_stages)
+                losses += self.run_pipeline(actions, micro_batches)[0]
             else:
                 for inputs, targets in micro_batches:
                     with self.autocast:
@@ -591,8 +593,8 @@ def train(args):
         record = gather_records(trainer.train_step(step))
         step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
         wall += step_s
-        with_loss = [x for x in record["loss"] if not math.isnan(x)]  # pipelines: the last stage's ranks
-        loss = sum(with_loss) / len(with_loss)
+        # Each rank reported its stage's share of its data's loss: the mean over ranks, times the stages.
+        loss = args.pp * sum(record["loss"]) / world
         losses.append(loss)
         entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
                      tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
