@@ -331,17 +331,14 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start, group):
 # Applying it to model.py's GPT (the only model knowledge in this file)
 # ---------------------------------------------------------------------------
 
-class SequenceParallelMoE(nn.Module):
+def sequence_parallel_moe(moe, group):
     """A mixture of experts under sequence parallelism: every rank routes the whole sequence (identically),
-    its experts' matrices split as column- then row-parallel; each rank keeps its chunk of the result."""
+    its experts' matrices split as column- then row-parallel; each rank keeps its chunk of the result.
 
-    def __init__(self, moe, group):
-        super().__init__()
-        self.moe, self.group = moe, group
-
-    def forward(self, x):
-        full = GatherReplicatedSequence.apply(x, self.group)
-        return SplitSequence.apply(self.moe(full), self.group)
+    Done with forward hooks rather than a wrapper module, so parameter names stay the single device's.
+    """
+    moe.register_forward_pre_hook(lambda module, args: (GatherReplicatedSequence.apply(args[0], group),))
+    moe.register_forward_hook(lambda module, args, output: SplitSequence.apply(output, group))
 
 
 def split_experts(moe, group):
@@ -378,7 +375,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
         if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts split
             split_experts(block.mlp, group)
             if sp:
-                block.mlp = SequenceParallelMoE(block.mlp, group)
+                sequence_parallel_moe(block.mlp, group)
         else:
             block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group, sp)
             block.mlp.proj = RowParallelLinear(block.mlp.proj, group, sp)

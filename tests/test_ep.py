@@ -34,10 +34,12 @@ def train_worker(argv):
     return train.train(train.parse_args(argv))
 
 
-@pytest.mark.parametrize("world,ep_size,top_k", [(2, 2, 2), (4, 4, 2), (4, 2, 2), (2, 2, 1), (2, 1, 2)],
-                         ids=["ep2", "ep4", "ep2-dp2", "ep2-top1", "dp2-experts-replicated"])
-def test_expert_parallel_matches_single_device(tmp_path, oracles, world, ep_size, top_k):
-    argv = [*BASE, "--top-k", str(top_k), "--ep", str(ep_size), "--out", str(tmp_path)]
+@pytest.mark.parametrize("world,ep_size,top_k,extra", [
+    (2, 2, 2, []), (4, 4, 2, []), (4, 2, 2, []), (2, 2, 1, []), (2, 1, 2, []),
+    (4, 2, 2, ["--tp", "2"]), (2, 1, 2, ["--tp", "2", "--sp"]),
+], ids=["ep2", "ep4", "ep2-dp2", "ep2-top1", "dp2-experts-replicated", "ep2-tp2-experts-split", "tp2-sp-experts"])
+def test_expert_parallel_matches_single_device(tmp_path, oracles, world, ep_size, top_k, extra):
+    argv = [*BASE, "--top-k", str(top_k), "--ep", str(ep_size), *extra, "--out", str(tmp_path)]
     for result in run_on_ranks(world, train_worker, argv):
         assert_matches_oracle(result, oracles(top_k))  # the loss includes the load-balancing loss
 

@@ -1,0 +1,250 @@
+"""The benchmark: the ten configurations of the seed table, and each dimension against PyTorch's built-in.
+
+    python bench.py            # everything, about twenty minutes on 2 CPU cores
+    python bench.py --quick    # the same on a tiny model, a few minutes
+    python plot.py             # figures and results/results.md from what this wrote
+
+Part 1 runs train.py under torchrun for each configuration (one model, one
+global batch, so every row trains on the same tokens) and summarises its
+log: steady-state throughput (steps after the first few, validation
+excluded), final validation loss, per-rank memory, bytes per dimension, and
+where the time went (compute, waiting on communication, pipeline bubble).
+Each configuration is also set against the compute-bound ceiling: the
+single-rank throughput times min(ranks, cores).
+
+Part 2 times this repository's implementation of a dimension and the
+PyTorch built-in that does the same job, alternately, in the same processes,
+on the same model and data: dp.py against DistributedDataParallel, ZeRO-3
+against FSDP2's fully_shard, tp.py against DTensor's parallelize_module,
+pp.py's 1F1B and GPipe against torch.distributed.pipelining. Each reports
+the median step time of both, their ratio, and the largest difference of
+their losses (they compute the same thing).
+
+Everything is written to results/: runs/<name>/ (train.py's logs),
+summary.json, comparisons.json, machine.json.
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+# The seed table's rows: (run name, ranks, flags, what it demonstrates). dp is what the others leave.
+CONFIGS = [
+    ("gpu1_tp1_pp1_cp1_ep1", 1, [], "DP=1 baseline"),
+    ("gpu2_tp1_pp1_cp1_ep1", 2, [], "DP=2"),
+    ("gpu4_tp1_pp1_cp1_ep1", 4, [], "DP=4"),
+    ("gpu8_tp1_pp1_cp1_ep1", 8, [], "DP=8"),
+    ("gpu8_tp2_pp1_cp1_ep1", 8, ["--tp", "2"], "TP=2, DP=4"),
+    ("gpu8_tp1_pp2_cp1_ep1", 8, ["--pp", "2"], "PP=2, DP=4"),
+    ("gpu8_tp1_pp1_cp2_ep1", 8, ["--cp", "2"], "CP=2, DP=4"),
+    ("gpu8_tp1_pp1_cp1_ep4", 8, ["--ep", "4", "--experts", "8"], "EP=4, DP=2"),
+    ("gpu8_tp2_pp2_cp1_ep2", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "8"], "TP=2, PP=2, EP=2"),
+    ("gpu8_tp2_pp1_cp2_ep1", 8, ["--tp", "2", "--cp", "2"], "TP=2, CP=2, DP=2"),
+]
+FULL = dict(model="small", batch_size=32, micro_batches=4, steps=60, eval_interval=20, skip=5, reps=5)
+QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, reps=3)
+
+
+def torchrun(n_ranks, *argv, timeout=1800):
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread a rank: ranks share the cores
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n_ranks), *argv]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+# ---------------------------------------------------------------------------
+# Part 1: the table
+# ---------------------------------------------------------------------------
+
+def run_table(settings, out, names=None):
+    runs = os.path.join(out, "runs")
+    for name, world, flags, _ in CONFIGS:
+        if names and name not in names:
+            continue
+        print(f"bench: {name} ({world} ranks)", flush=True)
+        torchrun(world, "train.py", "--model", settings["model"], "--batch-size", str(settings["batch_size"]),
+                 "--micro-batches", str(settings["micro_batches"]), "--steps", str(settings["steps"]),
+                 "--eval-interval", str(settings["eval_interval"]), "--out", runs, "--name", name, *flags)
+
+
+def read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarise(out, settings, cores):
+    """One summary per configuration, from its log; efficiency against the compute-bound ceiling."""
+    rows = []
+    for name, world, flags, what in CONFIGS:
+        path = os.path.join(out, "runs", name, "log.jsonl")
+        if not os.path.exists(path):
+            continue
+        log = read_log(path)
+        steady = log[settings["skip"]:] or log
+        step_s = sum(e["step_s"] for e in steady)
+        tokens = sum(e["tokens_per_s"] * e["step_s"] for e in steady)
+        mean = lambda key: statistics.mean(statistics.mean(e[key]) for e in steady)  # noqa: E731 (over steps, ranks)
+        comm = {}
+        for key in steady[0]:
+            if key.startswith("comm_") and key.endswith("_bytes"):
+                dim = key.split("_")[1]
+                comm[dim] = comm.get(dim, 0) + mean(key) * world  # all ranks, per step
+        val = [e["val_loss"] for e in log if "val_loss" in e]
+        rows.append(dict(
+            name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=tokens / step_s,
+            final_val_loss=val[-1] if val else None, final_loss=log[-1]["loss"],
+            param_bytes=max(log[-1]["param_bytes"]), grad_bytes=max(log[-1]["grad_bytes"]),
+            optim_bytes=max(log[-1]["optim_bytes"]), activation_bytes=max(log[-1]["activation_peak_bytes"]),
+            comm_bytes_per_step=comm, compute_s=mean("compute_s"), comm_wait_s=mean("comm_wait_s"),
+            bubble=mean("pp_bubble") if "pp_bubble_formula" in log[-1] else None,
+            bubble_formula=log[-1].get("pp_bubble_formula"), step_s=step_s / len(steady)))
+    base = next((r["tokens_per_s"] for r in rows if r["world"] == 1), None)
+    for r in rows:
+        r["ceiling_tokens_per_s"] = base * min(r["world"], cores) if base else None
+        r["efficiency"] = r["tokens_per_s"] / r["ceiling_tokens_per_s"] if base else None
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Part 2: side by side with PyTorch's built-ins (run under torchrun: bench.py --worker NAME)
+# ---------------------------------------------------------------------------
+
+def _gpt(settings, seed=0):
+    import torch
+    import train
+    args = train.parse_args(["--model", settings["model"]])
+    config = train.model_config(args, train.PRESETS[settings["model"]]["vocab_size"])
+    return train.build_model(config, seed, torch.float32, torch.device("cpu")), args
+
+
+def _batches(settings, args, n, rank, world):
+    from data import MarkovLanguage
+    import train
+    data = MarkovLanguage(train.PRESETS[settings["model"]]["vocab_size"])
+    for step in range(n):
+        tokens = data.batch("train", step, settings["batch_size"], args.seq_len)
+        yield next(train.local_micro_batches(tokens, 1, world, rank))
+
+
+def _alternate(settings, ours, theirs):
+    """Time `reps` rounds of (k steps of ours, k steps of theirs); medians, ratio, largest loss difference."""
+    import torch.distributed as dist
+    times = {"ours": [], "builtin": []}
+    losses = {"ours": [], "builtin": []}
+    for rep in range(settings["reps"] + 1):  # the first round warms up and is not timed
+        for key, step in (("ours", ours), ("builtin", theirs)):
+            dist.barrier()
+            start = time.perf_counter()
+            for i in range(settings["k"]):
+                loss = step(rep * settings["k"] + i)
+                losses[key].append(loss)
+            dist.barrier()
+            if rep:
+                times[key].append((time.perf_counter() - start) / settings["k"])
+    med = {key: statistics.median(v) for key, v in times.items()}
+    return dict(ours_step_s=med["ours"], builtin_step_s=med["builtin"], ratio=med["ours"] / med["builtin"],
+                max_loss_difference=max(abs(a - b) for a, b in zip(losses["ours"], losses["builtin"])))
+
+
+def _sgd_step(model, optimizer, inputs, targets, sync=None):
+    _, loss = model(inputs, targets)
+    loss.backward()
+    if sync:
+        sync()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return loss.item()
+
+
+def worker_ddp(settings):
+    """dp.py's DataParallel against torch.nn.parallel.DistributedDataParallel."""
+    import torch
+    import torch.distributed as dist
+    from dp import DataParallel
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, args = _gpt(settings)
+    theirs = copy.deepcopy(ours)
+    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], rank, world))
+    sync = DataParallel(ours.parameters())
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs)
+    opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
+    return _alternate(settings, lambda i: _sgd_step(ours, opt_ours, *data[i], sync.finish_grad_sync),
+                      lambda i: _sgd_step(ddp, opt_theirs, *data[i]))
+
+
+WORKERS = {"ddp": (2, worker_ddp)}
+
+
+def run_worker(name, settings_json):
+    import torch.distributed as dist
+    settings = json.loads(settings_json)
+    dist.init_process_group("gloo")
+    result = WORKERS[name][1](settings)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def run_comparisons(settings, out, names=None):
+    results = {}
+    for name, (world, _) in WORKERS.items():
+        if names and name not in names:
+            continue
+        print(f"bench: {name} against the built-in ({world} ranks)", flush=True)
+        stdout = torchrun(world, "bench.py", "--worker", name, "--settings", json.dumps(settings))
+        results[name] = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return results
+
+
+# ---------------------------------------------------------------------------
+
+def machine():
+    import torch
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cores=os.cpu_count(), torch=torch.__version__,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a few minutes")
+    p.add_argument("--out", default=os.path.join(REPO, "results"))
+    p.add_argument("--only", nargs="*", help="run only these configurations / comparisons")
+    p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--settings", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return run_worker(args.worker, args.settings)
+    settings = dict(QUICK if args.quick else FULL, k=3 if args.quick else 5)
+    if args.model:
+        settings["model"] = args.model
+    os.makedirs(args.out, exist_ok=True)
+    info = machine()
+    with open(os.path.join(args.out, "machine.json"), "w") as f:
+        json.dump(dict(info, settings=settings), f, indent=2)
+    run_table(settings, args.out, args.only)
+    rows = summarise(args.out, settings, info["cores"])
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    comparisons = run_comparisons(settings, args.out, args.only)
+    with open(os.path.join(args.out, "comparisons.json"), "w") as f:
+        json.dump(comparisons, f, indent=2)
+    for r in rows:
+        print(f"{r['name']:24s} {r['tokens_per_s']:10,.0f} tok/s  efficiency {r['efficiency']:.0%}  "
+              f"val {r['final_val_loss']:.4f}")
+    for name, c in comparisons.items():
+        print(f"{name:8s} ours/built-in step time {c['ratio']:.2f}  loss difference {c['max_loss_difference']:.2g}")
+
+
+if __name__ == "__main__":
+    main()

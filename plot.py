@@ -1,0 +1,183 @@
+"""Figures and the results table from what bench.py wrote to results/.
+
+    python plot.py [--results results]
+
+Writes results/throughput.png, loss.png, memory.png, communication.png,
+bubble.png, experts.png and results/results.md (the seed table's columns,
+plus memory, communication and efficiency, and the comparisons with
+PyTorch's built-ins).
+"""
+import argparse
+import json
+import os
+
+import matplotlib
+matplotlib.use("Agg")  # files only, no screen
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def load(results):
+    with open(os.path.join(results, "summary.json")) as f:
+        rows = json.load(f)
+    logs = {}
+    for r in rows:
+        with open(os.path.join(results, "runs", r["name"], "log.jsonl")) as f:
+            logs[r["name"]] = [json.loads(line) for line in f]
+    with open(os.path.join(results, "runs", rows[0]["name"], "config.json")) as f:
+        floor = json.load(f)["entropy_floor"]
+    comparisons = {}
+    if os.path.exists(os.path.join(results, "comparisons.json")):
+        with open(os.path.join(results, "comparisons.json")) as f:
+            comparisons = json.load(f)
+    with open(os.path.join(results, "machine.json")) as f:
+        machine = json.load(f)
+    return rows, logs, floor, comparisons, machine
+
+
+def short(name):
+    return name.replace("_pp1", "").replace("_cp1", "").replace("_tp1", "").replace("_ep1", "")
+
+
+def save(fig, results, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(results, name), dpi=110)
+    plt.close(fig)
+
+
+def throughput(rows, results):
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = np.arange(len(rows))
+    ax.bar(x, [r["tokens_per_s"] for r in rows], color="tab:blue", label="measured")
+    ax.scatter(x, [r["ceiling_tokens_per_s"] for r in rows], color="black", marker="_", s=400,
+               label="compute-bound ceiling: 1-rank throughput x min(ranks, cores)")
+    ax.set_xticks(x, [short(r["name"]) for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("tokens / s (steady state)")
+    ax.set_title("Throughput per configuration")
+    ax.legend()
+    save(fig, results, "throughput.png")
+
+
+def losses(rows, logs, floor, results):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in rows:
+        log = logs[r["name"]]
+        axes[0].plot([e["step"] for e in log], [e["loss"] for e in log], label=short(r["name"]), lw=1)
+        val = [(e["step"], e["val_loss"]) for e in log if "val_loss" in e]
+        axes[1].plot(*zip(*val), marker="o", label=short(r["name"]), lw=1)
+    for ax, title in zip(axes, ("training loss", "validation loss")):
+        if floor:
+            ax.axhline(floor, color="black", ls="--", label=f"entropy floor {floor:.3f}")
+        ax.set_xlabel("step")
+        ax.set_title(title)
+    axes[1].legend(fontsize=7)
+    save(fig, results, "loss.png")
+
+
+def memory(rows, results):
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for key, label in [("param_bytes", "parameters"), ("grad_bytes", "gradients"),
+                       ("optim_bytes", "optimizer state"), ("activation_bytes", "activations (peak)")]:
+        values = np.array([r[key] for r in rows]) / 2**20
+        ax.bar(x, values, bottom=bottom, label=label)
+        bottom += values
+    ax.set_xticks(x, [short(r["name"]) for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("MiB on the busiest rank")
+    ax.set_title("Memory per rank, counted from tensors")
+    ax.legend()
+    save(fig, results, "memory.png")
+
+
+def communication(rows, results):
+    dims = sorted({d for r in rows for d in r["comm_bytes_per_step"]})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for dim in dims:
+        values = np.array([r["comm_bytes_per_step"].get(dim, 0) for r in rows]) / 2**20
+        ax.bar(x, values, bottom=bottom, label=dim)
+        bottom += values
+    ax.set_xticks(x, [short(r["name"]) for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("MiB sent per step, all ranks")
+    ax.set_title("Communication per dimension")
+    ax.legend()
+    save(fig, results, "communication.png")
+
+
+def bubble(rows, logs, results):
+    pipelined = [r for r in rows if r["bubble_formula"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(pipelined):
+        per_rank = np.mean([e["pp_bubble"] for e in logs[r["name"]][1:]], axis=0)
+        ax.scatter([i] * len(per_rank), per_rank, label=f"{short(r['name'])}: measured, per rank")
+        ax.scatter([i], [r["bubble_formula"]], marker="x", color="black", s=80)
+    ax.set_xticks(range(len(pipelined)), [short(r["name"]) for r in pipelined])
+    ax.set_ylabel("idle fraction of a step")
+    ax.set_title("Pipeline bubble: measured (dots) and (P-1)/(V*M+P-1) (cross)")
+    ax.legend(fontsize=7)
+    save(fig, results, "bubble.png")
+
+
+def experts(rows, logs, results):
+    moe = [r for r in rows if "tokens_per_expert" in logs[r["name"]][-1]]
+    fig, axes = plt.subplots(1, max(len(moe), 1), figsize=(6 * max(len(moe), 1), 4), squeeze=False)
+    for ax, r in zip(axes[0], moe):
+        counts = np.array(logs[r["name"]][-1]["tokens_per_expert"])  # (layers, experts), last step
+        for layer, row in enumerate(counts):
+            ax.bar(np.arange(len(row)) + layer * 0.8 / len(counts), row, width=0.8 / len(counts),
+                   label=f"layer {layer}")
+        ax.axhline(counts.sum(1).mean() / counts.shape[1], color="black", ls="--", label="balanced")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("tokens routed (last step)")
+        ax.set_title(short(r["name"]))
+        ax.legend(fontsize=7)
+    save(fig, results, "experts.png")
+
+
+def table(rows, comparisons, machine, results):
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    lines = [f"Measured on {machine['processor']}, {machine['cores']} cores, torch {machine['torch']}"
+             f"{', ' + machine['gpu'] if machine.get('gpu') else ' (CPU, gloo)'}; model `{machine['settings']['model']}`, "
+             f"global batch {machine['settings']['batch_size']} sequences, {machine['settings']['steps']} steps.", "",
+             "| Run | Parallelism | Avg Tok/Sec | Final Val Loss | Efficiency | Params / Grads / Optim / Activations (MiB, busiest rank) "
+             "| Sent per step (MiB) | Compute / wait (s per step) | Bubble (measured / formula) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        comm = ", ".join(f"{d} {v / 2**20:.2f}" for d, v in r["comm_bytes_per_step"].items() if v) or "none"
+        bubble_cell = f"{r['bubble']:.2f} / {r['bubble_formula']:.2f}" if r["bubble"] is not None else ""
+        val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else ""
+        lines.append(f"| {r['name']} | {r['demonstrates']} | {r['tokens_per_s']:,.0f} | {val} | {r['efficiency']:.0%} "
+                     f"| {mib(r['param_bytes'])} / {mib(r['grad_bytes'])} / {mib(r['optim_bytes'])} / "
+                     f"{mib(r['activation_bytes'])} | {comm} | {r['compute_s']:.3f} / {r['comm_wait_s']:.3f} "
+                     f"| {bubble_cell} |")
+    if comparisons:
+        lines += ["", "| This repository | PyTorch built-in | Ours (s/step) | Built-in (s/step) | Ours / built-in "
+                      "| Largest loss difference |", "|---|---|---|---|---|---|"]
+        names = {"ddp": ("dp.py DataParallel", "DistributedDataParallel")}
+        for key, c in comparisons.items():
+            ours, theirs = names.get(key, (key, "built-in"))
+            lines.append(f"| {ours} | {theirs} | {c['ours_step_s']:.4f} | {c['builtin_step_s']:.4f} | {c['ratio']:.2f} "
+                         f"| {c['max_loss_difference']:.2g} |")
+    with open(os.path.join(results, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    results = p.parse_args().results
+    rows, logs, floor, comparisons, machine = load(results)
+    throughput(rows, results)
+    losses(rows, logs, floor, results)
+    memory(rows, results)
+    communication(rows, results)
+    bubble(rows, logs, results)
+    experts(rows, logs, results)
+    table(rows, comparisons, machine, results)
+    print(f"plot.py: figures and results.md written to {results}")
+
+
+if __name__ == "__main__":
+    main()

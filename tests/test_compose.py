@@ -1,0 +1,113 @@
+"""All five dimensions composed: the benchmark table's configurations, 16 and 32 ranks, resharding, refusals."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from distributed import REPO, run_on_ranks
+from oracle import assert_matches_oracle, reference_run
+
+# 4 layers (so 2 stages x ... split), clipping at 0.05 (active every step), two steps.
+BASE = ["--model", "tiny", "--layers", "4", "--steps", "2", "--batch-size", "16", "--micro-batches", "2",
+        "--lr", "1e-2", "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
+        "--log-interval", "1000"]
+MOE = ["--experts", "4", "--top-k", "2"]
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    cache = {}
+
+    def get(extra):
+        key = tuple(extra)
+        if key not in cache:
+            cache[key] = reference_run([*BASE, *extra])
+            assert min(cache[key]["grad_norms"]) > 0.05, "clipping must be active"
+        return cache[key]
+    return get
+
+
+def train_worker(argv):
+    return train.train(train.parse_args(argv))
+
+
+def check(tmp_path, oracles, world, flags, model=(), timeout=300):
+    results = run_on_ranks(world, train_worker, [*BASE, *model, *flags, "--out", str(tmp_path)], timeout=timeout)
+    for result in results:
+        assert_matches_oracle(result, oracles(list(model)))
+
+
+# The ten rows of ../shared/reference/benchmark-table.txt (gpuN_tpX_ppY_cpZ_epW, dp the rest);
+# the expert-parallel rows train a mixture of experts.
+TABLE = [
+    (1, [], ()), (2, [], ()), (4, [], ()), (8, [], ()),
+    (8, ["--tp", "2"], ()), (8, ["--pp", "2"], ()), (8, ["--cp", "2"], ()),
+    (8, ["--ep", "4"], MOE), (8, ["--tp", "2", "--pp", "2", "--ep", "2"], MOE), (8, ["--tp", "2", "--cp", "2"], ()),
+]
+
+
+@pytest.mark.parametrize("world,flags,model", TABLE,
+                         ids=[f"gpu{w}_" + "_".join(f[i][2:] + f[i + 1] for i in range(0, len(f), 2)) for w, f, _ in TABLE])
+def test_benchmark_table_configurations(tmp_path, oracles, world, flags, model):
+    check(tmp_path, oracles, world, flags, model)
+
+
+def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path, oracles):
+    check(tmp_path, oracles, 16, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"], MOE, timeout=600)
+
+
+def test_all_five_dimensions_on_32_ranks(tmp_path, oracles):
+    """dp=2 tp=2 pp=2 cp=2 ep=2: every dimension above one in the same run."""
+    check(tmp_path, oracles, 32, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"], MOE, timeout=900)
+
+
+@pytest.mark.parametrize("flags", [["--zero", "1", "--tp", "2"], ["--zero", "3", "--tp", "2", "--sp"],
+                                   ["--zero", "1", "--tp", "2", "--pp", "2"]], ids=lambda f: " ".join(f))
+def test_zero_with_tensor_parallel(tmp_path, oracles, flags):
+    world = 8 if "--pp" in flags else 4
+    check(tmp_path, oracles, world, flags)
+
+
+def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path, oracles):
+    argv = [*BASE, *MOE, "--steps", "4"]
+    first = run_on_ranks(8, train_worker, [*argv, "--tp", "2", "--pp", "2", "--ep", "2", "--stop-at", "2",
+                                           "--out", str(tmp_path / "a")], timeout=300)
+    checkpoint = tmp_path / "a" / "gpu8_tp2_pp2_cp1_ep2" / "checkpoint.pt"
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["step"] == 2 and set(saved["model"]) == set(oracles(MOE)["state_dict"])  # model.py's layout
+    second = run_on_ranks(8, train_worker, [*argv, "--resume", str(checkpoint), "--out", str(tmp_path / "b")],
+                          timeout=300)
+    for result in second:
+        assert_matches_oracle(dict(losses=first[0]["losses"] + result["losses"], state_dict=result["state_dict"]),
+                              reference_run(argv))
+
+
+# Every combination train.py refuses, launched for real: each rank prints why, and the launch ends promptly.
+REFUSED = [
+    (["--zero", "2", "--pp", "2"], "--zero 2 with --pp is not supported"),
+    (["--zero", "3", "--pp", "2"], "--zero 3 with --pp is not supported"),
+    (["--zero", "1", *MOE], "--zero with --experts is not supported yet"),
+    (["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
+    (["--ep", "2"], "--ep spreads the experts of MoE layers: it needs --experts"),
+    (["--schedule", "interleaved"], "--schedule interleaved and --virtual-stages need pipeline parallelism"),
+    (["--cp", "2", "--seq-len", "6"], "--cp 2: --seq-len 6 must divide into 2 x 2 chunks"),
+    (["--tp", "4"], "world size 2 is not divisible by tp*pp*cp*ep = 4*1*1*1 = 4"),
+]
+
+
+def test_every_refused_combination_fails_fast_on_every_rank(tmp_path):
+    launches = []
+    for i, (flags, message) in enumerate(REFUSED):  # all at once: they only parse flags and exit
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "train.py", "--model", "tiny", "--out", str(tmp_path / str(i)), *flags]
+        launches.append((subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}), message))
+    for process, message in launches:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode != 0
+        for rank in range(2):
+            assert f"[rank {rank}] train.py: error: {message}" in stderr, stderr[-2000:]
+    assert not any(p.is_file() for p in tmp_path.rglob("*")), "a refused launch writes nothing"
