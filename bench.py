@@ -181,7 +181,130 @@ def worker_ddp(settings):
                       lambda i: _sgd_step(ddp, opt_theirs, *data[i]))
 
 
-WORKERS = {"ddp": (2, worker_ddp)}
+def _zero_step(model, zero, inputs, targets):
+    _, loss = model(inputs, targets)
+    loss.backward()
+    zero.finish_grad_sync()
+    zero.step()
+    zero.zero_grad()
+    return loss.item()
+
+
+def worker_fsdp(settings):
+    """dp.py's ZeRO-3 against FSDP2's fully_shard, one unit per block (and the rest)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from dp import ZeRO, gpt_units
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, args = _gpt(settings)
+    theirs = copy.deepcopy(ours)
+    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], rank, world))
+    zero = ZeRO(ours, None, 3, lambda shards: torch.optim.AdamW(shards, lr=1e-3), units=gpt_units(ours))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+    return _alternate(settings, lambda i: _zero_step(ours, zero, *data[i]),
+                      lambda i: _sgd_step(theirs, opt_theirs, *data[i]))
+
+
+def worker_tp(settings):
+    """tp.py's column/row-parallel blocks against DTensor's parallelize_module with the same plan."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import tp
+    world = dist.get_world_size()
+    ours, args = _gpt(settings)
+    theirs = copy.deepcopy(ours)
+    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], 0, 1))  # tp ranks share data
+    for block in ours.blocks:
+        block.attn.qkv = tp.ColumnParallelLinear(block.attn.qkv, None, n_chunks=3)
+        block.attn.proj = tp.RowParallelLinear(block.attn.proj, None)
+        block.mlp.fc = tp.ColumnParallelLinear(block.mlp.fc, None)
+        block.mlp.proj = tp.RowParallelLinear(block.mlp.proj, None)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in theirs.blocks:
+        # ColwiseParallel splits the output features contiguously: lay each rank's q, k and v heads side by side.
+        with torch.no_grad():
+            for t in (block.attn.qkv.weight, block.attn.qkv.bias):
+                t.copy_(t.view(3, world, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape))
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+    opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
+    return _alternate(settings, lambda i: _sgd_step(ours, opt_ours, *data[i]),
+                      lambda i: _sgd_step(theirs, opt_theirs, *data[i]))
+
+
+def worker_pp(settings, schedule):
+    """pp.py's schedule against torch.distributed.pipelining's, on the same two-stage split."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import pp
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_micro = settings["micro_batches"]
+    ours, args = _gpt(settings)
+    theirs = copy.deepcopy(ours)
+    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], 0, 1))  # stages share data
+    our_chunks = pp.apply_pipeline_parallel(ours, None)
+    their_chunk = pp.apply_pipeline_parallel(theirs, None)[0]
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = theirs
+
+        def forward(self, x):
+            return their_chunk(x)
+
+    stage = PipelineStage(Stage(), rank, world, torch.device("cpu"))
+    builtin = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, n_micro, loss_fn=theirs.loss_fn)
+    actions = pp.make_schedule(schedule, n_micro, world, rank)
+    micro = settings["batch_size"] // n_micro
+    shape = (micro, args.seq_len, ours.config.d_model)
+    opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
+
+    def shared_loss(losses):  # the last stage's mean loss, on every rank
+        t = torch.tensor([sum(losses) / n_micro if losses else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item()
+
+    def ours_step(i):
+        inputs, targets = data[i]
+        micro_batches = list(zip(inputs.chunk(n_micro), targets.chunk(n_micro)))
+        losses, _ = pp.run_schedule(actions, our_chunks, micro_batches, ours.loss_fn, None, shape,
+                                    torch.float32, torch.device("cpu"))
+        opt_ours.step()
+        opt_ours.zero_grad()
+        return shared_loss(losses)
+
+    def theirs_step(i):
+        inputs, targets = data[i]
+        losses = []
+        if rank == 0:
+            builtin.step(inputs)
+        elif rank == world - 1:
+            builtin.step(target=targets, losses=losses)
+        else:
+            builtin.step()
+        opt_theirs.step()
+        opt_theirs.zero_grad()
+        return shared_loss([loss.item() for loss in losses])
+    return _alternate(settings, ours_step, theirs_step)
+
+
+WORKERS = {  # name: (ranks, worker)
+    "ddp": (2, worker_ddp),
+    "fsdp": (2, worker_fsdp),
+    "tp": (2, worker_tp),
+    "pp_1f1b": (2, lambda settings: worker_pp(settings, "1f1b")),
+    "pp_gpipe": (2, lambda settings: worker_pp(settings, "gpipe")),
+}
 
 
 def run_worker(name, settings_json):
@@ -240,7 +363,8 @@ def main():
     with open(os.path.join(args.out, "comparisons.json"), "w") as f:
         json.dump(comparisons, f, indent=2)
     for r in rows:
-        print(f"{r['name']:24s} {r['tokens_per_s']:10,.0f} tok/s  efficiency {r['efficiency']:.0%}  "
+        efficiency = f"{r['efficiency']:.0%}" if r["efficiency"] is not None else "?"
+        print(f"{r['name']:24s} {r['tokens_per_s']:10,.0f} tok/s  efficiency {efficiency}  "
               f"val {r['final_val_loss']:.4f}")
     for name, c in comparisons.items():
         print(f"{name:8s} ours/built-in step time {c['ratio']:.2f}  loss difference {c['max_loss_difference']:.2g}")

@@ -83,7 +83,8 @@ def block_attention(q, k, v, causal):
 def merge(out, lse, block_out, block_lse):
     """Online softmax: fold one block's (output, log-sum-exp) into the running pair."""
     new_lse = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
+    rescaled = out * torch.exp(lse - new_lse).unsqueeze(-1)
+    return rescaled + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
 
 
 def chunk_pairs(rank, source, n_ranks):

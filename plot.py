@@ -138,11 +138,12 @@ def experts(rows, logs, results):
 
 def table(rows, comparisons, machine, results):
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-    lines = [f"Measured on {machine['processor']}, {machine['cores']} cores, torch {machine['torch']}"
-             f"{', ' + machine['gpu'] if machine.get('gpu') else ' (CPU, gloo)'}; model `{machine['settings']['model']}`, "
-             f"global batch {machine['settings']['batch_size']} sequences, {machine['settings']['steps']} steps.", "",
-             "| Run | Parallelism | Avg Tok/Sec | Final Val Loss | Efficiency | Params / Grads / Optim / Activations (MiB, busiest rank) "
-             "| Sent per step (MiB) | Compute / wait (s per step) | Bubble (measured / formula) |",
+    settings, device = machine["settings"], f", {machine['gpu']}" if machine.get("gpu") else " (CPU, gloo)"
+    lines = [f"Measured on {machine['processor']}, {machine['cores']} cores, torch {machine['torch']}{device}; "
+             f"model `{settings['model']}`, global batch {settings['batch_size']} sequences, {settings['steps']} steps.",
+             "", "| Run | Parallelism | Avg Tok/Sec | Final Val Loss | Efficiency "
+             "| Params / Grads / Optim / Activations (MiB, busiest rank) | Sent per step (MiB) "
+             "| Compute / wait (s per step) | Bubble (measured / formula) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         comm = ", ".join(f"{d} {v / 2**20:.2f}" for d, v in r["comm_bytes_per_step"].items() if v) or "none"
@@ -155,7 +156,11 @@ def table(rows, comparisons, machine, results):
     if comparisons:
         lines += ["", "| This repository | PyTorch built-in | Ours (s/step) | Built-in (s/step) | Ours / built-in "
                       "| Largest loss difference |", "|---|---|---|---|---|---|"]
-        names = {"ddp": ("dp.py DataParallel", "DistributedDataParallel")}
+        names = {"ddp": ("dp.py DataParallel", "DistributedDataParallel"),
+                 "fsdp": ("dp.py ZeRO-3", "FSDP2 fully_shard"),
+                 "tp": ("tp.py column/row-parallel blocks", "DTensor parallelize_module (Colwise/Rowwise)"),
+                 "pp_1f1b": ("pp.py 1F1B", "torch.distributed.pipelining Schedule1F1B"),
+                 "pp_gpipe": ("pp.py GPipe", "torch.distributed.pipelining ScheduleGPipe")}
         for key, c in comparisons.items():
             ours, theirs = names.get(key, (key, "built-in"))
             lines.append(f"| {ours} | {theirs} | {c['ours_step_s']:.4f} | {c['builtin_step_s']:.4f} | {c['ratio']:.2f} "

@@ -428,7 +428,8 @@ def _split_toy(model, group, sp):
     model.fc, model.proj = ColumnParallelLinear(model.fc, group, sp), RowParallelLinear(model.proj, group, sp)
     if sp:
         model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
-        model.norm1, model.norm = SequenceParallelLayerNorm(model.norm1, group), SequenceParallelLayerNorm(model.norm, group)
+        model.norm1 = SequenceParallelLayerNorm(model.norm1, group)
+        model.norm = SequenceParallelLayerNorm(model.norm, group)
     model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
     model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
     return model

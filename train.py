@@ -434,7 +434,8 @@ class Trainer:
             losses = []
             for m, (inputs, targets) in enumerate(micro_batches):
                 last = m == len(micro_batches) - 1
-                with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():  # reduce after the last
+                # Gradients are reduced once, during the last micro-batch's backward.
+                with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():
                     with self.forward_context():
                         _, loss = self.model(inputs, targets, pos=self.positions)
                     self.count_routing()

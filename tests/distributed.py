@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+mp.set_forkserver_preload(["torch", "torch.distributed", "train"])
 
 
 def _rank_main(fn, args, rank, world, port, result_path):
@@ -33,7 +34,7 @@ def _rank_main(fn, args, rank, world, port, result_path):
 def run_on_ranks(world, fn, *args, timeout=120):
     """[fn(*args) on rank 0, ..., on rank world-1]; fn must be importable (a module-level function)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port, held here
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # ranks fork from a server that has imported torch once
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
         procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, store.port, paths[r])) for r in range(world)]

@@ -11,6 +11,28 @@ import torch
 import train
 from data import load_data
 
+# The equivalence runs: a tiny model in float64, two micro-batches, gradient clipping at 0.05 (active at
+# every step, which `oracle` checks), a few AdamW steps. Tests add flags; a repeated flag takes the last value.
+EQUIVALENCE = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
+               "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
+               "--log-interval", "1000"]
+_oracles = {}
+
+
+def train_worker(argv):
+    """train.py's training on this rank (a function for distributed.run_on_ranks)."""
+    return train.train(train.parse_args(argv))
+
+
+def oracle(argv):
+    """reference_run(argv), computed once per test session, with clipping checked to be active."""
+    key = tuple(argv)
+    if key not in _oracles:
+        _oracles[key] = reference_run(argv)
+        clip = train.parse_args(argv).grad_clip
+        assert min(_oracles[key]["grad_norms"]) > clip, "clipping must be active for the comparison to mean anything"
+    return _oracles[key]
+
 
 def reference_run(argv):
     """Train on one device; returns per-step losses, gradient norms before clipping, final state dict."""

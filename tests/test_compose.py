@@ -6,38 +6,19 @@ import sys
 import pytest
 import torch
 
-import train
 from distributed import REPO, run_on_ranks
-from oracle import assert_matches_oracle, reference_run
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
-# 4 layers (so 2 stages x ... split), clipping at 0.05 (active every step), two steps.
-BASE = ["--model", "tiny", "--layers", "4", "--steps", "2", "--batch-size", "16", "--micro-batches", "2",
-        "--lr", "1e-2", "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
-        "--log-interval", "1000"]
+# 4 layers (two pipeline stages of two), batch 16 (8 data ranks x 2 micro-batches), two steps.
+BASE = [*EQUIVALENCE, "--layers", "4", "--steps", "2", "--batch-size", "16"]
 MOE = ["--experts", "4", "--top-k", "2"]
 
 
-@pytest.fixture(scope="module")
-def oracles():
-    cache = {}
 
-    def get(extra):
-        key = tuple(extra)
-        if key not in cache:
-            cache[key] = reference_run([*BASE, *extra])
-            assert min(cache[key]["grad_norms"]) > 0.05, "clipping must be active"
-        return cache[key]
-    return get
-
-
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
-
-
-def check(tmp_path, oracles, world, flags, model=(), timeout=300):
+def check(tmp_path, world, flags, model=(), timeout=300):
     results = run_on_ranks(world, train_worker, [*BASE, *model, *flags, "--out", str(tmp_path)], timeout=timeout)
     for result in results:
-        assert_matches_oracle(result, oracles(list(model)))
+        assert_matches_oracle(result, oracle([*BASE, *model]))
 
 
 # The ten rows of ../shared/reference/benchmark-table.txt (gpuN_tpX_ppY_cpZ_epW, dp the rest);
@@ -49,35 +30,38 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("world,flags,model", TABLE,
-                         ids=[f"gpu{w}_" + "_".join(f[i][2:] + f[i + 1] for i in range(0, len(f), 2)) for w, f, _ in TABLE])
-def test_benchmark_table_configurations(tmp_path, oracles, world, flags, model):
-    check(tmp_path, oracles, world, flags, model)
+def row_name(world, flags):
+    return f"gpu{world}_" + "_".join(flags[i][2:] + flags[i + 1] for i in range(0, len(flags), 2))
 
 
-def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path, oracles):
-    check(tmp_path, oracles, 16, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"], MOE, timeout=600)
+@pytest.mark.parametrize("world,flags,model", TABLE, ids=[row_name(w, f) for w, f, _ in TABLE])
+def test_benchmark_table_configurations(tmp_path, world, flags, model):
+    check(tmp_path, world, flags, model)
 
 
-def test_all_five_dimensions_on_32_ranks(tmp_path, oracles):
+def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path):
+    check(tmp_path, 16, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"], MOE, timeout=600)
+
+
+def test_all_five_dimensions_on_32_ranks(tmp_path):
     """dp=2 tp=2 pp=2 cp=2 ep=2: every dimension above one in the same run."""
-    check(tmp_path, oracles, 32, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"], MOE, timeout=900)
+    check(tmp_path, 32, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"], MOE, timeout=900)
 
 
 @pytest.mark.parametrize("flags", [["--zero", "1", "--tp", "2"], ["--zero", "3", "--tp", "2", "--sp"],
                                    ["--zero", "1", "--tp", "2", "--pp", "2"]], ids=lambda f: " ".join(f))
-def test_zero_with_tensor_parallel(tmp_path, oracles, flags):
+def test_zero_with_tensor_parallel(tmp_path, flags):
     world = 8 if "--pp" in flags else 4
-    check(tmp_path, oracles, world, flags)
+    check(tmp_path, world, flags)
 
 
-def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path, oracles):
+def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path):
     argv = [*BASE, *MOE, "--steps", "4"]
     first = run_on_ranks(8, train_worker, [*argv, "--tp", "2", "--pp", "2", "--ep", "2", "--stop-at", "2",
                                            "--out", str(tmp_path / "a")], timeout=300)
     checkpoint = tmp_path / "a" / "gpu8_tp2_pp2_cp1_ep2" / "checkpoint.pt"
     saved = torch.load(checkpoint, weights_only=True)
-    assert saved["step"] == 2 and set(saved["model"]) == set(oracles(MOE)["state_dict"])  # model.py's layout
+    assert saved["step"] == 2 and set(saved["model"]) == set(oracle([*BASE, *MOE])["state_dict"])  # model.py's layout
     second = run_on_ranks(8, train_worker, [*argv, "--resume", str(checkpoint), "--out", str(tmp_path / "b")],
                           timeout=300)
     for result in second:

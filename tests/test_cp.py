@@ -10,7 +10,7 @@ import cp
 import train
 from distributed import REPO, run_on_ranks, torchrun
 from meter import ActivationMeter
-from oracle import assert_matches_oracle, reference_run
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 
 B, H, D = 2, 3, 8  # batch, heads, head_dim of the unit tests
 
@@ -92,27 +92,14 @@ def test_zigzag_sharding_round_trips():
         cp.zigzag_positions(12, 4, 0)
 
 
-ARGV = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
-        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
-        "--log-interval", "1000"]
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    result = reference_run(ARGV)
-    assert min(result["grad_norms"]) > 0.05, "clipping must be active"
-    return result
-
-
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
+ARGV = EQUIVALENCE
 
 
 @pytest.mark.parametrize("world,flags", [(2, ["--cp", "2"]), (4, ["--cp", "4"]), (4, ["--cp", "2"])],
                          ids=["cp2", "cp4", "cp2-dp2"])
-def test_context_parallel_matches_single_device(tmp_path, oracle, world, flags):
+def test_context_parallel_matches_single_device(tmp_path, world, flags):
     for result in run_on_ranks(world, train_worker, [*ARGV, *flags, "--out", str(tmp_path)]):
-        assert_matches_oracle(result, oracle)
+        assert_matches_oracle(result, oracle(ARGV))
 
 
 def test_sequence_length_must_split_into_two_chunks_per_rank():

@@ -11,37 +11,18 @@ import ep
 import train
 from distributed import REPO, run_on_ranks, torchrun
 from model import MoE, GPTConfig
-from oracle import assert_matches_oracle, reference_run
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 
-BASE = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
-        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
-        "--log-interval", "1000", "--experts", "4"]
-
-
-@pytest.fixture(scope="module")
-def oracles():
-    cache = {}
-
-    def get(top_k):
-        if top_k not in cache:
-            cache[top_k] = reference_run([*BASE, "--top-k", str(top_k)])
-            assert min(cache[top_k]["grad_norms"]) > 0.05, "clipping must be active"
-        return cache[top_k]
-    return get
-
-
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
-
+BASE = [*EQUIVALENCE, "--experts", "4"]
 
 @pytest.mark.parametrize("world,ep_size,top_k,extra", [
     (2, 2, 2, []), (4, 4, 2, []), (4, 2, 2, []), (2, 2, 1, []), (2, 1, 2, []),
     (4, 2, 2, ["--tp", "2"]), (2, 1, 2, ["--tp", "2", "--sp"]),
 ], ids=["ep2", "ep4", "ep2-dp2", "ep2-top1", "dp2-experts-replicated", "ep2-tp2-experts-split", "tp2-sp-experts"])
-def test_expert_parallel_matches_single_device(tmp_path, oracles, world, ep_size, top_k, extra):
+def test_expert_parallel_matches_single_device(tmp_path, world, ep_size, top_k, extra):
     argv = [*BASE, "--top-k", str(top_k), "--ep", str(ep_size), *extra, "--out", str(tmp_path)]
     for result in run_on_ranks(world, train_worker, argv):
-        assert_matches_oracle(result, oracles(top_k))  # the loss includes the load-balancing loss
+        assert_matches_oracle(result, oracle([*BASE, "--top-k", str(top_k)]))  # the loss includes the aux loss
 
 
 # -- one layer, with a skewed router ------------------------------------------------------------
@@ -90,7 +71,8 @@ def skewed_worker():
     routed_here = routed_away.clone()  # with two ranks: the other rank's assignments to my experts
     dist.all_reduce(routed_here)
     routed_away, routed_here = routed_away.item(), routed_here.item() - routed_away.item()
-    errors = [(out - expected.view(n, TOKENS, D)[rank]).abs().max().item(), abs(aux.item() / n - reference.aux_loss.item()),
+    errors = [(out - expected.view(n, TOKENS, D)[rank]).abs().max().item(),
+              abs(aux.item() / n - reference.aux_loss.item()),
               (layer.router.weight.grad - reference.router.weight.grad).abs().max().item()]
     for e, expert in layer.experts.items():
         for p, ref in zip(expert.parameters(), reference.experts[int(e)].parameters()):

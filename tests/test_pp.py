@@ -9,27 +9,11 @@ import pytest
 import pp
 import train
 from distributed import REPO, run_on_ranks, torchrun
-from oracle import assert_matches_oracle, reference_run
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 
-# 8 layers, so that 4 stages x 2 virtual stages each hold one. Clipping at 0.05 is active.
-BASE = ["--model", "tiny", "--layers", "8", "--steps", "2", "--batch-size", "8", "--lr", "1e-2", "--warmup", "1",
-        "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000", "--log-interval", "1000"]
+# 8 layers, so that 4 stages x 2 virtual stages each hold one; two steps.
+BASE = [*EQUIVALENCE, "--layers", "8", "--steps", "2"]
 
-
-@pytest.fixture(scope="module")
-def oracles():
-    cache = {}
-
-    def get(micro_batches):
-        if micro_batches not in cache:
-            cache[micro_batches] = reference_run([*BASE, "--micro-batches", str(micro_batches)])
-            assert min(cache[micro_batches]["grad_norms"]) > 0.05, "clipping must be active"
-        return cache[micro_batches]
-    return get
-
-
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
 
 
 def read_log(run_dir):
@@ -41,11 +25,11 @@ CASES = [(stages, schedule, micro) for stages in (2, 4) for schedule in ("gpipe"
 
 
 @pytest.mark.parametrize("stages,schedule,micro", CASES, ids=lambda v: str(v))
-def test_pipeline_matches_single_device(tmp_path, oracles, stages, schedule, micro):
+def test_pipeline_matches_single_device(tmp_path, stages, schedule, micro):
     argv = [*BASE, "--micro-batches", str(micro), "--pp", str(stages), "--schedule", schedule, "--out", str(tmp_path)]
     results = run_on_ranks(stages, train_worker, argv, timeout=180)
     for result in results:  # every stage reports the full losses and the merged state dict
-        assert_matches_oracle(result, oracles(micro))
+        assert_matches_oracle(result, oracle([*BASE, "--micro-batches", str(micro)]))
 
     chunks = 2 if schedule == "interleaved" else 1
     micro_bytes = (8 // micro) * 16 * 32 * 8  # one micro-batch's activations: b * s * h float64 values
@@ -65,16 +49,16 @@ def test_pipeline_matches_single_device(tmp_path, oracles, stages, schedule, mic
         assert entry["pp_bubble_formula"] == pytest.approx((stages - 1) / (chunks * micro + stages - 1))
 
 
-def test_pipeline_with_data_parallel(tmp_path, oracles):
+def test_pipeline_with_data_parallel(tmp_path):
     argv = [*BASE, "--micro-batches", "2", "--pp", "2", "--out", str(tmp_path)]
     for result in run_on_ranks(4, train_worker, argv, timeout=180):
-        assert_matches_oracle(result, oracles(2))
+        assert_matches_oracle(result, oracle([*BASE, "--micro-batches", "2"]))
 
 
-def test_pipeline_with_tensor_and_sequence_parallel(tmp_path, oracles):
+def test_pipeline_with_tensor_and_sequence_parallel(tmp_path):
     argv = [*BASE, "--micro-batches", "4", "--pp", "2", "--tp", "2", "--sp", "--out", str(tmp_path)]
     for result in run_on_ranks(4, train_worker, argv, timeout=180):
-        assert_matches_oracle(result, oracles(4))
+        assert_matches_oracle(result, oracle([*BASE, "--micro-batches", "4"]))
 
 
 # -- the schedules themselves, without processes ---------------------------------------

@@ -9,35 +9,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tp
-import train
 from distributed import REPO, run_on_ranks, torchrun
 from meter import ActivationMeter
 from model import Block, GPTConfig
-from oracle import assert_matches_oracle, reference_run
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 
-ARGV = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
-        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
-        "--log-interval", "1000"]
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    result = reference_run(ARGV)
-    assert min(result["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
-    return result
-
-
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
+ARGV = EQUIVALENCE
 
 
 @pytest.mark.parametrize("world,flags", [
     (2, ["--tp", "2"]), (2, ["--tp", "2", "--sp"]), (4, ["--tp", "4"]), (4, ["--tp", "4", "--sp"]),
     (4, ["--tp", "2"]),  # tp=2 x dp=2
 ], ids=lambda v: v if isinstance(v, int) else " ".join(v))
-def test_tensor_parallel_matches_single_device(tmp_path, oracle, world, flags):
+def test_tensor_parallel_matches_single_device(tmp_path, world, flags):
     for result in run_on_ranks(world, train_worker, [*ARGV, *flags, "--out", str(tmp_path)]):
-        assert_matches_oracle(result, oracle)
+        assert_matches_oracle(result, oracle(ARGV))
 
 
 # -- each layer against its single-device counterpart -------------------------

@@ -6,7 +6,7 @@ import torch
 
 import train
 from distributed import run_on_ranks, torchrun
-from oracle import assert_matches_oracle, reference_run
+from oracle import assert_matches_oracle, reference_run, train_worker
 
 QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval", "1000"]
 
@@ -69,10 +69,6 @@ def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
     assert val[59] - floor < 0.25 * (start - floor)
     assert val[59] > floor
     assert (run / "checkpoint.pt").exists() and not (run / "checkpoint.pt.tmp").exists()
-
-
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
 
 
 def test_stop_on_two_ranks_resume_on_one_continues_exactly(tmp_path):

@@ -6,32 +6,20 @@ gradients and 16 of Adam state (two moments) per parameter, and ZeRO divides
 them the same way: optimizer state by N from stage 1, gradients from stage
 2, parameters from stage 3 (each bucket padded to a multiple of N).
 """
-import copy
 import json
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import train
 from distributed import run_on_ranks
 from dp import ZeRO, gpt_units
-from oracle import assert_matches_oracle, reference_run
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
-# Clipping at 0.05 is active at every step of this run (checked in test_dp.py's oracle as well).
-ARGV = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batches", "2", "--lr", "1e-2",
-        "--warmup", "1", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000",
-        "--log-interval", "1000"]
+ARGV = EQUIVALENCE
 F64 = 8  # bytes per element
 STEP_COUNTER = 4  # AdamW keeps a one-element float32 step count per parameter tensor
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    result = reference_run(ARGV)
-    assert min(result["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
-    return result
 
 
 def tiny_model():
@@ -51,16 +39,12 @@ def bucket_sizes(stage, n_ranks):
     return [padded(sum(p.numel() for p in model.parameters()), n_ranks)]
 
 
-def train_worker(argv):
-    return train.train(train.parse_args(argv))
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_matches_single_device_and_shards_as_the_article_says(tmp_path, oracle, stage, world):
+def test_zero_matches_single_device_and_shards_as_the_article_says(tmp_path, stage, world):
     results = run_on_ranks(world, train_worker, [*ARGV, "--zero", str(stage), "--out", str(tmp_path)])
     for result in results:
-        assert_matches_oracle(result, oracle)
+        assert_matches_oracle(result, oracle(ARGV))
 
     log = [json.loads(line) for line in (tmp_path / f"gpu{world}_tp1_pp1_cp1_ep1" / "log.jsonl").open()]
     n_params = sum(p.numel() for p in tiny_model().parameters())
@@ -96,7 +80,7 @@ def test_zero_matches_single_device_and_shards_as_the_article_says(tmp_path, ora
 
 def test_plain_data_parallel_replicates_everything_and_communicates_two_psi(tmp_path):
     results = run_on_ranks(4, train_worker, [*ARGV, "--out", str(tmp_path)])
-    assert_matches_oracle(results[0], reference_run(ARGV))
+    assert_matches_oracle(results[0], oracle(ARGV))
     log = [json.loads(line) for line in (tmp_path / "gpu4_tp1_pp1_cp1_ep1" / "log.jsonl").open()]
     params = list(tiny_model().parameters())
     n_params = sum(p.numel() for p in params)

@@ -1,0 +1,33 @@
+"""bench.py --quick and plot.py regenerate the results from nothing (on a subset, to stay quick)."""
+import json
+import subprocess
+import sys
+
+from distributed import REPO
+
+
+def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
+    only = ["gpu1_tp1_pp1_cp1_ep1", "gpu2_tp1_pp1_cp1_ep1", "ddp"]
+    run = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(tmp_path), "--only", *only],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["name"] for r in rows] == only[:2]
+    single, dp2 = rows
+    assert single["efficiency"] == 1.0 and single["ceiling_tokens_per_s"] == single["tokens_per_s"]
+    assert dp2["ceiling_tokens_per_s"] == single["tokens_per_s"] * min(2, json.loads(
+        (tmp_path / "machine.json").read_text())["cores"])
+    assert abs(dp2["final_val_loss"] - single["final_val_loss"]) < 1e-4  # the same training, in float32
+    assert dp2["comm_bytes_per_step"]["dp"] > 0 and single["comm_bytes_per_step"].get("dp", 0) == 0
+    comparison = json.loads((tmp_path / "comparisons.json").read_text())["ddp"]
+    assert comparison["ours_step_s"] > 0 and comparison["builtin_step_s"] > 0
+    assert comparison["max_loss_difference"] < 1e-4  # they compute the same thing, in float32
+
+    plot = subprocess.run([sys.executable, "plot.py", "--results", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    for figure in ("throughput", "loss", "memory", "communication", "bubble", "experts"):
+        assert (tmp_path / f"{figure}.png").stat().st_size > 1000
+    table = (tmp_path / "results.md").read_text()
+    assert "| Run | Parallelism | Avg Tok/Sec | Final Val Loss |" in table
+    assert "| gpu2_tp1_pp1_cp1_ep1 | DP=2 |" in table and "DistributedDataParallel" in table
