@@ -81,8 +81,22 @@ def read_log(path):
         return [json.loads(line) for line in f]
 
 
-def summarise(out, settings, cores):
-    """One summary per configuration, from its log; efficiency against the compute-bound ceiling."""
+def flops_per_token(model):
+    """Training FLOPs per token (forward + backward = 3 x forward's 2 per multiply-add), from config.json's model.
+
+    Every matrix a token passes through counts (for MoE: the router and its top-k experts), plus causal
+    attention's scores and weighted sum (about seq_len/2 keys per query on average).
+    """
+    d, ff, layers, seq = model["d_model"], model["d_ff"], model["n_layer"], model["seq_len"]
+    mlp = 2 * d * ff
+    if model["n_experts"]:
+        mlp = model["top_k"] * mlp + d * model["n_experts"]
+    per_layer = 4 * d * d + mlp + 2 * d * seq  # qkv and projection, MLP, attention over ~seq/2 keys (x2 matmuls)
+    return 6 * (layers * per_layer + d * model["vocab_size"])
+
+
+def summarise(out, settings, cores, peak_flops=None):
+    """One summary per configuration, from its log; efficiency against the compute-bound ceiling (and MFU)."""
     rows = []
     for name, world, flags, what in CONFIGS:
         path = os.path.join(out, "runs", name, "log.jsonl")
@@ -99,7 +113,10 @@ def summarise(out, settings, cores):
                 dim = key.split("_")[1]
                 comm[dim] = comm.get(dim, 0) + mean(key) * world  # all ranks, per step
         val = [e["val_loss"] for e in log if "val_loss" in e]
+        with open(os.path.join(out, "runs", name, "config.json")) as f:
+            flops = flops_per_token(json.load(f)["model"]) * tokens / step_s
         rows.append(dict(
+            model_flops_per_s=flops, mfu=flops / (world * peak_flops) if peak_flops else None,
             name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=tokens / step_s,
             final_val_loss=val[-1] if val else None, final_loss=log[-1]["loss"],
             param_bytes=max(log[-1]["param_bytes"]), grad_bytes=max(log[-1]["grad_bytes"]),
@@ -343,6 +360,8 @@ def main():
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device (say 989 for an H100's bf16): report MFU")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -356,7 +375,7 @@ def main():
     with open(os.path.join(args.out, "machine.json"), "w") as f:
         json.dump(dict(info, settings=settings), f, indent=2)
     run_table(settings, args.out, args.only)
-    rows = summarise(args.out, settings, info["cores"])
+    rows = summarise(args.out, settings, info["cores"], args.peak_tflops * 1e12 if args.peak_tflops else None)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
     comparisons = run_comparisons(settings, args.out, args.only)

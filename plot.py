@@ -149,7 +149,8 @@ def table(rows, comparisons, machine, results):
         comm = ", ".join(f"{d} {v / 2**20:.2f}" for d, v in r["comm_bytes_per_step"].items() if v) or "none"
         bubble_cell = f"{r['bubble']:.2f} / {r['bubble_formula']:.2f}" if r["bubble"] is not None else ""
         val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else ""
-        lines.append(f"| {r['name']} | {r['demonstrates']} | {r['tokens_per_s']:,.0f} | {val} | {r['efficiency']:.0%} "
+        efficiency = f"{r['efficiency']:.0%}" + (f" (MFU {r['mfu']:.0%})" if r.get("mfu") is not None else "")
+        lines.append(f"| {r['name']} | {r['demonstrates']} | {r['tokens_per_s']:,.0f} | {val} | {efficiency} "
                      f"| {mib(r['param_bytes'])} / {mib(r['grad_bytes'])} / {mib(r['optim_bytes'])} / "
                      f"{mib(r['activation_bytes'])} | {comm} | {r['compute_s']:.3f} / {r['comm_wait_s']:.3f} "
                      f"| {bubble_cell} |")

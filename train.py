@@ -134,7 +134,7 @@ def check_args(args, world):
                           f"x {n_data} data ranks (a multiple of {args.micro_batches * n_data})")
     if args.experts and not 1 <= args.top_k <= args.experts:
         raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
-    if args.seq_len % (2 * args.cp):
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
                           f"(each rank holds an early and a late chunk, for load balance)")
     if args.sp and args.tp == 1:

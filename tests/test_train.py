@@ -12,13 +12,13 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
 
 
 @pytest.mark.parametrize("world,flags,message", [
-    (2, ["--pp", "2"], "--pp is not implemented yet"),
+    (2, ["--pp", "2", "--zero", "3"], "--zero 3 with --pp is not supported"),
     (2, ["--tp", "3"], "world size 2 is not divisible by tp*pp*cp*ep = 3*1*1*1 = 3"),
     (3, ["--tp", "3"], "--tp 3: attention heads 4 does not divide by the tensor-parallel size 3"),
     (2, ["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
-    (2, ["--tp", "2", "--zero", "1"], "--zero with --tp is not supported yet"),
+    (2, ["--ep", "2", "--experts", "3"], "--experts 3 do not divide over --ep 2 ranks"),
     (4, ["--tp", "2", "--sp", "--seq-len", "15"], "sequence length (sequence parallelism) 15 does not divide"),
-    (2, ["--experts", "4", "--top-k", "5"], "--experts with data parallelism needs"),
+    (2, ["--experts", "4", "--zero", "1"], "--zero with --experts is not supported yet"),
     (1, ["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
     (2, ["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
     (1, ["--micro-batches", "0"], "--micro-batches must be at least 1"),
@@ -30,7 +30,7 @@ def test_refused_flags_say_why(world, flags, message):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--pp", "2"], "--pp is not implemented yet"),
+    (["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
     (["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
 ])
 def test_refused_flags_fail_fast_on_every_rank(tmp_path, flags, message):
