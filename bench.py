@@ -48,7 +48,7 @@ CONFIGS = [
     ("gpu8_tp2_pp2_cp1_ep2", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "8"], "TP=2, PP=2, EP=2"),
     ("gpu8_tp2_pp1_cp2_ep1", 8, ["--tp", "2", "--cp", "2"], "TP=2, CP=2, DP=2"),
 ]
-FULL = dict(model="small", batch_size=32, micro_batches=4, steps=60, eval_interval=20, skip=5, reps=5)
+FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, reps=5)
 QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, reps=3)
 
 
@@ -74,6 +74,29 @@ def run_table(settings, out, names=None):
         torchrun(world, "train.py", "--model", settings["model"], "--batch-size", str(settings["batch_size"]),
                  "--micro-batches", str(settings["micro_batches"]), "--steps", str(settings["steps"]),
                  "--eval-interval", str(settings["eval_interval"]), "--out", runs, "--name", name, *flags)
+
+
+def independent_runs(settings, out, cores):
+    """min(2, cores) single-rank trainings at once, no communication: how much the machine itself scales.
+
+    Each trains on 1/n of the global batch, as a data-parallel rank would; their summed throughput is
+    the most any n-rank configuration could reach here.
+    """
+    n = min(2, cores)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "train.py", "--model", settings["model"],
+                               "--batch-size", str(settings["batch_size"] // n),
+                               "--micro-batches", str(settings["micro_batches"]), "--steps", str(settings["steps"]),
+                               "--eval-interval", str(settings["steps"]), "--out", os.path.join(out, "independent"),
+                               "--name", f"alone{i}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+             for i in range(n)]
+    for proc in procs:
+        proc.wait()
+    total = 0.0
+    for i in range(n):
+        steady = read_log(os.path.join(out, "independent", f"alone{i}", "log.jsonl"))[settings["skip"]:]
+        total += sum(e["tokens_per_s"] * e["step_s"] for e in steady) / sum(e["step_s"] for e in steady)
+    return dict(processes=n, tokens_per_s=total)
 
 
 def read_log(path):
@@ -378,7 +401,15 @@ def main():
     rows = summarise(args.out, settings, info["cores"], args.peak_tflops * 1e12 if args.peak_tflops else None)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
-    comparisons = run_comparisons(settings, args.out, args.only)
+    if not args.only:
+        info["independent"] = independent_runs(settings, args.out, info["cores"])
+        with open(os.path.join(args.out, "machine.json"), "w") as f:
+            json.dump(dict(info, settings=settings), f, indent=2)
+    comparisons = {}
+    if args.only and os.path.exists(os.path.join(args.out, "comparisons.json")):  # update the others' results
+        with open(os.path.join(args.out, "comparisons.json")) as f:
+            comparisons = json.load(f)
+    comparisons.update(run_comparisons(settings, args.out, args.only))
     with open(os.path.join(args.out, "comparisons.json"), "w") as f:
         json.dump(comparisons, f, indent=2)
     for r in rows:

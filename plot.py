@@ -145,6 +145,12 @@ def table(rows, comparisons, machine, results):
              "| Params / Grads / Optim / Activations (MiB, busiest rank) | Sent per step (MiB) "
              "| Compute / wait (s per step) | Bubble (measured / formula) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if machine.get("independent") and rows and rows[0]["world"] == 1:
+        alone = machine["independent"]
+        lines[1:1] = ["", f"Efficiency is against the compute-bound ceiling, 1-rank throughput x min(ranks, cores). "
+                      f"For scale: {alone['processes']} independent 1-rank trainings at once, no communication at "
+                      f"all, reach {alone['tokens_per_s']:,.0f} tok/s together here, "
+                      f"{alone['tokens_per_s'] / (rows[0]['tokens_per_s'] * alone['processes']):.0%} of that ceiling."]
     for r in rows:
         comm = ", ".join(f"{d} {v / 2**20:.2f}" for d, v in r["comm_bytes_per_step"].items() if v) or "none"
         bubble_cell = f"{r['bubble']:.2f} / {r['bubble_formula']:.2f}" if r["bubble"] is not None else ""

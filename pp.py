@@ -22,9 +22,9 @@ order, as ("forward" | "backward", chunk, micro_batch) actions:
 `run_schedule` executes any such list: before a forward (backward) it
 receives the input (output gradient) it needs from the previous (next)
 rank; after it, it sends what the neighbour needs. Sends never block: each
-is posted with `batch_isend_irecv` together with the next receive (or at the
-end), so a rank has issued every send before it waits, and no ordering of
-valid actions can deadlock. Activations and gradients use different tags,
+is posted with `batch_isend_irecv` as soon as its tensor exists and waited
+for only at the end, so a rank has issued every send before it waits for
+anything, and no ordering of valid actions can deadlock. Activations and gradients use different tags,
 and every message has a shape both sides know: (micro_batch, seq, hidden).
 
 Self-check: torchrun --nproc_per_node 4 pp.py
@@ -141,35 +141,30 @@ class PipelineStats:
 
 
 class _P2P:
-    """Point-to-point with one neighbour on each side; sends are deferred and posted with the next receive."""
+    """Point-to-point with one neighbour on each side; a send is posted at once and never waited for."""
 
     def __init__(self, group, shape, dtype, device, debug):
         self.group, self.shape, self.dtype, self.device, self.debug = group, shape, dtype, device, debug
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.prev = dist.get_global_rank(group or dist.group.WORLD, (rank - 1) % n)
         self.next = dist.get_global_rank(group or dist.group.WORLD, (rank + 1) % n)
-        self.pending, self.in_flight = [], []
+        self.in_flight = []
         self.bytes_sent = 0
 
     def send(self, tensor, peer, tag, what):
         tensor = tensor.detach().to(self.dtype).contiguous()
         self._log(f"send {what} to rank {peer}")
-        self.pending.append(dist.P2POp(dist.isend, tensor, peer, self.group, tag))
+        # Posted now, so the neighbour can start as soon as it likes; completes on its own (waited at the end).
+        self.in_flight += dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, self.group, tag)])
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def recv(self, peer, tag, what):
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self._log(f"recv {what} from rank {peer}")
-        works = dist.batch_isend_irecv([*self.pending, dist.P2POp(dist.irecv, buffer, peer, self.group, tag)])
-        self.in_flight += works[:-1]  # sends complete on their own; wait for them at the end
-        self.pending = []
-        works[-1].wait()
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, self.group, tag)])[0].wait()
         return buffer
 
     def flush(self):
-        if self.pending:
-            self.in_flight += dist.batch_isend_irecv(self.pending)
-            self.pending = []
         for work in self.in_flight:
             work.wait()
         self.in_flight = []
