@@ -74,36 +74,34 @@ def losses(rows, logs, floor, results):
     save(fig, results, "loss.png")
 
 
-def memory(rows, results):
+def stacked_bars(rows, series, ylabel, title, results, name):
+    """One bar per configuration, stacked from series: [(label, values in MiB)]."""
     fig, ax = plt.subplots(figsize=(10, 4.5))
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
-    for key, label in [("param_bytes", "parameters"), ("grad_bytes", "gradients"),
-                       ("optim_bytes", "optimizer state"), ("activation_bytes", "activations (peak)")]:
-        values = np.array([r[key] for r in rows]) / 2**20
+    for label, values in series:
         ax.bar(x, values, bottom=bottom, label=label)
         bottom += values
     ax.set_xticks(x, [short(r["name"]) for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("MiB on the busiest rank")
-    ax.set_title("Memory per rank, counted from tensors")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
-    save(fig, results, "memory.png")
+    save(fig, results, name)
+
+
+def memory(rows, results):
+    series = [(label, np.array([r[key] for r in rows]) / 2**20)
+              for key, label in [("param_bytes", "parameters"), ("grad_bytes", "gradients"),
+                                 ("optim_bytes", "optimizer state"), ("activation_bytes", "activations (peak)")]]
+    stacked_bars(rows, series, "MiB on the busiest rank", "Memory per rank, counted from tensors", results,
+                 "memory.png")
 
 
 def communication(rows, results):
     dims = sorted({d for r in rows for d in r["comm_bytes_per_step"]})
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    x = np.arange(len(rows))
-    bottom = np.zeros(len(rows))
-    for dim in dims:
-        values = np.array([r["comm_bytes_per_step"].get(dim, 0) for r in rows]) / 2**20
-        ax.bar(x, values, bottom=bottom, label=dim)
-        bottom += values
-    ax.set_xticks(x, [short(r["name"]) for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("MiB sent per step, all ranks")
-    ax.set_title("Communication per dimension")
-    ax.legend()
-    save(fig, results, "communication.png")
+    series = [(dim, np.array([r["comm_bytes_per_step"].get(dim, 0) for r in rows]) / 2**20) for dim in dims]
+    stacked_bars(rows, series, "MiB sent per step, all ranks", "Communication per dimension", results,
+                 "communication.png")
 
 
 def bubble(rows, logs, results):
