@@ -166,7 +166,7 @@ class RingAttention(torch.autograd.Function):
         delta = [(d * o).sum(-1) for d, o in zip(do, oh)]  # rowsum(dO * O) = sum_j P_ij dP_ij
         dq = [torch.zeros_like(h) for h in qh]
         kv = (k, v)
-        grad_acc, pending = None, None
+        pending = None
         for step in range(n):
             source = (rank - step) % n
             if step < n - 1:

@@ -4,6 +4,8 @@ A hang (a collective that one rank never joins) kills every rank and fails
 the test after `timeout` seconds instead of freezing the suite.
 """
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +58,16 @@ def run_on_ranks(world, fn, *args, timeout=120):
     if errors:
         raise RuntimeError("\n".join(errors))
     return [res["value"] for res in results]
+
+
+def self_check_alone(filename, n_ranks, folder):
+    """Copy one dimension file alone into `folder`, run its self-check under torchrun, and return the
+    largest difference from one device that each of its report lines gives."""
+    shutil.copy(os.path.join(REPO, filename), folder)
+    out = torchrun(n_ranks, filename, cwd=folder)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if f"{filename} self-check" in line]
+    return [float(re.search(r"= ([-+0-9.e]+)(;|$)", line).group(1)) for line in lines]
 
 
 def torchrun(n_ranks, *argv, cwd=REPO, timeout=180):
