@@ -220,7 +220,9 @@ def build_model(config, seed, dtype, device):
 
 
 def make_optimizer(params, args):
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    # fused: one kernel for every parameter instead of a loop of small ops per tensor; on CPU as on GPU
+    # it is several times faster, which matters most when data parallelism shrinks the rest of the step.
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
 
 
 def local_micro_batches(tokens, n_micro, n_data, data_rank):
