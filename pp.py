@@ -24,7 +24,9 @@ receives the input (output gradient) it needs from the previous (next)
 rank; after it, it sends what the neighbour needs. Sends never block: each
 is posted with `batch_isend_irecv` as soon as its tensor exists and waited
 for only at the end, so a rank has issued every send before it waits for
-anything, and no ordering of valid actions can deadlock. Activations and gradients use different tags,
+anything, and no ordering of valid actions can deadlock. Receives are
+posted one action ahead, so the next message can land while this rank
+computes rather than wait in the sender's socket until it is asked for. Activations and gradients use different tags,
 and every message has a shape both sides know: (micro_batch, seq, hidden).
 
 Self-check: torchrun --nproc_per_node 4 pp.py
@@ -158,11 +160,16 @@ class _P2P:
         self.in_flight += dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, self.group, tag)])
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
-    def recv(self, peer, tag, what):
+    def post_recv(self, peer, tag, what):
+        """Post a receive now; returns a function that waits for it and gives the tensor."""
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self._log(f"recv {what} from rank {peer}")
-        dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, self.group, tag)])[0].wait()
-        return buffer
+        self._log(f"post recv {what} from rank {peer}")
+        work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, self.group, tag)])[0]
+
+        def wait():
+            work.wait()
+            return buffer
+        return wait
 
     def flush(self):
         for work in self.in_flight:
@@ -194,15 +201,36 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
     stats = stats or PipelineStats()
     last_backward = {chunk: max(m for kind, c, m in actions if kind == "backward" and c == chunk)
                      for chunk in {c for kind, c, _ in actions if kind == "backward"}}
+    n_model_chunks = len(chunks) * n_stages
+
+    def about(kind, c, m):
+        """An action's model chunk, whether it is the first or the last, and what it passes on."""
+        model_chunk = c * n_stages + rank
+        what = f"{'activation' if kind == 'forward' else 'gradient'} (micro-batch {m}, chunk {model_chunk})"
+        return model_chunk == 0, model_chunk == n_model_chunks - 1, what
+
+    def post_receive(i):
+        """Post the receive action i needs, if any (the first chunk's forward reads tokens, the last's
+        backward starts from the loss); returns the function that waits for it."""
+        if i == len(actions):
+            return None
+        kind = actions[i][0]
+        first, last, what = about(*actions[i])
+        if kind == "forward" and not first:
+            return p2p.post_recv(p2p.prev, FORWARD_TAG, what)
+        if kind == "backward" and not last:
+            return p2p.post_recv(p2p.next, BACKWARD_TAG, what)
+        return None
+
     saved, losses, side_losses, in_flight = {}, [], [], 0
     start = time.perf_counter()
-    for kind, c, m in actions:
-        model_chunk, n_model_chunks = c * n_stages + rank, len(chunks) * n_stages
-        first, last = model_chunk == 0, model_chunk == n_model_chunks - 1
-        what = f"{'activation' if kind == 'forward' else 'gradient'} (micro-batch {m}, chunk {model_chunk})"
+    next_receive = post_receive(0)
+    for i, (kind, c, m) in enumerate(actions):
+        receive, next_receive = next_receive, post_receive(i + 1)  # one action ahead
+        first, last, what = about(kind, c, m)
         if kind == "forward":
             wait = time.perf_counter()
-            x = micro_batches[m][0] if first else p2p.recv(p2p.prev, FORWARD_TAG, what).requires_grad_()
+            x = micro_batches[m][0] if first else receive().requires_grad_()
             compute = time.perf_counter()
             stats.wait_s += compute - wait
             with forward_context():
@@ -230,7 +258,7 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
             wait = time.perf_counter()
             if not last:
                 roots = [y, *roots]
-                grads = [p2p.recv(p2p.next, BACKWARD_TAG, what)] + [None] * (len(roots) - 1)
+                grads = [receive()] + [None] * (len(roots) - 1)
             else:
                 grads = [None] * len(roots)
             compute = time.perf_counter()
