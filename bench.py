@@ -10,18 +10,21 @@ log: steady-state throughput (steps after the first few, validation
 excluded), final validation loss, per-rank memory, bytes per dimension, and
 where the time went (compute, waiting on communication, pipeline bubble).
 Each configuration is also set against the compute-bound ceiling: the
-single-rank throughput times min(ranks, cores).
+single-rank throughput times min(ranks, cores). Because this machine's speed
+drifts, the 2-rank data-parallel efficiency is measured once more on its
+own, alternating one rank and two in a few rounds (`scaling_check`).
 
 Part 2 times this repository's implementation of a dimension and the
 PyTorch built-in that does the same job, alternately, in the same processes,
 on the same model and data: dp.py against DistributedDataParallel, ZeRO-3
 against FSDP2's fully_shard, tp.py against DTensor's parallelize_module,
 pp.py's 1F1B and GPipe against torch.distributed.pipelining. Each reports
-the median step time of both, their ratio, and the largest difference of
-their losses (they compute the same thing).
+the median step time of both, the median and range of their per-round
+ratios, and the largest difference of their losses (they compute the same
+thing).
 
-Everything is written to results/: runs/<name>/ (train.py's logs),
-summary.json, comparisons.json, machine.json.
+Everything is written to results/: runs/<name>/ and scaling/ (train.py's
+logs), summary.json, comparisons.json, machine.json (with the scaling check).
 """
 import argparse
 import copy
@@ -48,8 +51,10 @@ CONFIGS = [
     ("gpu8_tp2_pp2_cp1_ep2", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "8"], "TP=2, PP=2, EP=2"),
     ("gpu8_tp2_pp1_cp2_ep1", 8, ["--tp", "2", "--cp", "2"], "TP=2, CP=2, DP=2"),
 ]
-FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, reps=5)
-QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, reps=3)
+FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, rounds=36, k=1,
+            scaling_rounds=3, scaling_steps=25)
+QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, rounds=6, k=1,
+             scaling_rounds=1, scaling_steps=8)
 
 
 def torchrun(n_ranks, *argv, timeout=1800):
@@ -76,27 +81,58 @@ def run_table(settings, out, names=None):
                  "--eval-interval", str(settings["eval_interval"]), "--out", runs, "--name", name, *flags)
 
 
-def independent_runs(settings, out, cores):
-    """min(2, cores) single-rank trainings at once, no communication: how much the machine itself scales.
+def scaling_check(settings, out, cores):
+    """Data parallelism at n = min(2, cores) ranks against n times one rank, timed alternately.
 
-    Each trains on 1/n of the global batch, as a data-parallel rank would; their summed throughput is
-    the most any n-rank configuration could reach here.
+    This is the 2-core efficiency on its own, measured so that the machine's drift cancels: it is
+    shared, and its speed wanders by tens of percent over minutes, so one run of each, minutes apart
+    (as in the table), compares two moments as much as two programs. Each round runs back to back
+    one rank, n data-parallel ranks, and n independent one-rank trainings at once, each on 1/n of the
+    batch with no communication at all (how far the machine itself scales). Every round gives its
+    own ratios; their median and range are reported.
     """
-    n = min(2, cores)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "train.py", "--model", settings["model"],
-                               "--batch-size", str(settings["batch_size"] // n),
-                               "--micro-batches", str(settings["micro_batches"]), "--steps", str(settings["steps"]),
-                               "--eval-interval", str(settings["steps"]), "--out", os.path.join(out, "independent"),
-                               "--name", f"alone{i}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-             for i in range(n)]
-    for proc in procs:
-        proc.wait()
-    total = 0.0
-    for i in range(n):
-        steady = read_log(os.path.join(out, "independent", f"alone{i}", "log.jsonl"))[settings["skip"]:]
-        total += sum(e["tokens_per_s"] * e["step_s"] for e in steady) / sum(e["step_s"] for e in steady)
-    return dict(processes=n, tokens_per_s=total)
+    n, steps, rounds = min(2, cores), settings["scaling_steps"], settings["scaling_rounds"]
+    runs = os.path.join(out, "scaling")
+    common = ["--model", settings["model"], "--micro-batches", str(settings["micro_batches"]),
+              "--steps", str(steps), "--eval-interval", str(steps), "--out", runs]
+    throughput = lambda name: steady_tokens_per_s(os.path.join(runs, name, "log.jsonl"), settings["skip"])  # noqa: E731
+    per_round = []
+    for r in range(rounds):
+        print(f"bench: scaling check, round {r + 1} of {rounds}", flush=True)
+        torchrun(1, "train.py", *common, "--batch-size", str(settings["batch_size"]), "--name", f"one{r}")
+        torchrun(n, "train.py", *common, "--batch-size", str(settings["batch_size"]), "--name", f"dp{r}")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        alone = [subprocess.Popen([sys.executable, "train.py", *common, "--batch-size", str(settings["batch_size"] // n),
+                                   "--name", f"alone{r}_{i}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+                 for i in range(n)]
+        if any(proc.wait() for proc in alone):
+            raise RuntimeError("an independent 1-rank training failed")
+        one, dp = throughput(f"one{r}"), throughput(f"dp{r}")
+        independent = sum(throughput(f"alone{r}_{i}") for i in range(n))
+        per_round.append(dict(one_rank=one, data_parallel=dp, independent=independent,
+                              efficiency=dp / (n * one), machine_scaling=independent / (n * one)))
+    summary = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+    ranges = {f"{key}_range": [min(r[key] for r in per_round), max(r[key] for r in per_round)]
+              for key in ("efficiency", "machine_scaling")}
+    return dict(ranks=n, rounds=rounds, steps=steps, **summary, **ranges, per_round=per_round)
+
+
+def steady_tokens_per_s(path, skip):
+    """Tokens per second over a run's steps after the first `skip` (start-up excluded)."""
+    steady = read_log(path)[skip:]
+    return sum(e["tokens_per_s"] * e["step_s"] for e in steady) / sum(e["step_s"] for e in steady)
+
+
+def read_json(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 def read_log(path):
@@ -175,24 +211,51 @@ def _batches(settings, args, n, rank, world):
         yield next(train.local_micro_batches(tokens, 1, world, rank))
 
 
-def _alternate(settings, ours, theirs):
-    """Time `reps` rounds of (k steps of ours, k steps of theirs); medians, ratio, largest loss difference."""
+def _alternate(settings, arms):
+    """Time `rounds` rounds of k steps of each arm, rotating their order every round.
+
+    arms: {name: step}, where step(i) trains on batch i and returns the loss. The machine's speed
+    drifts, so timings taken back to back in the same round are set against each other (see
+    _ratio). A first, untimed round warms every arm up. Returns ({name: seconds per step, a list
+    over rounds}, {name: losses, in step order}).
+    """
     import torch.distributed as dist
-    times = {"ours": [], "builtin": []}
-    losses = {"ours": [], "builtin": []}
-    for rep in range(settings["reps"] + 1):  # the first round warms up and is not timed
-        for key, step in (("ours", ours), ("builtin", theirs)):
+    names = list(arms)
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    for r in range(settings["rounds"] + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
             start = time.perf_counter()
             for i in range(settings["k"]):
-                loss = step(rep * settings["k"] + i)
-                losses[key].append(loss)
+                losses[name].append(arms[name](r * settings["k"] + i))
             dist.barrier()
-            if rep:
-                times[key].append((time.perf_counter() - start) / settings["k"])
-    med = {key: statistics.median(v) for key, v in times.items()}
-    return dict(ours_step_s=med["ours"], builtin_step_s=med["builtin"], ratio=med["ours"] / med["builtin"],
+            if r:
+                times[name].append((time.perf_counter() - start) / settings["k"])
+    return times, losses
+
+
+def _ratio(times, ours="ours", theirs="builtin"):
+    """The median of the rounds' paired ratios of step time, and their range."""
+    ratios = [a / b for a, b in zip(times[ours], times[theirs])]
+    return statistics.median(ratios), [min(ratios), max(ratios)]
+
+
+def _against_builtin(settings, ours, theirs):
+    """ours and theirs alternated: their median step times, the ratio, the largest loss difference."""
+    times, losses = _alternate(settings, {"ours": ours, "builtin": theirs})
+    return _report(times, losses)
+
+
+def _report(times, losses):
+    ratio, ratio_range = _ratio(times)
+    return dict(ours_step_s=statistics.median(times["ours"]), builtin_step_s=statistics.median(times["builtin"]),
+                ratio=ratio, ratio_range=ratio_range,
                 max_loss_difference=max(abs(a - b) for a, b in zip(losses["ours"], losses["builtin"])))
+
+
+def n_batches(settings):
+    return (settings["rounds"] + 1) * settings["k"]
 
 
 def _sgd_step(model, optimizer, inputs, targets, sync=None):
@@ -206,19 +269,30 @@ def _sgd_step(model, optimizer, inputs, targets, sync=None):
 
 
 def worker_ddp(settings):
-    """dp.py's DataParallel against torch.nn.parallel.DistributedDataParallel."""
+    """dp.py's DataParallel against DistributedDataParallel, and against the same ranks not communicating.
+
+    The third arm trains a copy on each rank's share of the batch with no gradient exchange at all
+    (each rank drifts its own way): what dp.py's step costs beyond it is the whole price of data
+    parallelism on these ranks, apart from waiting for the slower one.
+    """
     import torch
     import torch.distributed as dist
     from dp import DataParallel
     rank, world = dist.get_rank(), dist.get_world_size()
     ours, args = _gpt(settings)
-    theirs = copy.deepcopy(ours)
-    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], rank, world))
+    theirs, alone = copy.deepcopy(ours), copy.deepcopy(ours)
+    data = list(_batches(settings, args, n_batches(settings), rank, world))
     sync = DataParallel(ours.parameters())
     ddp = torch.nn.parallel.DistributedDataParallel(theirs)
-    opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
-    return _alternate(settings, lambda i: _sgd_step(ours, opt_ours, *data[i], sync.finish_grad_sync),
-                      lambda i: _sgd_step(ddp, opt_theirs, *data[i]))
+    opt_ours, opt_theirs, opt_alone = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs, alone))
+    times, losses = _alternate(settings, {
+        "ours": lambda i: _sgd_step(ours, opt_ours, *data[i], sync.finish_grad_sync),
+        "builtin": lambda i: _sgd_step(ddp, opt_theirs, *data[i]),
+        "no_communication": lambda i: _sgd_step(alone, opt_alone, *data[i])})
+    result = _report(times, losses)
+    result["no_communication_step_s"] = statistics.median(times["no_communication"])
+    result["over_no_communication"], result["over_no_communication_range"] = _ratio(times, theirs="no_communication")
+    return result
 
 
 def _zero_step(model, zero, inputs, targets):
@@ -240,15 +314,15 @@ def worker_fsdp(settings):
     rank, world = dist.get_rank(), dist.get_world_size()
     ours, args = _gpt(settings)
     theirs = copy.deepcopy(ours)
-    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], rank, world))
+    data = list(_batches(settings, args, n_batches(settings), rank, world))
     zero = ZeRO(ours, None, 3, lambda shards: torch.optim.AdamW(shards, lr=1e-3), units=gpt_units(ours))
     mesh = init_device_mesh("cpu", (world,))
     for block in theirs.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(theirs, mesh=mesh)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
-    return _alternate(settings, lambda i: _zero_step(ours, zero, *data[i]),
-                      lambda i: _sgd_step(theirs, opt_theirs, *data[i]))
+    return _against_builtin(settings, lambda i: _zero_step(ours, zero, *data[i]),
+                            lambda i: _sgd_step(theirs, opt_theirs, *data[i]))
 
 
 def worker_tp(settings):
@@ -261,7 +335,7 @@ def worker_tp(settings):
     world = dist.get_world_size()
     ours, args = _gpt(settings)
     theirs = copy.deepcopy(ours)
-    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], 0, 1))  # tp ranks share data
+    data = list(_batches(settings, args, n_batches(settings), 0, 1))  # tp ranks share data
     for block in ours.blocks:
         block.attn.qkv = tp.ColumnParallelLinear(block.attn.qkv, None, n_chunks=3)
         block.attn.proj = tp.RowParallelLinear(block.attn.proj, None)
@@ -276,8 +350,8 @@ def worker_tp(settings):
         parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                          "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
     opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
-    return _alternate(settings, lambda i: _sgd_step(ours, opt_ours, *data[i]),
-                      lambda i: _sgd_step(theirs, opt_theirs, *data[i]))
+    return _against_builtin(settings, lambda i: _sgd_step(ours, opt_ours, *data[i]),
+                            lambda i: _sgd_step(theirs, opt_theirs, *data[i]))
 
 
 def worker_pp(settings, schedule):
@@ -290,7 +364,7 @@ def worker_pp(settings, schedule):
     n_micro = settings["micro_batches"]
     ours, args = _gpt(settings)
     theirs = copy.deepcopy(ours)
-    data = list(_batches(settings, args, (settings["reps"] + 1) * settings["k"], 0, 1))  # stages share data
+    data = list(_batches(settings, args, n_batches(settings), 0, 1))  # stages share data
     our_chunks = pp.apply_pipeline_parallel(ours, None)
     their_chunk = pp.apply_pipeline_parallel(theirs, None)[0]
 
@@ -335,7 +409,7 @@ def worker_pp(settings, schedule):
         opt_theirs.step()
         opt_theirs.zero_grad()
         return shared_loss([loss.item() for loss in losses])
-    return _alternate(settings, ours_step, theirs_step)
+    return _against_builtin(settings, ours_step, theirs_step)
 
 
 WORKERS = {  # name: (ranks, worker)
@@ -381,7 +455,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a few minutes")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
-    p.add_argument("--only", nargs="*", help="run only these configurations / comparisons")
+    p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
+                                             "scaling check); the rest keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one device (say 989 for an H100's bf16): report MFU")
@@ -390,32 +465,32 @@ def main():
     args = p.parse_args()
     if args.worker:
         return run_worker(args.worker, args.settings)
-    settings = dict(QUICK if args.quick else FULL, k=3 if args.quick else 5)
+    settings = dict(QUICK if args.quick else FULL)
     if args.model:
         settings["model"] = args.model
     os.makedirs(args.out, exist_ok=True)
-    info = machine()
-    with open(os.path.join(args.out, "machine.json"), "w") as f:
-        json.dump(dict(info, settings=settings), f, indent=2)
+    # With --only, what is not run again keeps its earlier results.
+    earlier = {name: read_json(os.path.join(args.out, name)) if args.only else {}
+               for name in ("machine.json", "comparisons.json")}
+    info = dict(machine(), settings=settings)
     run_table(settings, args.out, args.only)
     rows = summarise(args.out, settings, info["cores"], args.peak_tflops * 1e12 if args.peak_tflops else None)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(rows, f, indent=2)
-    if not args.only:
-        info["independent"] = independent_runs(settings, args.out, info["cores"])
-        with open(os.path.join(args.out, "machine.json"), "w") as f:
-            json.dump(dict(info, settings=settings), f, indent=2)
-    comparisons = {}
-    if args.only and os.path.exists(os.path.join(args.out, "comparisons.json")):  # update the others' results
-        with open(os.path.join(args.out, "comparisons.json")) as f:
-            comparisons = json.load(f)
-    comparisons.update(run_comparisons(settings, args.out, args.only))
-    with open(os.path.join(args.out, "comparisons.json"), "w") as f:
-        json.dump(comparisons, f, indent=2)
+    write_json(os.path.join(args.out, "summary.json"), rows)
+    if not args.only or "scaling" in args.only:
+        info["scaling"] = scaling_check(settings, args.out, info["cores"])
+    elif "scaling" in earlier["machine.json"]:
+        info["scaling"] = earlier["machine.json"]["scaling"]
+    write_json(os.path.join(args.out, "machine.json"), info)
+    comparisons = dict(earlier["comparisons.json"], **run_comparisons(settings, args.out, args.only))
+    write_json(os.path.join(args.out, "comparisons.json"), comparisons)
     for r in rows:
         efficiency = f"{r['efficiency']:.0%}" if r["efficiency"] is not None else "?"
         print(f"{r['name']:24s} {r['tokens_per_s']:10,.0f} tok/s  efficiency {efficiency}  "
               f"val {r['final_val_loss']:.4f}")
+    if "scaling" in info:
+        check = info["scaling"]
+        print(f"scaling  data parallelism on {check['ranks']} ranks: {check['efficiency']:.0%} of the ceiling "
+              f"(independent processes: {check['machine_scaling']:.0%})")
     for name, c in comparisons.items():
         print(f"{name:8s} ours/built-in step time {c['ratio']:.2f}  loss difference {c['max_loss_difference']:.2g}")
 

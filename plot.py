@@ -143,12 +143,18 @@ def table(rows, comparisons, machine, results):
              "| Params / Grads / Optim / Activations (MiB, busiest rank) | Sent per step (MiB) "
              "| Compute / wait (s per step) | Bubble (measured / formula) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    if machine.get("independent") and rows and rows[0]["world"] == 1:
-        alone = machine["independent"]
+    if machine.get("scaling"):
+        check = machine["scaling"]
+
+        def span(key):  # the median over rounds, and the range
+            low, high = check[key + "_range"]
+            return f"{check[key]:.0%} (rounds: {low:.0%} to {high:.0%})"
         lines[1:1] = ["", f"Efficiency is against the compute-bound ceiling, 1-rank throughput x min(ranks, cores). "
-                      f"For scale: {alone['processes']} independent 1-rank trainings at once, no communication at "
-                      f"all, reach {alone['tokens_per_s']:,.0f} tok/s together here, "
-                      f"{alone['tokens_per_s'] / (rows[0]['tokens_per_s'] * alone['processes']):.0%} of that ceiling."]
+                      f"Measured on its own, alternating 1 rank and {check['ranks']} in {check['rounds']} rounds of "
+                      f"{check['steps']} steps: data parallelism on {check['ranks']} ranks reaches "
+                      f"{span('efficiency')} of the ceiling; {check['ranks']} independent 1-rank trainings at once, "
+                      f"each on 1/{check['ranks']} of the batch and with no communication, reach "
+                      f"{span('machine_scaling')}."]
     for r in rows:
         comm = ", ".join(f"{d} {v / 2**20:.2f}" for d, v in r["comm_bytes_per_step"].items() if v) or "none"
         bubble_cell = f"{r['bubble']:.2f} / {r['bubble_formula']:.2f}" if r["bubble"] is not None else ""
@@ -160,7 +166,7 @@ def table(rows, comparisons, machine, results):
                      f"| {bubble_cell} |")
     if comparisons:
         lines += ["", "| This repository | PyTorch built-in | Ours (s/step) | Built-in (s/step) | Ours / built-in "
-                      "| Largest loss difference |", "|---|---|---|---|---|---|"]
+                      "(range over rounds) | Largest loss difference |", "|---|---|---|---|---|---|"]
         names = {"ddp": ("dp.py DataParallel", "DistributedDataParallel"),
                  "fsdp": ("dp.py ZeRO-3", "FSDP2 fully_shard"),
                  "tp": ("tp.py column/row-parallel blocks", "DTensor parallelize_module (Colwise/Rowwise)"),
@@ -169,7 +175,12 @@ def table(rows, comparisons, machine, results):
         for key, c in comparisons.items():
             ours, theirs = names.get(key, (key, "built-in"))
             lines.append(f"| {ours} | {theirs} | {c['ours_step_s']:.4f} | {c['builtin_step_s']:.4f} | {c['ratio']:.2f} "
-                         f"| {c['max_loss_difference']:.2g} |")
+                         f"({c['ratio_range'][0]:.2f} to {c['ratio_range'][1]:.2f}) | {c['max_loss_difference']:.2g} |")
+        if "over_no_communication" in comparisons.get("ddp", {}):
+            c = comparisons["ddp"]
+            low, high = c["over_no_communication_range"]
+            lines += ["", f"dp.py's data-parallel step takes {c['over_no_communication']:.2f}x (rounds: {low:.2f} to "
+                          f"{high:.2f}) the time of the same ranks training their shares with no communication."]
     with open(os.path.join(results, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

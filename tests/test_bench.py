@@ -7,7 +7,7 @@ from distributed import REPO
 
 
 def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
-    only = ["gpu1_tp1_pp1_cp1_ep1", "gpu2_tp1_pp1_cp1_ep1", "ddp"]
+    only = ["gpu1_tp1_pp1_cp1_ep1", "gpu2_tp1_pp1_cp1_ep1", "ddp", "scaling"]
     run = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(tmp_path), "--only", *only],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -15,12 +15,20 @@ def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
     assert [r["name"] for r in rows] == only[:2]
     single, dp2 = rows
     assert single["efficiency"] == 1.0 and single["ceiling_tokens_per_s"] == single["tokens_per_s"]
-    assert dp2["ceiling_tokens_per_s"] == single["tokens_per_s"] * min(2, json.loads(
-        (tmp_path / "machine.json").read_text())["cores"])
+    machine = json.loads((tmp_path / "machine.json").read_text())
+    assert dp2["ceiling_tokens_per_s"] == single["tokens_per_s"] * min(2, machine["cores"])
+    check = machine["scaling"]  # its efficiency is each round's n-rank throughput over n times 1 rank's
+    (round_,) = check["per_round"]
+    assert check["ranks"] == min(2, machine["cores"])
+    assert check["efficiency"] == round_["efficiency"] == round_["data_parallel"] / (check["ranks"] * round_["one_rank"])
+    assert check["machine_scaling"] == round_["independent"] / (check["ranks"] * round_["one_rank"])
     assert abs(dp2["final_val_loss"] - single["final_val_loss"]) < 1e-4  # the same training, in float32
     assert dp2["comm_bytes_per_step"]["dp"] > 0 and single["comm_bytes_per_step"].get("dp", 0) == 0
     comparison = json.loads((tmp_path / "comparisons.json").read_text())["ddp"]
     assert comparison["ours_step_s"] > 0 and comparison["builtin_step_s"] > 0
+    for ratio in ("ratio", "over_no_communication"):  # medians of per-round ratios, inside their range
+        low, high = comparison[f"{ratio}_range"]
+        assert low <= comparison[ratio] <= high
     assert comparison["max_loss_difference"] < 1e-4  # they compute the same thing, in float32
 
     plot = subprocess.run([sys.executable, "plot.py", "--results", str(tmp_path)], cwd=REPO,
@@ -31,3 +39,5 @@ def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| Run | Parallelism | Avg Tok/Sec | Final Val Loss |" in table
     assert "| gpu2_tp1_pp1_cp1_ep1 | DP=2 |" in table and "DistributedDataParallel" in table
+    assert f"data parallelism on {check['ranks']} ranks reaches {check['efficiency']:.0%}" in table
+    assert f"takes {comparison['over_no_communication']:.2f}x" in table
