@@ -26,8 +26,9 @@ is posted with `batch_isend_irecv` as soon as its tensor exists and waited
 for only at the end, so a rank has issued every send before it waits for
 anything, and no ordering of valid actions can deadlock. Receives are
 posted one action ahead, so the next message can land while this rank
-computes rather than wait in the sender's socket until it is asked for. Activations and gradients use different tags,
-and every message has a shape both sides know: (micro_batch, seq, hidden).
+computes rather than wait in the sender's socket until it is asked for.
+Activations and gradients use different tags, and every message has a
+shape both sides know: (micro_batch, seq, hidden).
 
 Self-check: torchrun --nproc_per_node 4 pp.py
 """
