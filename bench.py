@@ -95,7 +95,7 @@ def scaling_check(settings, out, cores):
     runs = os.path.join(out, "scaling")
     common = ["--model", settings["model"], "--micro-batches", str(settings["micro_batches"]),
               "--steps", str(steps), "--eval-interval", str(steps), "--out", runs]
-    throughput = lambda name: steady_tokens_per_s(os.path.join(runs, name, "log.jsonl"), settings["skip"])  # noqa: E731
+    throughput = lambda name: tokens_per_s(read_log(os.path.join(runs, name, "log.jsonl"))[settings["skip"]:])  # noqa: E731
     per_round = []
     for r in range(rounds):
         print(f"bench: scaling check, round {r + 1} of {rounds}", flush=True)
@@ -117,10 +117,9 @@ def scaling_check(settings, out, cores):
     return dict(ranks=n, rounds=rounds, steps=steps, **summary, **ranges, per_round=per_round)
 
 
-def steady_tokens_per_s(path, skip):
-    """Tokens per second over a run's steps after the first `skip` (start-up excluded)."""
-    steady = read_log(path)[skip:]
-    return sum(e["tokens_per_s"] * e["step_s"] for e in steady) / sum(e["step_s"] for e in steady)
+def tokens_per_s(records):
+    """Tokens per second over these steps of a log (the steady ones: start-up left out)."""
+    return sum(e["tokens_per_s"] * e["step_s"] for e in records) / sum(e["step_s"] for e in records)
 
 
 def read_json(path):
@@ -163,8 +162,7 @@ def summarise(out, settings, cores, peak_flops=None):
             continue
         log = read_log(path)
         steady = log[settings["skip"]:] or log
-        step_s = sum(e["step_s"] for e in steady)
-        tokens = sum(e["tokens_per_s"] * e["step_s"] for e in steady)
+        throughput = tokens_per_s(steady)
         mean = lambda key: statistics.mean(statistics.mean(e[key]) for e in steady)  # noqa: E731 (over steps, ranks)
         comm = {}
         for key in steady[0]:
@@ -173,16 +171,16 @@ def summarise(out, settings, cores, peak_flops=None):
                 comm[dim] = comm.get(dim, 0) + mean(key) * world  # all ranks, per step
         val = [e["val_loss"] for e in log if "val_loss" in e]
         with open(os.path.join(out, "runs", name, "config.json")) as f:
-            flops = flops_per_token(json.load(f)["model"]) * tokens / step_s
+            flops = flops_per_token(json.load(f)["model"]) * throughput
         rows.append(dict(
             model_flops_per_s=flops, mfu=flops / (world * peak_flops) if peak_flops else None,
-            name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=tokens / step_s,
+            name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=throughput,
             final_val_loss=val[-1] if val else None, final_loss=log[-1]["loss"],
             param_bytes=max(log[-1]["param_bytes"]), grad_bytes=max(log[-1]["grad_bytes"]),
             optim_bytes=max(log[-1]["optim_bytes"]), activation_bytes=max(log[-1]["activation_peak_bytes"]),
             comm_bytes_per_step=comm, compute_s=mean("compute_s"), comm_wait_s=mean("comm_wait_s"),
             bubble=mean("pp_bubble") if "pp_bubble_formula" in log[-1] else None,
-            bubble_formula=log[-1].get("pp_bubble_formula"), step_s=step_s / len(steady)))
+            bubble_formula=log[-1].get("pp_bubble_formula"), step_s=statistics.mean(e["step_s"] for e in steady)))
     base = next((r["tokens_per_s"] for r in rows if r["world"] == 1), None)
     for r in rows:
         r["ceiling_tokens_per_s"] = base * min(r["world"], cores) if base else None
