@@ -27,16 +27,25 @@ Backward recomputes each block's probabilities from the saved log-sum-exp
 (P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
 K/V block, picking up each rank's contribution, until they are back home.
 
+Messages match by order alone, as NCCL requires (it ignores tags). Every rank
+runs the same loop, so every rank posts the same sequence of exchanges: each
+passes one set of tensors to the next rank and receives a set of the same
+shapes from the previous one, in one batch (K, V in forward; K, V, then dK,
+dV at each step of backward). The n-th message from a rank to its successor
+is therefore the n-th receive its successor posts from it, and since both
+ends of an exchange sit in the batch of the same step on every rank, the
+exchange of step s completes once every rank has reached step s.
+
 Self-check: torchrun --nproc_per_node 4 cp.py
 """
 import math
+import os
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-KV_TAG, GRAD_TAG = 0, 1  # K/V blocks travel with one tag, their gradient accumulators with the other
 comm_bytes = Counter()   # bytes this rank sent, per kind
 blocks_computed = Counter()  # attention blocks (pairs of chunks) computed by this rank: "forward", "backward"
 
@@ -108,13 +117,16 @@ class _Ring:
         world = group or dist.group.WORLD
         self.next = dist.get_global_rank(world, (rank + 1) % n)
         self.prev = dist.get_global_rank(world, (rank - 1) % n)
+        self.alone = n == 1
 
-    def pass_on(self, tensors, tag):
+    def pass_on(self, tensors):
         """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
+        if self.alone:
+            return [], list(tensors)  # a ring of one rank: what it sends is what it receives
         tensors = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         comm_bytes["send_recv"] += sum(t.numel() * t.element_size() for t in tensors)
         return dist.batch_isend_irecv(ops), received
 
@@ -139,7 +151,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             source = (rank - step) % n
             if step < n - 1:  # the next block is on its way while this one is computed
-                works, next_kv = ring.pass_on(kv, KV_TAG)
+                works, next_kv = ring.pass_on(kv)
             kh, vh = (t.to(dtype).chunk(2, dim=2) for t in kv)
             for qi, ki, causal in chunk_pairs(rank, source, n):
                 block_out, block_lse = block_attention(qh[qi], kh[ki], vh[ki], causal)
@@ -170,7 +182,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             source = (rank - step) % n
             if step < n - 1:
-                works, next_kv = ring.pass_on(kv, KV_TAG)
+                works, next_kv = ring.pass_on(kv)
             kh, vh = (t.to(dtype).chunk(2, dim=2) for t in kv)
             dk, dv = [torch.zeros_like(h) for h in kh], [torch.zeros_like(h) for h in vh]
             for qi, ki, causal in chunk_pairs(rank, source, n):
@@ -189,7 +201,7 @@ class RingAttention(torch.autograd.Function):
                 grad_acc = tuple(a + c for a, c in zip(pending[1], contribution))
             else:
                 grad_acc = contribution
-            pending = ring.pass_on(grad_acc, GRAD_TAG)  # on the last step this sends each block home
+            pending = ring.pass_on(grad_acc)  # on the last step this sends each block home
             if step < n - 1:
                 _wait(works)
                 kv = next_kv
@@ -232,11 +244,20 @@ def apply_context_parallel(model, group):
 # Self-check: torchrun --nproc_per_node 4 cp.py
 # ---------------------------------------------------------------------------
 
+def _join_process_group():
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    return device
+
+
 def _self_check():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    device = _join_process_group()
+    backend, rank, n = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, 3, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]

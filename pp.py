@@ -19,16 +19,19 @@ order, as ("forward" | "backward", chunk, micro_batch) actions:
   (rank r: chunks r, r+P, r+2P, ...), so a micro-batch visits every rank V
   times; the bubble shrinks by V for V times the point-to-point messages.
 
-`run_schedule` executes any such list: before a forward (backward) it
-receives the input (output gradient) it needs from the previous (next)
-rank; after it, it sends what the neighbour needs. Sends never block: each
-is posted with `batch_isend_irecv` as soon as its tensor exists and waited
-for only at the end, so a rank has issued every send before it waits for
-anything, and no ordering of valid actions can deadlock. Receives are
-posted one action ahead, so the next message can land while this rank
-computes rather than wait in the sender's socket until it is asked for.
-Activations and gradients use different tags, and every message has a
-shape both sides know: (micro_batch, seq, hidden).
+`run_schedule` executes any such list. First it places every rank's actions
+on common time steps (`timeline`): at each step a rank runs its next action
+if its input was sent at an earlier step. Before a forward (backward) a rank
+waits for the activation (gradient) of the previous (next) chunk; after each
+step it posts one batch with what its action sends and the receives of what
+its neighbours' actions of that step send it, and waits for a received
+tensor only when an action needs it. Both ends of every message are posted
+in the batch of the same step, so:
+- messages match by posting order alone, as NCCL requires (it ignores
+  tags): between two ranks, sends and receives are both in step order;
+- nothing can deadlock, even where one communicator runs its batches one
+  after the other (NCCL's stream): batch t needs only every rank to have
+  finished step t, and step t needs only batches before t.
 
 Self-check: torchrun --nproc_per_node 4 pp.py
 """
@@ -39,8 +42,6 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-FORWARD_TAG, BACKWARD_TAG = 0, 1  # activations travel with one tag, gradients with the other
 
 
 def bubble_formula(n_stages, n_micro, n_chunks=1):
@@ -94,6 +95,8 @@ def virtual_step(k, n_stages, n_chunks, forward=True):
 
 def interleaved_1f1b(n_micro, n_stages, rank, n_chunks):
     """Megatron-LM's interleaved 1F1B over n_chunks virtual stages per rank."""
+    if n_stages < 2:
+        raise ValueError("interleaved 1F1B needs at least two pipeline stages")
     if n_micro % n_stages:
         raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a multiple of "
                          f"the pipeline size ({n_stages})")
@@ -127,65 +130,208 @@ def make_schedule(name, n_micro, n_stages, rank, n_chunks=1):
 
 
 # ---------------------------------------------------------------------------
+# Messages, and the time steps that make their order the same on both sides
+# ---------------------------------------------------------------------------
+
+def _model_chunk(action, rank, n_stages):
+    return action[1] * n_stages + rank
+
+
+def message_needed(action, rank, n_stages, n_model_chunks):
+    """The message `action` on `rank` must receive before it runs, or None.
+
+    A message is named (kind, model chunk that sent it, micro-batch): a forward of model chunk k needs
+    the activation of chunk k-1, a backward the gradient of chunk k+1 (the first chunk reads tokens,
+    the last chunk's backward starts from the loss).
+    """
+    kind, _, m = action
+    k = _model_chunk(action, rank, n_stages)
+    if kind == "forward" and k > 0:
+        return ("activation", k - 1, m)
+    if kind == "backward" and k < n_model_chunks - 1:
+        return ("gradient", k + 1, m)
+    return None
+
+
+def message_sent(action, rank, n_stages, n_model_chunks):
+    """(destination rank, message) that `action` on `rank` sends when it is done, or None."""
+    kind, _, m = action
+    k = _model_chunk(action, rank, n_stages)
+    if kind == "forward" and k < n_model_chunks - 1:
+        return (rank + 1) % n_stages, ("activation", k, m)
+    if kind == "backward" and k > 0:
+        return (rank - 1) % n_stages, ("gradient", k, m)
+    return None
+
+
+def timeline(schedules, n_chunks=1):
+    """Every rank's actions on common time steps: steps[t][r] is what rank r runs at step t (None: idle).
+
+    schedules[r] is rank r's action list. At each step a rank runs its next action if the message it
+    needs was sent at an earlier step, and idles otherwise. The result is the pipeline diagram of the
+    article (one row per stage, one column per step), and it fixes the order of every message.
+    """
+    n_stages = len(schedules)
+    n_model_chunks = n_stages * n_chunks
+    position, sent_at, steps = [0] * n_stages, {}, []
+    while any(position[r] < len(schedules[r]) for r in range(n_stages)):
+        t, row = len(steps), []
+        for r, actions in enumerate(schedules):
+            action = actions[position[r]] if position[r] < len(actions) else None
+            need = action and message_needed(action, r, n_stages, n_model_chunks)
+            ready = action is not None and (need is None or sent_at.get(need, t) < t)
+            row.append(action if ready else None)
+            position[r] += ready
+        if not any(row):
+            raise ValueError(f"the schedule deadlocks: no rank can run its next action at step {t}")
+        for r, action in enumerate(row):
+            out = action and message_sent(action, r, n_stages, n_model_chunks)
+            if out:
+                sent_at[out[1]] = t
+        steps.append(row)
+    return steps
+
+
+def exchanges(steps, rank, n_chunks=1):
+    """What this rank posts after each step: ([(destination, message)], [(source, message)]).
+
+    After step t every rank posts, as one batch, the message its own action of step t sends and the
+    receives of the messages its neighbours' actions of step t send it. The two ends of a message are
+    thus always in the batch of the same step: on both sides messages are posted in step order, so
+    they match by order alone, and batch t can complete as soon as every rank has finished step t.
+    That is what NCCL needs: it ignores tags, and it runs the batches of one communicator one after
+    the other on one stream, so a receive posted early would block every send queued behind it (with
+    1F1B on two stages, a first stage waiting for a gradient before sending the activation that the
+    second stage needs to produce it).
+    """
+    n_stages = len(steps[0])
+    n_model_chunks = n_stages * n_chunks
+    posted = []
+    for row in steps:
+        sent = [message_sent(a, r, n_stages, n_model_chunks) if a else None for r, a in enumerate(row)]
+        sends = [sent[rank]] if sent[rank] else []
+        receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
+        posted.append((sends, receives))
+    return posted
+
+
+# ---------------------------------------------------------------------------
 # Running a schedule
 # ---------------------------------------------------------------------------
+
+class Stopwatch:
+    """Adds up intervals of the device's time.
+
+    CUDA runs kernels asynchronously: a host clock around them measures only their launch. There the
+    ends of each interval are CUDA events recorded on the current stream, read (after a synchronize)
+    only when the total is asked for, so timing never stalls the pipeline; on a CPU the host clock is
+    the device's clock.
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.intervals = []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start, end):
+        self.intervals.append((start, end))
+
+    def seconds(self):
+        if not self.cuda:
+            return sum(end - start for start, end in self.intervals)
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.intervals) / 1000
+
 
 class PipelineStats:
     """What one rank measured while running schedules: for the bubble and the memory claims."""
 
-    def __init__(self):
-        self.compute_s = self.wait_s = self.total_s = 0.0
+    def __init__(self, device="cpu"):
+        self.compute, self.wait, self.total = Stopwatch(device), Stopwatch(device), Stopwatch(device)
         self.peak_in_flight = 0   # micro-batches whose activations were alive at once, at most
         self.bytes_sent = 0
 
+    @property
+    def wait_s(self):
+        return self.wait.seconds()
+
     def bubble(self):
         """Measured idle fraction: the time this rank was not computing."""
-        return 1.0 - self.compute_s / self.total_s if self.total_s else 0.0
+        total = self.total.seconds()
+        return 1.0 - self.compute.seconds() / total if total else 0.0
 
 
-class _P2P:
-    """Point-to-point with one neighbour on each side; a send is posted at once and never waited for."""
+class _Batch:
+    """The works of one `batch_isend_irecv`, waited for once: a receive needs its whole batch (NCCL
+    gives one work for a batch, whose operations run as one group), and waiting twice on gloo's
+    receive waits for a second message."""
 
-    def __init__(self, group, shape, dtype, device, debug):
-        self.group, self.shape, self.dtype, self.device, self.debug = group, shape, dtype, device, debug
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.prev = dist.get_global_rank(group or dist.group.WORLD, (rank - 1) % n)
-        self.next = dist.get_global_rank(group or dist.group.WORLD, (rank + 1) % n)
-        self.in_flight = []
-        self.bytes_sent = 0
+    def __init__(self, works):
+        self.works = works
 
-    def send(self, tensor, peer, tag, what):
-        tensor = tensor.detach().to(self.dtype).contiguous()
-        self._log(f"send {what} to rank {peer}")
-        # Posted now, so the neighbour can start as soon as it likes; completes on its own (waited at the end).
-        self.in_flight += dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, self.group, tag)])
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-
-    def post_recv(self, peer, tag, what):
-        """Post a receive now; returns a function that waits for it and gives the tensor."""
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self._log(f"post recv {what} from rank {peer}")
-        work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, self.group, tag)])[0]
-
-        def wait():
+    def wait(self):
+        for work in self.works:
             work.wait()
+        self.works = []
+
+    def waiter(self, buffer):
+        def wait():
+            self.wait()
             return buffer
         return wait
 
+
+class _P2P:
+    """Point-to-point with the other stages: one batch of sends and receives posted after each step."""
+
+    def __init__(self, group, shape, dtype, device, debug):
+        self.group, self.shape, self.dtype, self.device, self.debug = group, shape, dtype, device, debug
+        self.batches = []  # every batch posted; those no receive needed are waited for at the end
+        self.bytes_sent = 0
+
+    def post(self, sends, receives):
+        """Post one batch; returns {message: a function that waits for it and gives the tensor}."""
+        ops, buffers = [], {}
+        for peer, message, tensor in sends:
+            tensor = tensor.detach().to(self.dtype).contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group))
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+            self._log(f"send {message} to stage {peer}")
+        for peer, message in receives:
+            buffers[message] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffers[message], self._global(peer), self.group))
+            self._log(f"post receive of {message} from stage {peer}")
+        if not ops:
+            return {}
+        batch = _Batch(dist.batch_isend_irecv(ops))
+        self.batches.append(batch)
+        return {message: batch.waiter(buffer) for message, buffer in buffers.items()}
+
     def flush(self):
-        for work in self.in_flight:
-            work.wait()
-        self.in_flight = []
+        for batch in self.batches:
+            batch.wait()
+        self.batches = []
+
+    def _global(self, peer):
+        return dist.get_global_rank(self.group or dist.group.WORLD, peer)
 
     def _log(self, message):
         if self.debug:
-            print(f"[pp rank {dist.get_rank(self.group)}] {message}", flush=True)
+            print(f"[pp stage {dist.get_rank(self.group)}] {message}", flush=True)
 
 
-def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, device,
+def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device,
                  grad_sync=None, stats=None, debug=False, forward_context=nullcontext):
     """Execute this rank's actions; returns (losses, side_losses) as floats.
 
+    schedules: every rank's action list (schedules[r] for pipeline rank r); all ranks place them on
+    the same time steps (`timeline`), which orders their messages.
     losses: of each micro-batch, on the last stage (elsewhere []). side_losses:
     of each (chunk, micro-batch) whose chunk returned one (an MoE layer's
     load-balancing loss), on any stage: its gradient flows from where it is
@@ -198,81 +344,61 @@ def run_schedule(actions, chunks, micro_batches, loss_fn, group, shape, dtype, d
     forward_context: entered around every forward (autocast, activation counting).
     """
     n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_chunks, n_model_chunks = len(chunks), len(chunks) * n_stages
     p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
-    stats = stats or PipelineStats()
+    stats = stats or PipelineStats(device)
+    actions = schedules[rank]
     last_backward = {chunk: max(m for kind, c, m in actions if kind == "backward" and c == chunk)
                      for chunk in {c for kind, c, _ in actions if kind == "backward"}}
-    n_model_chunks = len(chunks) * n_stages
-
-    def about(kind, c, m):
-        """An action's model chunk, whether it is the first or the last, and what it passes on."""
-        model_chunk = c * n_stages + rank
-        what = f"{'activation' if kind == 'forward' else 'gradient'} (micro-batch {m}, chunk {model_chunk})"
-        return model_chunk == 0, model_chunk == n_model_chunks - 1, what
-
-    def post_receive(i):
-        """Post the receive action i needs, if any (the first chunk's forward reads tokens, the last's
-        backward starts from the loss); returns the function that waits for it."""
-        if i == len(actions):
-            return None
-        kind = actions[i][0]
-        first, last, what = about(*actions[i])
-        if kind == "forward" and not first:
-            return p2p.post_recv(p2p.prev, FORWARD_TAG, what)
-        if kind == "backward" and not last:
-            return p2p.post_recv(p2p.next, BACKWARD_TAG, what)
-        return None
-
-    saved, losses, side_losses, in_flight = {}, [], [], 0
-    start = time.perf_counter()
-    next_receive = post_receive(0)
-    for i, (kind, c, m) in enumerate(actions):
-        receive, next_receive = next_receive, post_receive(i + 1)  # one action ahead
-        first, last, what = about(kind, c, m)
-        if kind == "forward":
-            wait = time.perf_counter()
-            x = micro_batches[m][0] if first else receive().requires_grad_()
-            compute = time.perf_counter()
-            stats.wait_s += compute - wait
-            with forward_context():
-                y = chunks[c](x)
-                y, side = y if isinstance(y, tuple) else (y, None)
-                # What backward starts from: this micro-batch's share of the loss (the mean over micro-batches,
-                # as gradient accumulation does) on the last stage, the output elsewhere, plus any side loss.
-                roots = []
-                if side is not None:
-                    side_losses.append(side.detach())
-                    roots.append(side / len(micro_batches))
-                if last:
-                    loss = loss_fn(y, micro_batches[m][1])
-                    losses.append(loss.detach())
-                    roots.append(loss / len(micro_batches))
-            stats.compute_s += time.perf_counter() - compute
-            if not last:
-                p2p.send(y, p2p.next, FORWARD_TAG, what)
-            if torch.is_grad_enabled():
-                saved[c, m] = (x, y if not last else None, roots)
-                in_flight += 1
-                stats.peak_in_flight = max(stats.peak_in_flight, in_flight)
-        else:
-            x, y, roots = saved.pop((c, m))
-            wait = time.perf_counter()
-            if not last:
-                roots = [y, *roots]
-                grads = [receive()] + [None] * (len(roots) - 1)
+    steps = timeline(schedules, n_chunks)
+    saved, received, losses, side_losses, in_flight = {}, {}, [], [], 0
+    start = stats.total.now()
+    for row, (sends, receives) in zip(steps, exchanges(steps, rank, n_chunks)):
+        action, output = row[rank], None
+        if action:
+            kind, c, m = action
+            k = c * n_stages + rank
+            need = message_needed(action, rank, n_stages, n_model_chunks)
+            wait = stats.wait.now()
+            incoming = received.pop(need)() if need else None
+            compute = stats.compute.now()
+            stats.wait.add(wait, compute)
+            if kind == "forward":
+                x = micro_batches[m][0] if k == 0 else incoming.requires_grad_()
+                with forward_context():
+                    y = chunks[c](x)
+                    y, side = y if isinstance(y, tuple) else (y, None)
+                    # What backward starts from: this micro-batch's share of the loss (the mean over
+                    # micro-batches, as gradient accumulation does) on the last stage, the output
+                    # elsewhere, plus any side loss.
+                    roots = []
+                    if side is not None:
+                        side_losses.append(side.detach())
+                        roots.append(side / len(micro_batches))
+                    if k == n_model_chunks - 1:
+                        loss = loss_fn(y, micro_batches[m][1])
+                        losses.append(loss.detach())
+                        roots.append(loss / len(micro_batches))
+                output = y
+                if torch.is_grad_enabled():
+                    saved[c, m] = (x, y if k < n_model_chunks - 1 else None, roots)
+                    in_flight += 1
+                    stats.peak_in_flight = max(stats.peak_in_flight, in_flight)
             else:
+                x, y, roots = saved.pop((c, m))
                 grads = [None] * len(roots)
-            compute = time.perf_counter()
-            stats.wait_s += compute - wait
-            reduce_now = grad_sync is None or m == last_backward[c]
-            with nullcontext() if reduce_now else grad_sync.no_sync():
-                torch.autograd.backward(roots, grads)
-            stats.compute_s += time.perf_counter() - compute
-            in_flight -= 1
-            if not first:
-                p2p.send(x.grad, p2p.prev, BACKWARD_TAG, what)
+                if incoming is not None:
+                    roots, grads = [y, *roots], [incoming, *grads]
+                reduce_now = grad_sync is None or m == last_backward[c]
+                with nullcontext() if reduce_now else grad_sync.no_sync():
+                    torch.autograd.backward(roots, grads)
+                output = x.grad
+                in_flight -= 1
+            stats.compute.add(compute, stats.compute.now())
+        sends = [(peer, message, output) for peer, message in sends]
+        received.update(p2p.post(sends, receives))
     p2p.flush()
-    stats.total_s += time.perf_counter() - start
+    stats.total.add(start, stats.total.now())
     stats.bytes_sent += p2p.bytes_sent
     return [loss.item() for loss in losses], [side.item() for side in side_losses]
 
@@ -327,11 +453,20 @@ def apply_pipeline_parallel(model, group, n_chunks=1, positions=None):
 # Self-check: torchrun --nproc_per_node 4 pp.py
 # ---------------------------------------------------------------------------
 
+def _join_process_group():
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    return device
+
+
 def _self_check():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, n_stages = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    device = _join_process_group()
+    backend, rank, n_stages = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     width, n_layers = 8, 2 * n_stages
     layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()).to(device, torch.float64) for _ in range(n_layers)]
@@ -350,14 +485,14 @@ def _self_check():
         ref_loss += loss.item() / n_micro
     ref_grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
 
-    for name, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+    for name, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)][:3 if n_stages > 1 else 2]:
         for p in (p for layer in layers for p in layer.parameters()):
             p.grad = None
         ranges = split_layers(n_layers, n_stages * n_chunks)
         chunks = [nn.Sequential(*[layers[i] for i in ranges[c * n_stages + rank]]) for c in range(n_chunks)]
         stats = PipelineStats()
-        actions = make_schedule(name, n_micro, n_stages, rank, n_chunks)
-        losses, _ = run_schedule(actions, chunks, micro_batches, loss_fn, None, (batch, width), torch.float64,
+        schedules = [make_schedule(name, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
+        losses, _ = run_schedule(schedules, chunks, micro_batches, loss_fn, None, (batch, width), torch.float64,
                                  device, stats=stats)
         worst = 0.0
         for c in range(n_chunks):

@@ -2,7 +2,13 @@
 
 A hang (a collective that one rank never joins) kills every rank and fails
 the test after `timeout` seconds instead of freezing the suite.
+
+Every rank runs under NCCL's matching rule: NCCL ignores point-to-point
+tags, so between two ranks sends and receives match in posting order alone.
+gloo honours tags, so a wrong order could pass here and fail on GPUs; with
+every tag forced to 0 (`match_by_order_alone`), gloo matches as NCCL does.
 """
+import functools
 import os
 import re
 import shutil
@@ -21,8 +27,33 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 mp.set_forkserver_preload(["torch", "torch.distributed", "train"])
 
 
+class _TagZeroP2POp(dist.P2POp):
+    """dist.P2POp with its tag forced to 0 (and torch's own isend/irecv, if given the tagless ones below)."""
+
+    def __new__(cls, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        return super().__new__(cls, getattr(op, "__wrapped__", op), tensor, peer, group, 0, group_peer)
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        super().__init__(getattr(op, "__wrapped__", op), tensor, peer, group, 0, group_peer)
+
+
+def match_by_order_alone():
+    """Make every point-to-point operation of this process tagless, as on NCCL."""
+    dist.P2POp = _TagZeroP2POp
+    for name in ("isend", "irecv", "send", "recv"):
+        setattr(dist, name, _tag_zero(getattr(dist.distributed_c10d, name)))
+
+
+def _tag_zero(operation):
+    @functools.wraps(operation)  # sets __wrapped__, by which _TagZeroP2POp finds torch's own
+    def tagless(*args, tag=0, **kwargs):
+        return operation(*args, tag=0, **kwargs)
+    return tagless
+
+
 def _rank_main(fn, args, rank, world, port, result_path):
     torch.set_num_threads(1)  # N ranks share 2 cores
+    match_by_order_alone()
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

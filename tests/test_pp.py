@@ -3,14 +3,18 @@ import json
 import re
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import pp
 import train
 from distributed import run_on_ranks, self_check_alone
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 
-# 8 layers, so that 4 stages x 2 virtual stages each hold one; two steps.
-BASE = [*EQUIVALENCE, "--layers", "8", "--steps", "2"]
+# 8 layers, so that 4 stages x 2 virtual stages each hold one; two steps; 24 sequences, so that 2, 3, 4, 6
+# and 8 micro-batches divide them.
+BATCH = 24
+BASE = [*EQUIVALENCE, "--layers", "8", "--steps", "2", "--batch-size", str(BATCH)]
 
 
 
@@ -18,19 +22,21 @@ def read_log(run_dir):
     return [json.loads(line) for line in (run_dir / "log.jsonl").open()]
 
 
-CASES = [(stages, schedule, micro) for stages in (2, 4) for schedule in ("gpipe", "1f1b", "interleaved")
-         for micro in (stages, 2 * stages)]  # m = p and m > p
+CASES = [(stages, schedule, 2 if schedule == "interleaved" else 1, micro) for stages in (2, 4)
+         for schedule in ("gpipe", "1f1b", "interleaved") for micro in (stages, 2 * stages)]  # m = p and m > p
+# Three stages and three virtual stages: the 8 layers split unevenly (3+3+2, 2+2+1+1+1+1).
+CASES += [(3, "gpipe", 1, 3), (3, "1f1b", 1, 6), (3, "interleaved", 2, 6), (2, "interleaved", 3, 4)]
 
 
-@pytest.mark.parametrize("stages,schedule,micro", CASES, ids=lambda v: str(v))
-def test_pipeline_matches_single_device(tmp_path, stages, schedule, micro):
-    argv = [*BASE, "--micro-batches", str(micro), "--pp", str(stages), "--schedule", schedule, "--out", str(tmp_path)]
+@pytest.mark.parametrize("stages,schedule,chunks,micro", CASES, ids=lambda v: str(v))
+def test_pipeline_matches_single_device(tmp_path, stages, schedule, chunks, micro):
+    argv = [*BASE, "--micro-batches", str(micro), "--pp", str(stages), "--schedule", schedule,
+            "--virtual-stages", str(chunks), "--out", str(tmp_path)]
     results = run_on_ranks(stages, train_worker, argv, timeout=180)
     for result in results:  # every stage reports the full losses and the merged state dict
         assert_matches_oracle(result, oracle([*BASE, "--micro-batches", str(micro)]))
 
-    chunks = 2 if schedule == "interleaved" else 1
-    micro_bytes = (8 // micro) * 16 * 32 * 8  # one micro-batch's activations: b * s * h float64 values
+    micro_bytes = (BATCH // micro) * 16 * 32 * 8  # one micro-batch's activations: b * s * h float64 values
     for entry in read_log(tmp_path / f"gpu{stages}_tp1_pp{stages}_cp1_ep1"):
         for rank in range(stages):
             # Point-to-point: b*s*h per micro-batch and chunk boundary, each way.
@@ -51,6 +57,14 @@ def test_pipeline_with_data_parallel(tmp_path):
     argv = [*BASE, "--micro-batches", "2", "--pp", "2", "--out", str(tmp_path)]
     for result in run_on_ranks(4, train_worker, argv, timeout=180):
         assert_matches_oracle(result, oracle([*BASE, "--micro-batches", "2"]))
+
+
+@pytest.mark.parametrize("flags,model", [(["--cp", "2", "--schedule", "interleaved"], []),
+                                         (["--ep", "2"], ["--experts", "4"])], ids=["cp2", "ep2"])
+def test_pipeline_with_context_or_expert_parallel(tmp_path, flags, model):
+    argv = [*BASE, *model, "--micro-batches", "2", "--pp", "2", *flags, "--out", str(tmp_path)]
+    for result in run_on_ranks(4, train_worker, argv, timeout=180):
+        assert_matches_oracle(result, oracle([*BASE, *model, "--micro-batches", "2"]))
 
 
 def test_pipeline_with_tensor_and_sequence_parallel(tmp_path):
@@ -97,6 +111,98 @@ def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_
         assert sorted(actions) == sorted(expected)
         if schedule == "1f1b":  # warm-up of P-1-rank forwards before the first backward
             assert [kind for kind, _, _ in actions].index("backward") == min(n_stages - rank - 1, n_micro) + 1
+
+
+# -- NCCL's rules: messages match by posting order, batches run one after the other ----------
+
+PLANS = [(schedule, n_chunks, n_stages, groups * n_stages)
+         for schedule, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
+         for n_stages in (2, 3, 4) for groups in (1, 2, 3)]
+
+
+def run_batches_as_nccl(posted):
+    """Run every rank's batches (pp.exchanges) as NCCL would, or fail on a deadlock.
+
+    A rank's batches run one after the other (one communicator, one stream), and an operation
+    completes only when its peer's current batch holds the matching one (a large send waits for
+    its receiver). Matching is by order alone: the n-th send from a to b is the n-th receive b posts
+    from a. Returns, per rank, the batch in which each message arrived.
+    """
+    n = len(posted)
+    queues = {}  # (source, destination) -> the messages the destination will receive, in order
+    for rank, batches in enumerate(posted):
+        for _, receives in batches:
+            for source, message in receives:
+                queues.setdefault((source, rank), []).append(message)
+    current = [0] * n
+    left = [[*sends, *receives] for sends, receives in (batches[0] for batches in posted)]
+    arrived = [{} for _ in range(n)]
+    while any(current[r] < len(posted[r]) for r in range(n)):
+        progressed = False
+        for a in range(n):
+            for b, message in [op for op in left[a] if op in posted[a][current[a]][0]]:  # a's sends
+                if current[b] < len(posted[b]) and (a, queues[a, b][0]) in left[b]:
+                    assert queues[a, b].pop(0) == message, f"stage {b} would take {message} for another message"
+                    left[a].remove((b, message))
+                    left[b].remove((a, message))
+                    arrived[b][message] = current[b]
+                    progressed = True
+        for r in range(n):
+            while current[r] < len(posted[r]) and not left[r]:
+                current[r] += 1
+                left[r] = [*posted[r][current[r]][0], *posted[r][current[r]][1]] if current[r] < len(posted[r]) else []
+                progressed = True
+        assert progressed, f"deadlock: stages are at batches {current}"
+    return arrived
+
+
+@pytest.mark.parametrize("schedule,n_chunks,n_stages,n_micro", PLANS, ids=lambda v: str(v))
+def test_messages_match_by_order_alone_and_never_deadlock_under_nccl(schedule, n_chunks, n_stages, n_micro):
+    schedules = [pp.make_schedule(schedule, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
+    steps = pp.timeline(schedules, n_chunks)
+    for r in range(n_stages):  # every action runs once, in its rank's order
+        assert [row[r] for row in steps if row[r]] == schedules[r]
+    posted = [pp.exchanges(steps, r, n_chunks) for r in range(n_stages)]
+    for source in range(n_stages):  # the n-th send from a rank to another is the n-th receive posted there
+        for destination in range(n_stages):
+            sent = [m for sends, _ in posted[source] for d, m in sends if d == destination]
+            received = [m for _, receives in posted[destination] for s, m in receives if s == source]
+            assert sent == received
+    arrived = run_batches_as_nccl(posted)
+    for t, row in enumerate(steps):  # and each action's input arrived in a batch posted before it runs
+        for r, action in enumerate(row):
+            need = action and pp.message_needed(action, r, n_stages, n_stages * n_chunks)
+            if need:
+                assert arrived[r][need] < t
+
+
+def test_two_stages_interleaved_send_both_kinds_over_one_link():
+    """Why order matters: with P=2 and V=2, stage 0 sends stage 1 activations (chunk 0 -> 1) and gradients
+    (chunk 2 -> 1) over the same link, in shapes alike, so a receive matched out of order would silently
+    take a gradient for an activation."""
+    schedules = [pp.make_schedule("interleaved", 4, 2, r, 2) for r in range(2)]
+    sent = [m for sends, _ in pp.exchanges(pp.timeline(schedules, 2), 0, 2) for _, m in sends]
+    assert {kind for kind, _, _ in sent} == {"activation", "gradient"}
+
+
+def tag_worker():
+    """Rank 0 sends two messages tagged 1 and 2; rank 1 posts the receive tagged 2 first."""
+    first, second = torch.zeros(1), torch.zeros(1)
+    if dist.get_rank() == 0:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(1), 1, tag=1),
+                                        dist.P2POp(dist.isend, torch.full((1,), 2.0), 1, tag=2)])
+    else:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, first, 0, tag=2),
+                                        dist.P2POp(dist.irecv, second, 0, tag=1)])
+    for work in works:
+        work.wait()
+    return first.item(), second.item()
+
+
+def test_ranks_run_under_nccls_rule_tags_are_ignored():
+    """The test ranks (distributed.py) match point-to-point messages by order alone, as NCCL does; with
+    tags honoured, the receive tagged 2 would take the second message."""
+    assert run_on_ranks(2, tag_worker)[1] == (1.0, 2.0)
 
 
 def test_forward_only_runs_each_forward_once_in_schedule_order():
