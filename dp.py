@@ -44,6 +44,7 @@ Self-check: torchrun --nproc_per_node 4 dp.py
 """
 import copy
 import math
+import os
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -496,11 +497,20 @@ def gpt_units(model):
 # Self-check: torchrun --nproc_per_node N dp.py
 # ---------------------------------------------------------------------------
 
+def _join_process_group():
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    return device
+
+
 def _self_check():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    device = _join_process_group()
+    backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
                                     torch.nn.Tanh(), torch.nn.Linear(64, 3)).to(device, torch.float64)

@@ -36,6 +36,7 @@ averaged over (not by the group's size) gives the single device's gradient.
 
 Self-check: torchrun --nproc_per_node 4 ep.py
 """
+import os
 from collections import Counter
 
 import torch
@@ -193,12 +194,21 @@ class _ToyMoE(nn.Module):
         return out, aux
 
 
+def _join_process_group():
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    return device
+
+
 def _self_check():
     import copy
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    device = _join_process_group()
+    backend, rank, n = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = _ToyMoE(8, 2 * n, 2).to(device, torch.float64)
     g = torch.Generator().manual_seed(1)

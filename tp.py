@@ -41,6 +41,7 @@ parallel run start identical; `unshard` gathers a shard back to full size.
 Self-check: torchrun --nproc_per_node 2 tp.py
 """
 import copy
+import os
 from collections import Counter
 from functools import partial
 
@@ -435,11 +436,20 @@ def _split_toy(model, group, sp):
     return model
 
 
+def _join_process_group():
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    return device
+
+
 def _self_check():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    device = _join_process_group()
+    backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = _ToyLM(vocab=8 * world, seq=2 * world).to(device, torch.float64)
     ids = torch.randint(0, 8 * world, (3, 2 * world + 1), generator=torch.Generator().manual_seed(1)).to(device)
