@@ -8,22 +8,52 @@ configuration be compared token for token with the single device.
 - `MarkovLanguage`: the default, nothing to download. A sparse random Markov
   chain over the vocabulary; its entropy rate H = sum_s pi(s) H(P(.|s)) is
   computed exactly, and it is the lowest mean cross-entropy any model can
-  reach on it (the "floor" drawn under every loss curve).
+  reach on it (the "floor" drawn under every loss curve), even at GPT-2's
+  vocabulary of 50304 tokens.
 - `TokenFile`: real tokens, from a text file (bytes are tokens, vocabulary
   256, the last tenth held out) or from a nanoGPT-style directory holding
-  `train.bin` and `val.bin` (uint16 token ids).
+  `train.bin` and `val.bin` (uint16 token ids) and optionally `meta.pkl`
+  (its "vocab_size"). The files are never scanned: they may hold billions
+  of tokens.
 """
 import os
+import pickle
 
 import numpy as np
 import torch
 
 SPLITS = {"train": 0, "val": 1}
+GPT2_VOCAB_SIZE = 50257  # a token directory without meta.pkl: nanoGPT's default
 
 
 def batch_rng(seed, split, step):
     """The random stream of one batch: a pure function of (seed, split, step)."""
     return np.random.default_rng([seed, SPLITS[split], step])
+
+
+def stationary_distribution(successors, probs, tol=1e-15, max_iters=100_000):
+    """pi with pi P = pi and sum(pi) = 1, where token s goes to successors[s, k] with probability probs[s, k].
+
+    Power iteration on the sparse table: a dense P, or a dense solve, would not
+    fit GPT-2's vocabulary (V = 50304: 20 GB, O(V^3) time). Each step computes
+    pi P in O(V * branching) as a bincount. It iterates the lazy chain
+    (I + P) / 2, which has the same stationary distribution but no period, so
+    it converges even on a periodic chain. It stops once a step changes pi by
+    no more than a few units in the last place of its largest entry (1e-15
+    relative; below that, rounding may never settle): pi then matches a dense
+    solve to ~1e-13 relative, so the entropy floor is exact to every printed digit.
+    """
+    vocab_size = len(successors)
+    targets = successors.ravel()
+    pi = np.full(vocab_size, 1 / vocab_size)
+    for _ in range(max_iters):
+        pi_P = np.bincount(targets, weights=(pi[:, None] * probs).ravel(), minlength=vocab_size)
+        new = (pi + pi_P) / 2
+        if np.abs(new - pi).max() <= tol * new.max():
+            return new / new.sum()
+        pi = new
+    raise RuntimeError(f"the stationary distribution did not converge in {max_iters} power iterations "
+                       f"(vocabulary {vocab_size}): the chain mixes too slowly")
 
 
 class MarkovLanguage:
@@ -43,21 +73,14 @@ class MarkovLanguage:
         self.successors = successors
         self.probs = rng.dirichlet(np.ones(branching), size=vocab_size)
         self.cumulative = np.cumsum(self.probs, axis=1)
-        self.stationary = self._stationary_distribution()
+        self.stationary = stationary_distribution(self.successors, self.probs)
         self.entropy_rate = float(-(self.stationary[:, None] * self.probs * np.log(self.probs)).sum())
 
     def transition_matrix(self):
+        """The dense V x V matrix P: for tests on small vocabularies only (20 GB at V = 50304)."""
         P = np.zeros((self.vocab_size, self.vocab_size))
         np.add.at(P, (np.arange(self.vocab_size)[:, None], self.successors), self.probs)
         return P
-
-    def _stationary_distribution(self):
-        """pi with pi P = pi and sum(pi) = 1, solved as one linear system."""
-        A = self.transition_matrix().T - np.eye(self.vocab_size)
-        A[-1] = 1.0  # replace one (redundant) balance equation by the normalisation
-        b = np.zeros(self.vocab_size)
-        b[-1] = 1.0
-        return np.linalg.solve(A, b)
 
     def sample(self, rng, n_seqs, length):
         """n_seqs sequences of `length` tokens, each started from the stationary distribution.
@@ -80,35 +103,63 @@ class MarkovLanguage:
         return torch.from_numpy(self.sample(batch_rng(self.seed, split, step), n_seqs, length + 1))
 
 
+def vocab_size_of(path, vocab_size=None):
+    """The vocabulary of the data at path (None: the synthetic language of vocab_size).
+
+    Reads no tokens and builds nothing: it is called before any process group
+    exists, to shape the model. A token directory's size comes from its
+    meta.pkl, else from vocab_size, else GPT-2's; never from a scan of the files.
+    """
+    if path is None:
+        if vocab_size is None:
+            raise ValueError("the synthetic language needs a vocab_size")
+        return vocab_size
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--data {path}: no such file or directory")
+    if not os.path.isdir(path):
+        return 256  # a text file: bytes are tokens
+    meta = os.path.join(path, "meta.pkl")
+    if os.path.exists(meta):
+        with open(meta, "rb") as f:
+            return int(pickle.load(f)["vocab_size"])
+    return GPT2_VOCAB_SIZE if vocab_size is None else vocab_size
+
+
 class TokenFile:
     """Random windows of a token stream; a window never crosses into the other split."""
 
     entropy_rate = None  # unknown for real data
 
-    def __init__(self, path, seed=0):
+    def __init__(self, path, seed=0, vocab_size=None):
+        self.path = path
         self.seed = seed
+        self.vocab_size = vocab_size_of(path, vocab_size)
         if os.path.isdir(path):
+            # Mapped, not read: only the windows of each batch are ever loaded.
             self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=np.uint16, mode="r")
                            for split in SPLITS}
-            self.vocab_size = int(max(t.max() for t in self.tokens.values())) + 1
         else:
             data = np.fromfile(path, dtype=np.uint8)
             cut = int(len(data) * 0.9)
             self.tokens = {"train": data[:cut], "val": data[cut:]}
-            self.vocab_size = 256
 
     def batch(self, split, step, n_seqs, length):
         tokens = self.tokens[split]
         if len(tokens) < length + 1:
             raise ValueError(f"the {split} split has {len(tokens)} tokens, too few for windows of {length + 1}")
         starts = batch_rng(self.seed, split, step).integers(0, len(tokens) - length, n_seqs)  # last start included
-        return torch.from_numpy(np.stack([tokens[s:s + length + 1].astype(np.int64) for s in starts]))
+        batch = np.stack([tokens[s:s + length + 1].astype(np.int64) for s in starts])
+        # The files were never checked against the vocabulary (that is a full
+        # scan), so each batch is: an id past the embedding table must not go unnoticed.
+        largest = int(batch.max())
+        if largest >= self.vocab_size:
+            raise ValueError(f"the {split} split of {self.path} holds token id {largest}, outside the "
+                             f"vocabulary of {self.vocab_size} (meta.pkl's vocab_size, else the one given, else GPT-2's)")
+        return torch.from_numpy(batch)
 
 
-def load_data(path=None, vocab_size=256, seed=0):
-    """The synthetic language when path is None, else the text file or token directory at path."""
+def load_data(path=None, vocab_size=None, seed=0):
+    """The synthetic language of vocab_size when path is None, else the text file or token directory at path."""
     if path is None:
-        return MarkovLanguage(vocab_size, seed=seed)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--data {path}: no such file or directory")
-    return TokenFile(path, seed=seed)
+        return MarkovLanguage(vocab_size_of(None, vocab_size), seed=seed)
+    return TokenFile(path, seed, vocab_size)

@@ -4,6 +4,8 @@ function of (seed, split, step), for the synthetic language and for token files.
 Statistical checks derive their tolerances from the sample itself (standard
 errors from counts or from independent sequences), never from hard-coded figures.
 """
+import builtins
+import pickle
 import re
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from data import MarkovLanguage, TokenFile, load_data
+from data import GPT2_VOCAB_SIZE, MarkovLanguage, TokenFile, load_data, stationary_distribution, vocab_size_of
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +26,31 @@ def small():
 def small_sample(small):
     """4000 independent sequences of 65 tokens."""
     return small.batch("train", 0, 4000, 64).numpy()
+
+
+@pytest.fixture(scope="module")
+def gpt2_sized():
+    """A language over GPT-2's padded vocabulary: its dense P alone would take 20 GB."""
+    return MarkovLanguage(vocab_size=50304)
+
+
+def dense_matrix(successors, probs):
+    P = np.zeros((len(successors), len(successors)))
+    np.add.at(P, (np.arange(len(successors))[:, None], successors), probs)
+    return P
+
+
+def dense_stationary(P):
+    """The balance equations pi P = pi, one of them replaced by sum(pi) = 1, solved densely."""
+    A = P.T - np.eye(len(P))
+    A[-1] = 1.0
+    b = np.zeros(len(P))
+    b[-1] = 1.0
+    return np.linalg.solve(A, b)
+
+
+def sparse_pi_P(pi, lang):
+    return np.bincount(lang.successors.ravel(), weights=(pi[:, None] * lang.probs).ravel(), minlength=len(pi))
 
 
 # 1. The chain ------------------------------------------------------------------
@@ -45,6 +72,37 @@ def test_transition_matrix_is_stochastic_irreducible_and_pi_is_stationary(vocab_
     np.testing.assert_allclose(pi @ P, pi, rtol=1e-9, atol=1e-14)
 
 
+@pytest.mark.parametrize("vocab_size, branching, seed", [(16, 3, 0), (64, 4, 1), (256, 4, 0), (5, 5, 2), (16, 2, 3)])
+def test_sparse_stationary_distribution_equals_the_dense_solve(vocab_size, branching, seed):
+    lang = MarkovLanguage(vocab_size, branching, seed)
+    np.testing.assert_allclose(lang.stationary, dense_stationary(lang.transition_matrix()), rtol=1e-12, atol=0)
+
+
+def test_stationary_distribution_of_a_periodic_chain():
+    """{0, 1} -> {2, 3, 4} -> {0, 1}: period 2, with classes of unequal size."""
+    successors = np.array([[2, 3], [3, 4], [0, 1], [0, 1], [0, 1]])
+    probs = np.random.default_rng(0).dirichlet(np.ones(2), size=5)
+    P = dense_matrix(successors, probs)
+    # Plain power iteration from uniform never settles: the mass on {0, 1} swaps 2/5 <-> 3/5.
+    uniform = np.full(5, 1 / 5)
+    assert (uniform @ P)[:2].sum() == pytest.approx(3 / 5) and (uniform @ P @ P)[:2].sum() == pytest.approx(2 / 5)
+    np.testing.assert_allclose(stationary_distribution(successors, probs), dense_stationary(P), rtol=1e-12, atol=0)
+
+
+def test_gpt2_sized_language_has_a_stationary_distribution(gpt2_sized):
+    pi = gpt2_sized.stationary
+    assert pi.shape == (50304,) and (pi > 0).all()
+    assert pi.sum() == pytest.approx(1, rel=1e-12)
+    np.testing.assert_allclose(sparse_pi_P(pi, gpt2_sized), pi, rtol=1e-12, atol=0)
+    assert 0 < gpt2_sized.entropy_rate < np.log(4)
+
+
+def test_gpt2_sized_batches_use_only_allowed_successors(gpt2_sized):
+    tokens = gpt2_sized.batch("train", 0, 8, 1024).numpy()
+    assert tokens.shape == (8, 1025) and ((tokens >= 0) & (tokens < 50304)).all()
+    assert (gpt2_sized.successors[tokens[:, :-1]] == tokens[:, 1:, None]).any(-1).all()
+
+
 def test_branching_out_of_range_raises():
     for branching in (1, 17):
         with pytest.raises(ValueError):
@@ -53,12 +111,14 @@ def test_branching_out_of_range_raises():
 
 # 2. The entropy rate -------------------------------------------------------------
 
-def test_entropy_rate_equals_formula_from_transition_matrix(small):
-    P, pi = small.transition_matrix(), small.stationary
+@pytest.mark.parametrize("vocab_size, branching, seed", [(16, 3, 0), (64, 4, 1), (256, 4, 0)])
+def test_entropy_rate_equals_formula_from_transition_matrix(vocab_size, branching, seed):
+    lang = MarkovLanguage(vocab_size, branching, seed)
+    P = lang.transition_matrix()
     plogp = np.where(P > 0, P * np.log(np.where(P > 0, P, 1)), 0)
-    expected = -(pi * plogp.sum(1)).sum()
-    assert small.entropy_rate == pytest.approx(expected, rel=1e-12)
-    assert 0 < small.entropy_rate < np.log(3)  # below the uniform-over-3-successors bound
+    expected = -(dense_stationary(P) * plogp.sum(1)).sum()
+    assert lang.entropy_rate == pytest.approx(expected, rel=1e-12)
+    assert 0 < lang.entropy_rate < np.log(branching)  # below the uniform-over-successors bound
 
 
 def test_mean_true_nll_of_samples_matches_entropy_rate(small, small_sample):
@@ -160,17 +220,93 @@ def test_text_file_windows_are_deterministic_per_seed_split_step(text_file):
     assert not torch.equal(a.batch("val", 2, 8, 16), b.batch("val", 3, 8, 16))
 
 
+def write_token_dir(path, train, val, meta_vocab_size=None):
+    """A nanoGPT-style directory: train.bin, val.bin and, if given, meta.pkl."""
+    np.asarray(train, dtype=np.uint16).tofile(path / "train.bin")
+    np.asarray(val, dtype=np.uint16).tofile(path / "val.bin")
+    if meta_vocab_size is not None:
+        (path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": meta_vocab_size}))
+    return str(path)
+
+
 def test_token_directory_of_uint16_bins(tmp_path):
     rng = np.random.default_rng(0)
     train = rng.integers(0, 1000, 500).astype(np.uint16)
     val = rng.integers(0, 1000, 100).astype(np.uint16)
-    val[17] = 1233  # the largest token lives in val
-    train.tofile(tmp_path / "train.bin")
-    val.tofile(tmp_path / "val.bin")
-    tf = TokenFile(str(tmp_path))
-    assert tf.vocab_size == 1234
+    tf = TokenFile(write_token_dir(tmp_path, train, val))
+    assert tf.vocab_size == GPT2_VOCAB_SIZE == 50257  # no meta.pkl, none given: GPT-2's
     assert_windows_are_slices(tf.batch("train", 0, 6, 32), train, 32)
     assert_windows_are_slices(tf.batch("val", 0, 6, 32), val, 32)
+
+
+# The token ids below stay under 40: a scan of the files would find a vocabulary of 40.
+
+def test_meta_pkl_sets_the_vocabulary_over_the_one_given(tmp_path):
+    path = write_token_dir(tmp_path, np.arange(40), np.arange(40), meta_vocab_size=65)
+    assert vocab_size_of(path, 1000) == TokenFile(path, vocab_size=1000).vocab_size == 65
+    assert load_data(path, vocab_size=1000).vocab_size == 65
+
+
+def test_the_vocabulary_given_is_used_without_meta_pkl(tmp_path):
+    path = write_token_dir(tmp_path, np.arange(40), np.arange(40))
+    assert vocab_size_of(path, 1000) == TokenFile(path, vocab_size=1000).vocab_size == 1000
+    assert load_data(path, vocab_size=1000).vocab_size == 1000
+
+
+def test_the_default_vocabulary_is_gpt2s(tmp_path):
+    path = write_token_dir(tmp_path, np.arange(40), np.arange(40))
+    assert vocab_size_of(path) == TokenFile(path).vocab_size == load_data(path).vocab_size == 50257
+
+
+def forbid_token_reads(monkeypatch):
+    """From now on, any read of a token file, through numpy or open(), fails the test."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a token file was read")
+    real_open = builtins.open
+    def open_but_not_bins(file, *args, **kwargs):
+        if str(file).endswith(".bin"):
+            forbidden()
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(np, "memmap", forbidden)
+    monkeypatch.setattr(np, "fromfile", forbidden)
+    monkeypatch.setattr(builtins, "open", open_but_not_bins)
+
+
+def test_the_vocabulary_is_found_without_reading_the_token_files(tmp_path, monkeypatch):
+    (tmp_path / "with_meta").mkdir(), (tmp_path / "without_meta").mkdir()
+    with_meta = write_token_dir(tmp_path / "with_meta", np.arange(40), np.arange(40), meta_vocab_size=65)
+    without_meta = write_token_dir(tmp_path / "without_meta", np.arange(40), np.arange(40))
+    forbid_token_reads(monkeypatch)
+    assert vocab_size_of(with_meta, 1000) == 65
+    assert vocab_size_of(without_meta, 1000) == 1000
+    assert vocab_size_of(without_meta) == 50257
+
+
+def test_an_id_outside_the_vocabulary_is_a_clear_error_on_the_batch_that_holds_it(tmp_path):
+    """Only val holds the bad id: building (no scan) and train batches succeed, a val batch names it."""
+    val = np.arange(10)
+    val[3] = 60000  # past GPT-2's 50257; a scan would have made the vocabulary 60001
+    path = write_token_dir(tmp_path, np.arange(100), val)
+    tf = TokenFile(path)
+    assert tf.vocab_size == 50257
+    tf.batch("train", 0, 4, 9)
+    with pytest.raises(ValueError) as error:
+        tf.batch("val", 0, 4, 9)
+    for part in ("val", path, "60000", "50257"):
+        assert part in str(error.value), part
+
+
+def test_a_text_file_has_the_byte_vocabulary_whatever_is_given(text_file):
+    path, _ = text_file
+    assert vocab_size_of(str(path), 1000) == load_data(str(path), vocab_size=1000).vocab_size == 256
+
+
+def test_the_synthetic_language_needs_a_vocab_size():
+    assert vocab_size_of(None, 64) == 64
+    with pytest.raises(ValueError):
+        vocab_size_of(None)
+    with pytest.raises(ValueError):
+        load_data(None)
 
 
 def test_split_too_short_for_the_window_raises(tmp_path):
@@ -192,6 +328,8 @@ def test_load_data_missing_path_raises_with_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "data.txt"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
         load_data(str(missing))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        vocab_size_of(str(missing))
 
 
 def test_load_data_on_a_file_is_a_token_file(text_file):
