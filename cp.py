@@ -141,6 +141,13 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
+        # Under bf16 autocast the matmuls below would run in bf16 again, and backward (which autocast
+        # does not cover) would recompute them in float32 against a bf16 log-sum-exp: keep it off here.
+        with torch.autocast(q.device.type, enabled=False):
+            return RingAttention._forward(ctx, q, k, v, group)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         ring = _Ring(group)
         dtype = torch.promote_types(q.dtype, torch.float32)
