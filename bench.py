@@ -139,22 +139,9 @@ def read_log(path):
         return [json.loads(line) for line in f]
 
 
-def flops_per_token(model):
-    """Training FLOPs per token (forward + backward = 3 x forward's 2 per multiply-add), from config.json's model.
-
-    Every matrix a token passes through counts (for MoE: the router and its top-k experts), plus causal
-    attention's scores and weighted sum (about seq_len/2 keys per query on average).
-    """
-    d, ff, layers, seq = model["d_model"], model["d_ff"], model["n_layer"], model["seq_len"]
-    mlp = 2 * d * ff
-    if model["n_experts"]:
-        mlp = model["top_k"] * mlp + d * model["n_experts"]
-    per_layer = 4 * d * d + mlp + 2 * d * seq  # qkv and projection, MLP, attention over ~seq/2 keys (x2 matmuls)
-    return 6 * (layers * per_layer + d * model["vocab_size"])
-
-
 def summarise(out, settings, cores, peak_flops=None):
     """One summary per configuration, from its log; efficiency against the compute-bound ceiling (and MFU)."""
+    from model import GPTConfig
     rows = []
     for name, world, flags, what in CONFIGS:
         path = os.path.join(out, "runs", name, "log.jsonl")
@@ -171,7 +158,7 @@ def summarise(out, settings, cores, peak_flops=None):
                 comm[dim] = comm.get(dim, 0) + mean(key) * world  # all ranks, per step
         val = [e["val_loss"] for e in log if "val_loss" in e]
         with open(os.path.join(out, "runs", name, "config.json")) as f:
-            flops = flops_per_token(json.load(f)["model"]) * throughput
+            flops = GPTConfig(**json.load(f)["model"]).flops_per_token() * throughput
         rows.append(dict(
             model_flops_per_s=flops, mfu=flops / (world * peak_flops) if peak_flops else None,
             name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=throughput,
@@ -376,7 +363,7 @@ def worker_pp(settings, schedule):
 
     stage = PipelineStage(Stage(), rank, world, torch.device("cpu"))
     builtin = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, n_micro, loss_fn=theirs.loss_fn)
-    actions = pp.make_schedule(schedule, n_micro, world, rank)
+    schedules = [pp.make_schedule(schedule, n_micro, world, r) for r in range(world)]
     micro = settings["batch_size"] // n_micro
     shape = (micro, args.seq_len, ours.config.d_model)
     opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
@@ -389,7 +376,7 @@ def worker_pp(settings, schedule):
     def ours_step(i):
         inputs, targets = data[i]
         micro_batches = list(zip(inputs.chunk(n_micro), targets.chunk(n_micro)))
-        losses, _ = pp.run_schedule(actions, our_chunks, micro_batches, ours.loss_fn, None, shape,
+        losses, _ = pp.run_schedule(schedules, our_chunks, micro_batches, ours.loss_fn, None, shape,
                                     torch.float32, torch.device("cpu"))
         opt_ours.step()
         opt_ours.zero_grad()

@@ -50,6 +50,17 @@ class GPTConfig:
     def is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and (not self.moe_layers or layer in self.moe_layers)
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: forward and backward are 3 x the forward's 2 per multiply-add.
+
+        Every matrix a token passes through counts (in an MoE layer: the router and its top-k
+        experts), plus causal attention's scores and weighted sum (about seq_len/2 keys per query).
+        """
+        d, mlp = self.d_model, 2 * self.d_model * self.d_ff
+        per_layer = [4 * d * d + 2 * d * self.seq_len +  # q, k, v, projection; attention's two products
+                     (self.top_k * mlp + d * self.n_experts if self.is_moe(i) else mlp) for i in range(self.n_layer)]
+        return 6 * (sum(per_layer) + d * self.vocab_size)
+
 
 def at_least_float32(t):
     """t in float32, or kept in its own dtype if that is wider (float64 checks)."""

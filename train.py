@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from data import load_data
+from data import load_data, vocab_size_of
 import cp
 import ep
 import pp
@@ -37,10 +37,17 @@ from mesh import Mesh, mesh_shape
 from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
 from model import GPT, GPTConfig
 
-PRESETS = {  # model shapes; vocab_size applies to the synthetic language only
+PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
     "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
     "small": dict(n_layer=4, n_head=4, d_model=128, seq_len=64, vocab_size=256),
     "medium": dict(n_layer=8, n_head=8, d_model=256, seq_len=256, vocab_size=256),
+    # GPU sizes: GPT-2 small (124M) and medium (350M), with GPT-2's vocabulary padded to 50304.
+    "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
+    "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
+}
+PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
+    "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
+    "L40S": (362, 91.6), "L4": (121, 30.3), "A10G": (70, 31.2),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<kind>_bytes
@@ -77,6 +84,11 @@ def parse_args(argv=None):
                    help="float64 for checks; bfloat16 = float32 weights with bf16 autocast")
     p.add_argument("--data", default=None, help="text file or directory with train.bin/val.bin "
                                                 "(default: the synthetic Markov language)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of the synthetic language (default: the preset's), or of a token directory "
+                        "without meta.pkl (default: GPT-2's 50257)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device, for model FLOPs utilisation (default: known GPUs' table)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs", help="runs are written to OUT/<name>/")
     p.add_argument("--name", default=None, help="run name (default: gpuN_tpX_ppY_cpZ_epW)")
@@ -142,7 +154,7 @@ def check_args(args, world):
                           "it needs --tp > 1")
     if args.tp > 1:
         preset = PRESETS[args.model]
-        vocab = padded_vocab(256 if args.data else preset["vocab_size"])
+        vocab = padded_vocab(data_vocab_size(args))
         problem = tp.check_tensor_parallel(args.tp, preset["n_head"], 4 * preset["d_model"], vocab,
                                            args.seq_len // args.cp if args.sp else None)
         if problem:
@@ -181,18 +193,46 @@ def lr_at(step, args):
 
 
 def init_distributed():
-    """Join the launch's process group (or make a one-rank group); returns this rank's device."""
+    """Join the launch's process group (or make a one-rank group); returns this rank's device.
+
+    On GPUs (one per rank) the group has two backends: NCCL for CUDA tensors, the training's
+    collectives, and gloo for CPU tensors, the small bookkeeping (log records, the gathers of
+    checkpoints), since NCCL takes CUDA tensors only. mesh.py's groups inherit both. Binding the
+    device creates NCCL's communicators now rather than at a first collective that not every rank
+    of a group might join (a pipeline's first point-to-point).
+    """
     cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        if "WORLD_SIZE" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo")
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    if not dist.is_initialized():
+        backend, device_id = ("cpu:gloo,cuda:nccl", device) if cuda else ("gloo", None)
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, device_id=device_id)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+    return device
+
+
+def data_vocab_size(args):
+    """The vocabulary of the training data, known before anything is loaded (see data.vocab_size_of)."""
+    synthetic = args.vocab_size or PRESETS[args.model]["vocab_size"]
+    return vocab_size_of(args.data, synthetic if args.data is None else args.vocab_size)
+
+
+def load_training_data(args):
+    return load_data(args.data, data_vocab_size(args), seed=args.seed)
+
+
+def peak_flops(args, device):
+    """One device's peak FLOP/s for this run's dtype: --peak-tflops, else the table's (CUDA only), else None."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda" or args.dtype == "float64":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peaks = next((peaks for part, peaks in PEAK_TFLOPS.items() if part in name), None)
+    return peaks and peaks[args.dtype == "float32"] * 1e12
 
 
 def padded_vocab(vocab_size):
@@ -425,11 +465,11 @@ class Trainer:
         start = time.perf_counter()
         micro_batches = self.local_micro_batches(tokens)
         self.routing = dict(tokens_per_expert=[[0] * args.experts for _ in self.moe_layers], dropped_tokens=0)
-        pipeline = pp.PipelineStats()  # stays empty without pipeline parallelism
+        pipeline = pp.PipelineStats(self.device)  # stays empty without pipeline parallelism
         if self.chunks:
-            actions = pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, self.mesh.index("pp"),
-                                       args.virtual_stages)
-            losses, side_losses = self.run_pipeline(actions, micro_batches, pipeline)
+            schedules = [pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, r, args.virtual_stages)
+                         for r in range(self.pp_size)]
+            losses, side_losses = self.run_pipeline(schedules, micro_batches, pipeline)
             # This stage's share of the step's loss: the cross-entropy (last stage) and its layers' side losses.
             contribution = (sum(losses) + sum(side_losses)) / args.micro_batches
         else:
@@ -444,10 +484,11 @@ class Trainer:
                     (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
                 losses.append(loss.item())
             contribution = sum(losses) / len(losses)
-        wait_start = time.perf_counter()
+        grad_wait = pp.Stopwatch(self.device)  # device time, not host time (see pp.Stopwatch)
+        wait_start = grad_wait.now()
         if self.grad_sync:
             self.grad_sync.finish_grad_sync()
-        comm_wait = time.perf_counter() - wait_start + pipeline.wait_s
+        grad_wait.add(wait_start, grad_wait.now())
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         if args.grad_clip > 0:
@@ -459,8 +500,9 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
         elapsed = time.perf_counter() - start
+        comm_wait = grad_wait.seconds() + pipeline.wait_s
         return self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline)
 
     def count_routing(self):
@@ -475,10 +517,10 @@ class Trainer:
         with self.meter, self.autocast:
             yield
 
-    def run_pipeline(self, actions, micro_batches, stats=None):
+    def run_pipeline(self, schedules, micro_batches, stats=None):
         """Run a pipeline schedule on this rank's chunks: (last stage's micro-batch losses, side losses)."""
-        stats = stats or pp.PipelineStats()
-        losses = pp.run_schedule(actions, self.chunks, micro_batches, self.model.loss_fn, self.pp_group,
+        stats = stats or pp.PipelineStats(self.device)
+        losses = pp.run_schedule(schedules, self.chunks, micro_batches, self.model.loss_fn, self.pp_group,
                                  self.stage_shape, self.params[0].dtype, self.device, grad_sync=self.grad_sync,
                                  stats=stats, debug=self.args.pp_debug, forward_context=self.forward_context)
         self.pp_bytes_sent += stats.bytes_sent
@@ -545,8 +587,9 @@ class Trainer:
             # The same micro-batches as training, so a pipeline sees the shapes it was built for.
             micro_batches = self.local_micro_batches(tokens)
             if self.chunks:
-                actions = pp.forward_only(args.micro_batches, self.pp_size, self.mesh.index("pp"), args.virtual_stages)
-                losses += self.run_pipeline(actions, micro_batches)[0]
+                schedules = [pp.forward_only(args.micro_batches, self.pp_size, r, args.virtual_stages)
+                             for r in range(self.pp_size)]
+                losses += self.run_pipeline(schedules, micro_batches)[0]
             else:
                 for inputs, targets in micro_batches:
                     with self.autocast:
@@ -577,7 +620,7 @@ def train(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = check_args(args, world)
     mesh = Mesh(shape)
-    data = load_data(args.data, vocab_size=PRESETS[args.model]["vocab_size"], seed=args.seed)
+    data = load_training_data(args)
     trainer = Trainer(args, mesh, data, device)
     run_dir = os.path.join(args.out, run_name(args, world))
     if rank == 0:
@@ -591,6 +634,9 @@ def train(args):
     log = open(os.path.join(run_dir, "log.jsonl"), "a" if args.resume else "w") if rank == 0 else None
     losses, val_losses, wall = [], {}, 0.0
     tokens_per_step = args.batch_size * args.seq_len
+    # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
+    # tokens per second, over every device's peak.
+    peak, flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
     end = min(args.steps, args.stop_at or args.steps)
     for step in range(trainer.start_step, end):
         record = gather_records(trainer.train_step(step))
@@ -601,6 +647,8 @@ def train(args):
         losses.append(loss)
         entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
                      tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
+        if peak:
+            entry["mfu"] = flops_per_token * entry["tokens_per_s"] / (world * peak)
         if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
             entry.update(trainer.routing)
         if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
@@ -620,7 +668,9 @@ def train(args):
                 val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
                 bubble = (f"  bubble {max(entry['pp_bubble']):.2f} (ideal {entry['pp_bubble_formula']:.2f})"
                           if args.pp > 1 else "")
-                print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{bubble}", flush=True)
+                mfu = f"  MFU {entry['mfu']:.1%}" if peak else ""
+                print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{mfu}{bubble}",
+                      flush=True)
     if log:
         log.close()
     return dict(losses=losses, val_losses=val_losses, state_dict=trainer.full_state_dict(),

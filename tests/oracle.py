@@ -9,7 +9,6 @@ in both.
 import torch
 
 import train
-from data import load_data
 
 # The equivalence runs: a tiny model in float64, two micro-batches, gradient clipping at 0.05 (active at
 # every step, which `oracle` checks), a few AdamW steps. Tests add flags; a repeated flag takes the last value.
@@ -37,7 +36,7 @@ def oracle(argv):
 def reference_run(argv):
     """Train on one device; returns per-step losses, gradient norms before clipping, final state dict."""
     args = train.parse_args([*argv, "--dtype", "float64"])
-    data = load_data(args.data, vocab_size=train.PRESETS[args.model]["vocab_size"], seed=args.seed)
+    data = train.load_training_data(args)
     model = train.build_model(train.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
     optimizer = train.make_optimizer(model.parameters(), args)
     losses, grad_norms = [], []

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from model import GPT, MoE, GPTConfig, causal_attention, load_balancing_loss, route
@@ -295,3 +296,21 @@ def test_generate_with_top_k_one_is_greedy_decoding():
         idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
     out = model.generate(prompt, TINY["seq_len"] + 4, top_k=1, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out, idx)
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_flops_per_token_counts_every_matrix_and_attention(experts):
+    """6 x (multiply-adds per token): every Linear weight a token meets (for MoE: the router and top-k of the
+    experts' weights), and attention's q k^T and p v over about seq_len/2 keys, twice, per layer."""
+    config = GPTConfig(**TINY, n_experts=experts, top_k=2)
+    model = GPT(config)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    expert_weights = sum(m.weight.numel() for m in linears if ".experts." in name_of(model, m))
+    dense_weights = sum(m.weight.numel() for m in linears) - expert_weights
+    per_token = dense_weights + expert_weights * config.top_k // max(experts, 1) + \
+        config.n_layer * 2 * config.d_model * config.seq_len
+    assert config.flops_per_token() == 6 * per_token
+
+
+def name_of(model, module):
+    return next(name for name, m in model.named_modules() if m is module)

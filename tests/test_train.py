@@ -1,12 +1,22 @@
 """train.py end to end: refused flags, the run log, resuming, real data."""
+import functools
 import json
+import math
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
 
+import numpy as np
 import pytest
 import torch
 
 import train
-from distributed import run_on_ranks, torchrun
-from oracle import assert_matches_oracle, reference_run, train_worker
+from model import GPTConfig
+from distributed import REPO, run_on_ranks, torchrun
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
 QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval", "1000"]
 
@@ -42,7 +52,8 @@ def test_refused_flags_fail_fast_on_every_rank(tmp_path, flags, message):
 
 
 def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
-    out = torchrun(2, "train.py", *QUICK, "--steps", "60", "--eval-interval", "20", "--out", str(tmp_path))
+    out = torchrun(2, "train.py", *QUICK, "--steps", "60", "--eval-interval", "20", "--peak-tflops", "0.001",
+                   "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     run = tmp_path / "gpu2_tp1_pp1_cp1_ep1"
     config = json.loads((run / "config.json").read_text())
@@ -53,8 +64,11 @@ def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
     params = list(train.build_model(train.model_config(train.parse_args(QUICK), 64), 0, torch.float32,
                                     torch.device("cpu")).parameters())
     n_params = sum(p.numel() for p in params)
+    flops_per_token = GPTConfig(**config["model"]).flops_per_token()
     for entry in log:
         assert entry["tokens_per_s"] > 0 and entry["time_s"] > 0
+        # Model FLOPs utilisation against the given peak of 1 GFLOP/s per rank.
+        assert entry["mfu"] == pytest.approx(flops_per_token * entry["tokens_per_s"] / (2 * 1e9))
         assert entry["param_bytes"] == entry["grad_bytes"] == [4 * n_params] * 2  # replicas: full copies
         # AdamW: two float32 moments per parameter and a float32 step counter per tensor.
         assert entry["optim_bytes"] == [8 * n_params + 4 * len(params)] * 2
@@ -92,11 +106,91 @@ def test_text_file_data_on_two_ranks_matches_single_device(tmp_path):
     assert_matches_oracle(results[0], reference_run(argv))
 
 
-def test_bfloat16_autocast_trains(tmp_path):
-    argv = [*QUICK, "--steps", "3", "--eval-interval", "1000", "--out", str(tmp_path)]
-    bf16 = run_on_ranks(1, train_worker, [*argv, "--dtype", "bfloat16"])[0]
-    fp32 = run_on_ranks(1, train_worker, argv)[0]
+BF16 = [*QUICK, "--steps", "3", "--layers", "4", "--micro-batches", "2", "--eval-interval", "1000"]
+MOE = ["--experts", "4"]
+
+
+@pytest.mark.parametrize("world,flags,model", [(1, [], []), (4, ["--tp", "2", "--pp", "2"], []), (2, ["--cp", "2"], []),
+                                              (4, ["--ep", "2", "--pp", "2"], MOE), (4, ["--tp", "2", "--cp", "2"], MOE)],
+                         ids=["one-rank", "tp2-pp2", "cp2", "moe-ep2-pp2", "moe-tp2-cp2"])
+def test_bfloat16_trains_close_to_float32(tmp_path, world, flags, model):
+    """bf16 autocast over float32 weights: finite losses within 5e-3 (relative) of float32 over 3 steps.
+
+    bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 2e-3) in every matmul; on the loss of one forward
+    that rounding mostly averages out (1e-5 here), but it reaches the gradients (3e-3), so the updates and
+    then the losses drift apart step by step, more with experts, where rounding flips near-tied routing
+    choices: over many seeds the largest difference measured in 3 steps was 1.0e-3 dense and 1.3e-3 MoE.
+    Parallel runs round at other places (tp all-reduces bf16 partial sums), as far from one device as from
+    float32, so one float32 run on one rank is the reference for all.
+    """
+    bf16 = run_on_ranks(world, train_worker, [*BF16, *model, *flags, "--dtype", "bfloat16", "--out", str(tmp_path)])[0]
+    fp32 = float32_reference(tuple(model))
     assert bf16["state_dict"]["lm_head.weight"].dtype == torch.float32  # weights stay float32
-    # bf16 keeps ~3 significant digits: the losses agree to that, not exactly.
-    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=2e-2, atol=0)
-    assert bf16["losses"] != fp32["losses"]  # autocast really ran in bfloat16
+    assert all(math.isfinite(loss) for loss in bf16["losses"])
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32), rtol=5e-3, atol=0)
+    assert bf16["losses"] != fp32  # autocast really ran in bfloat16
+
+
+@functools.lru_cache
+def float32_reference(model):
+    with tempfile.TemporaryDirectory() as out:
+        return run_on_ranks(1, train_worker, [*BF16, *model, "--out", out])[0]["losses"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_joined_by_c10d_rendezvous_match_single_device(tmp_path):
+    """Two torchrun "nodes" of 2 processes each on this machine, joined as on a cluster: tp=2 inside a node
+    (a node's ranks are consecutive, and tp varies fastest), dp=2 across the nodes."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    argv = [*EQUIVALENCE, "--tp", "2", "--out", str(tmp_path)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                               "--rdzv-id", "two-nodes", "train.py", *argv],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for node in range(2)]
+    for node in nodes:
+        output, _ = node.communicate(timeout=180)
+        assert node.returncode == 0, output[-3000:]
+    run = tmp_path / "gpu4_tp2_pp1_cp1_ep1"
+    losses = [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
+    state_dict = torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+    assert_matches_oracle(dict(losses=losses, state_dict=state_dict), oracle(EQUIVALENCE))
+
+
+def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
+    """The GPU-sized preset on a CPU: GPT-2's shape and vocabulary (a Markov language over 50304 tokens, its
+    stationary distribution found without a dense 50304 x 50304 matrix); short sequences keep it quick."""
+    out = torchrun(1, "train.py", "--model", "gpt2", "--seq-len", "64", "--batch-size", "2", "--steps", "2",
+                   "--eval-batches", "1", "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr
+    run = tmp_path / "gpu1_tp1_pp1_cp1_ep1"
+    config = json.loads((run / "config.json").read_text())
+    assert {k: config["model"][k] for k in ("n_layer", "n_head", "d_model", "vocab_size")} == \
+        dict(n_layer=12, n_head=12, d_model=768, vocab_size=50304)
+    assert 0 < config["entropy_floor"] < math.log(4)  # four successors per token at most
+    losses = [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
+    assert abs(losses[0] - math.log(50304)) < 0.5  # an untrained model is about uniform over the vocabulary
+    (run / "checkpoint.pt").unlink()  # 2 GB of weights and AdamW state
+
+
+def test_vocabulary_flags(tmp_path):
+    """The synthetic language's vocabulary is the preset's or --vocab-size; a token directory's its meta.pkl's,
+    else --vocab-size, else GPT-2's; the model's embedding is that, padded to a multiple of 64."""
+    assert train.data_vocab_size(train.parse_args(QUICK)) == 64
+    assert train.data_vocab_size(train.parse_args([*QUICK, "--vocab-size", "100"])) == 100
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    for split in ("train", "val"):
+        np.arange(50, dtype=np.uint16).tofile(tokens / f"{split}.bin")
+    on_tokens = [*QUICK, "--data", str(tokens)]
+    assert train.data_vocab_size(train.parse_args(on_tokens)) == 50257
+    assert train.data_vocab_size(train.parse_args([*on_tokens, "--vocab-size", "70"])) == 70
+    with open(tokens / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65}, f)
+    assert train.data_vocab_size(train.parse_args([*on_tokens, "--vocab-size", "70"])) == 65
+    assert train.model_config(train.parse_args(on_tokens), 65).vocab_size == 128
