@@ -76,9 +76,11 @@ def run_table(settings, out, names=None):
         if names and name not in names:
             continue
         print(f"bench: {name} ({world} ranks)", flush=True)
+        peak = ["--peak-tflops", str(settings["peak_tflops"])] if settings.get("peak_tflops") else []
         torchrun(world, "train.py", "--model", settings["model"], "--batch-size", str(settings["batch_size"]),
                  "--micro-batches", str(settings["micro_batches"]), "--steps", str(settings["steps"]),
-                 "--eval-interval", str(settings["eval_interval"]), "--out", runs, "--name", name, *flags)
+                 "--eval-interval", str(settings["eval_interval"]), "--dtype", settings.get("dtype", "float32"),
+                 "--out", runs, "--name", name, *peak, *flags)
 
 
 def scaling_check(settings, out, cores):
@@ -139,8 +141,9 @@ def read_log(path):
         return [json.loads(line) for line in f]
 
 
-def summarise(out, settings, cores, peak_flops=None):
-    """One summary per configuration, from its log; efficiency against the compute-bound ceiling (and MFU)."""
+def summarise(out, settings, cores):
+    """One summary per configuration, from its log; efficiency against the compute-bound ceiling, and MFU
+    where train.py knew the device's peak (GPUs of its table, or --peak-tflops)."""
     from model import GPTConfig
     rows = []
     for name, world, flags, what in CONFIGS:
@@ -158,9 +161,10 @@ def summarise(out, settings, cores, peak_flops=None):
                 comm[dim] = comm.get(dim, 0) + mean(key) * world  # all ranks, per step
         val = [e["val_loss"] for e in log if "val_loss" in e]
         with open(os.path.join(out, "runs", name, "config.json")) as f:
-            flops = GPTConfig(**json.load(f)["model"]).flops_per_token() * throughput
+            config = json.load(f)
+        flops, peak = GPTConfig(**config["model"]).flops_per_token() * throughput, config["peak_flops"]
         rows.append(dict(
-            model_flops_per_s=flops, mfu=flops / (world * peak_flops) if peak_flops else None,
+            model_flops_per_s=flops, mfu=flops / (world * peak) if peak else None,
             name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=throughput,
             final_val_loss=val[-1] if val else None, final_loss=log[-1]["loss"],
             param_bytes=max(log[-1]["param_bytes"]), grad_bytes=max(log[-1]["grad_bytes"]),
@@ -444,7 +448,9 @@ def main():
                                              "scaling check); the rest keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s of one device (say 989 for an H100's bf16): report MFU")
+                   help="peak TFLOP/s of one device, for MFU (default: train.py's table of GPUs)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="of the table's runs (bfloat16: autocast, for GPUs)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -453,13 +459,14 @@ def main():
     settings = dict(QUICK if args.quick else FULL)
     if args.model:
         settings["model"] = args.model
+    settings.update(dtype=args.dtype, peak_tflops=args.peak_tflops)
     os.makedirs(args.out, exist_ok=True)
     # With --only, what is not run again keeps its earlier results.
     earlier = {name: read_json(os.path.join(args.out, name)) if args.only else {}
                for name in ("machine.json", "comparisons.json")}
     info = dict(machine(), settings=settings)
     run_table(settings, args.out, args.only)
-    rows = summarise(args.out, settings, info["cores"], args.peak_tflops * 1e12 if args.peak_tflops else None)
+    rows = summarise(args.out, settings, info["cores"])
     write_json(os.path.join(args.out, "summary.json"), rows)
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])

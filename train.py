@@ -627,7 +627,8 @@ def train(args):
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
-                           world=world, device=str(device), entropy_floor=data.entropy_rate), f, indent=2)
+                           world=world, device=str(device), peak_flops=peak_flops(args, device),
+                           entropy_floor=data.entropy_rate), f, indent=2)
         floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
         print(f"run {run_dir}: {world} ranks {shape}, {trainer.n_params:,} parameters, "
               f"loss floor (entropy rate) {floor}", flush=True)

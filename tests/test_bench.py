@@ -8,13 +8,16 @@ from distributed import REPO
 
 def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
     only = ["gpu1_tp1_pp1_cp1_ep1", "gpu2_tp1_pp1_cp1_ep1", "ddp", "scaling"]
-    run = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(tmp_path), "--only", *only],
+    run = subprocess.run([sys.executable, "bench.py", "--quick", "--peak-tflops", "0.001", "--out", str(tmp_path),
+                          "--only", *only],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert [r["name"] for r in rows] == only[:2]
     single, dp2 = rows
     assert single["efficiency"] == 1.0 and single["ceiling_tokens_per_s"] == single["tokens_per_s"]
+    for row in rows:  # model FLOPs utilisation against the given peak, 1 GFLOP/s a rank
+        assert row["mfu"] == row["model_flops_per_s"] / (row["world"] * 1e9) > 0
     machine = json.loads((tmp_path / "machine.json").read_text())
     assert dp2["ceiling_tokens_per_s"] == single["tokens_per_s"] * min(2, machine["cores"])
     check = machine["scaling"]  # its efficiency is each round's n-rank throughput over n times 1 rank's
