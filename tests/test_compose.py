@@ -21,7 +21,7 @@ def check(tmp_path, world, flags, model=(), timeout=300):
         assert_matches_oracle(result, oracle([*BASE, *model]))
 
 
-# The ten rows of ../shared/reference/benchmark-table.txt (gpuN_tpX_ppY_cpZ_epW, dp the rest);
+# The ten rows of the benchmark table the article reproduces (gpuN_tpX_ppY_cpZ_epW, dp the rest);
 # the expert-parallel rows train a mixture of experts.
 TABLE = [
     (1, [], ()), (2, [], ()), (4, [], ()), (8, [], ()),
