@@ -62,6 +62,7 @@ def _count(kind, full_bytes, n_ranks):
     comm_bytes[kind] += passes * (n_ranks - 1) * full_bytes // n_ranks
 
 
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
 def all_reduce(x, group, op=dist.ReduceOp.SUM):
     x = x.clone()
     dist.all_reduce(x, op=op, group=group)
@@ -69,6 +70,7 @@ def all_reduce(x, group, op=dist.ReduceOp.SUM):
     return x
 
 
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
 def all_gather_sequence(x, group):
     """(batch, seq/N, ...) on each rank -> (batch, seq, ...), rank r's part at position r."""
     n = dist.get_world_size(group)
@@ -78,6 +80,7 @@ def all_gather_sequence(x, group):
     return out.movedim(0, 1).flatten(1, 2)
 
 
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
 def reduce_scatter_sequence(x, group):
     """(batch, seq, ...) partial sums on each rank -> this rank's (batch, seq/N, ...) of their sum."""
     n = dist.get_world_size(group)

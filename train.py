@@ -113,6 +113,8 @@ def parse_args(argv=None):
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="model chunks per pipeline rank (interleaved schedule; default 2 there, else 1)")
     p.add_argument("--pp-debug", action="store_true", help="print every pipeline send and receive")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block's computation (its parallel communication stays eager)")
     args = p.parse_args(argv)
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
     args.layers = args.layers or PRESETS[args.model]["n_layer"]
@@ -363,6 +365,8 @@ class Trainer:
             micro = args.batch_size // (args.micro_batches * self.n_data())
             self.stage_shape = (micro, seq, self.model.config.d_model)
         self.params = list(self.model.parameters())
+        if args.compile:
+            self.compile_blocks()
         # 6. Data parallelism: dense gradients averaged over the dense-gradient group (ZeRO: sharded),
         #    expert gradients over the expert-gradient group (divided by the dense group's size, see ep.py).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
@@ -390,6 +394,23 @@ class Trainer:
         self.pp_bytes_sent = 0
         self.comm_baseline = {}
         self.reset_comm_baseline()
+
+    def compile_blocks(self):
+        """torch.compile the forward of every block this rank runs, in place (parameter names unchanged).
+
+        The compiler fuses a block's element-wise work around its matrix products. What communicates
+        inside a block stays eager, as one graph break each: ring attention (point-to-point, whose shape
+        of work changes block by block) and the expert-parallel MoE layer (token counts known only at
+        run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
+        """
+        for block in self.model.blocks:
+            if isinstance(block, torch.nn.Identity):  # another pipeline stage's
+                continue
+            if isinstance(block.attn.core, cp.RingAttentionCore):
+                block.attn.core = torch.compiler.disable(block.attn.core)
+            if isinstance(block.mlp, ep.ExpertParallelMoE):
+                block.mlp.forward = torch.compiler.disable(block.mlp.forward)
+            block.forward = torch.compile(block.forward)
 
     # -- consolidated state: model.py's layout, whatever the configuration --------
 

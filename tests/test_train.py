@@ -194,3 +194,23 @@ def test_vocabulary_flags(tmp_path):
         pickle.dump({"vocab_size": 65}, f)
     assert train.data_vocab_size(train.parse_args([*on_tokens, "--vocab-size", "70"])) == 65
     assert train.model_config(train.parse_args(on_tokens), 65).vocab_size == 128
+
+
+@pytest.mark.parametrize("world,flags,model", [(2, ["--cp", "2", "--zero", "3"], []),
+                                              (4, ["--tp", "2", "--sp", "--ep", "2"], ["--experts", "4"])],
+                         ids=["cp2-zero3", "tp2-sp-ep2"])
+def test_compiled_blocks_match_single_device(tmp_path, world, flags, model):
+    """--compile: each block's computation compiled, its communication (ring attention, the MoE all-to-all,
+    tp's collectives) and ZeRO-3's gathers left eager; in float64 the compiled kernels give the oracle's
+    results to summation order."""
+    argv = [*EQUIVALENCE, *model]
+    results = run_on_ranks(world, compiled_train_worker, [*argv, *flags, "--compile", "--out", str(tmp_path)],
+                           timeout=600)
+    for result in results:
+        assert result["compiled_graphs"] > 0
+        assert_matches_oracle(result, oracle(argv))
+
+
+def compiled_train_worker(argv):
+    result = train_worker(argv)
+    return dict(result, compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
