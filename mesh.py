@@ -15,6 +15,10 @@ farthest. Every process group is a slice of that grid:
 `mesh_shape` validates the sizes with no communication at all, so a bad
 launch fails with the same message on every rank instead of hanging in a
 collective.
+
+Groups are made with the default group's backends (unless `backend` says
+otherwise): on GPUs that is `cpu:gloo,cuda:nccl`, so every group takes CUDA
+tensors through NCCL and CPU tensors through gloo.
 """
 from dataclasses import dataclass
 
