@@ -350,53 +350,58 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     actions = schedules[rank]
     last_backward = {chunk: max(m for kind, c, m in actions if kind == "backward" and c == chunk)
                      for chunk in {c for kind, c, _ in actions if kind == "backward"}}
-    steps = timeline(schedules, n_chunks)
-    saved, received, losses, side_losses, in_flight = {}, {}, [], [], 0
+    saved, losses, side_losses = {}, [], []
+
+    def forward(c, m, x):
+        """Chunk c on micro-batch m; returns its output, and keeps what its backward needs."""
+        last = c * n_stages + rank == n_model_chunks - 1
+        x = x if c * n_stages + rank == 0 else x.requires_grad_()
+        with forward_context():
+            y = chunks[c](x)
+            y, side = y if isinstance(y, tuple) else (y, None)
+            # What backward starts from: this micro-batch's share of the loss (the mean over micro-batches,
+            # as gradient accumulation does) on the last stage, the output elsewhere, plus any side loss.
+            roots = []
+            if side is not None:
+                side_losses.append(side.detach())
+                roots.append(side / len(micro_batches))
+            if last:
+                loss = loss_fn(y, micro_batches[m][1])
+                losses.append(loss.detach())
+                roots.append(loss / len(micro_batches))
+        if torch.is_grad_enabled():
+            saved[c, m] = (x, None if last else y, roots)
+            stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
+        return y
+
+    def backward(c, m, grad):
+        """Backward of chunk c on micro-batch m from the gradient of its output; returns its input's."""
+        x, y, roots = saved.pop((c, m))
+        grads = [None] * len(roots)
+        if grad is not None:
+            roots, grads = [y, *roots], [grad, *grads]
+        reduce_now = grad_sync is None or m == last_backward[c]
+        with nullcontext() if reduce_now else grad_sync.no_sync():
+            torch.autograd.backward(roots, grads)
+        return x.grad
+
+    steps, received = timeline(schedules, n_chunks), {}
     start = stats.total.now()
     for row, (sends, receives) in zip(steps, exchanges(steps, rank, n_chunks)):
-        action, output = row[rank], None
+        output, action = None, row[rank]
         if action:
             kind, c, m = action
-            k = c * n_stages + rank
             need = message_needed(action, rank, n_stages, n_model_chunks)
             wait = stats.wait.now()
-            incoming = received.pop(need)() if need else None
+            incoming = received.pop(need)() if need else None  # a forward's activation, a backward's gradient
             compute = stats.compute.now()
             stats.wait.add(wait, compute)
             if kind == "forward":
-                x = micro_batches[m][0] if k == 0 else incoming.requires_grad_()
-                with forward_context():
-                    y = chunks[c](x)
-                    y, side = y if isinstance(y, tuple) else (y, None)
-                    # What backward starts from: this micro-batch's share of the loss (the mean over
-                    # micro-batches, as gradient accumulation does) on the last stage, the output
-                    # elsewhere, plus any side loss.
-                    roots = []
-                    if side is not None:
-                        side_losses.append(side.detach())
-                        roots.append(side / len(micro_batches))
-                    if k == n_model_chunks - 1:
-                        loss = loss_fn(y, micro_batches[m][1])
-                        losses.append(loss.detach())
-                        roots.append(loss / len(micro_batches))
-                output = y
-                if torch.is_grad_enabled():
-                    saved[c, m] = (x, y if k < n_model_chunks - 1 else None, roots)
-                    in_flight += 1
-                    stats.peak_in_flight = max(stats.peak_in_flight, in_flight)
+                output = forward(c, m, micro_batches[m][0] if incoming is None else incoming)
             else:
-                x, y, roots = saved.pop((c, m))
-                grads = [None] * len(roots)
-                if incoming is not None:
-                    roots, grads = [y, *roots], [incoming, *grads]
-                reduce_now = grad_sync is None or m == last_backward[c]
-                with nullcontext() if reduce_now else grad_sync.no_sync():
-                    torch.autograd.backward(roots, grads)
-                output = x.grad
-                in_flight -= 1
+                output = backward(c, m, incoming)
             stats.compute.add(compute, stats.compute.now())
-        sends = [(peer, message, output) for peer, message in sends]
-        received.update(p2p.post(sends, receives))
+        received.update(p2p.post([(peer, message, output) for peer, message in sends], receives))
     p2p.flush()
     stats.total.add(start, stats.total.now())
     stats.bytes_sent += p2p.bytes_sent
