@@ -10,14 +10,19 @@ over data ranks and micro-batches, so every configuration trains on the same
 tokens and must produce the same losses as one device.
 
 Each run writes runs/<name>/config.json, runs/<name>/log.jsonl (one JSON
-record per step) and runs/<name>/checkpoint.pt (consolidated: a plain
-model.py state dict, the optimizer state by parameter name, the step).
+record per step) and runs/<name>/checkpoint-<step>.pt (consolidated: a plain
+model.py state dict, the optimizer state by parameter name, the step; see
+checkpoint.py). `--resume auto` continues from the newest good one, so the
+same command line serves the first launch and every restart; SIGTERM or
+SIGINT stops every rank after the same step, with a checkpoint.
 """
 import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -27,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import checkpoint
 from data import load_data, vocab_size_of
 import cp
 import ep
@@ -58,7 +64,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "ep": ("all_to_all",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
-LOG_FIELDS = ("loss", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
+LOG_FIELDS = ("loss", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
               "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
@@ -96,7 +102,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--log-interval", type=int, default=10, help="steps between printed lines")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="steps between checkpoints (0: end only)")
-    p.add_argument("--resume", default=None, help="checkpoint to resume from")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many of the newest checkpoints to keep")
+    p.add_argument("--resume", default=None,
+                   help="a checkpoint to resume from, or 'auto': the newest good one of this run, if any")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this many steps (checkpoint written), as if preempted; resume with --resume")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
@@ -282,14 +290,24 @@ def local_micro_batches(tokens, n_micro, n_data, data_rank):
 # Checkpoints: consolidated to model.py's layout, whatever the configuration.
 # ---------------------------------------------------------------------------
 
-def save_checkpoint(path, state):
-    tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a torn checkpoint
+def resume_from(args, world, report=print):
+    """The checkpoint this run starts from: --resume PATH, or under --resume auto the newest good
+    checkpoint of the run's folder (None: there is none yet, start afresh)."""
+    if args.resume != "auto":
+        return args.resume
+    return checkpoint.newest_good(os.path.join(args.out, run_name(args, world)), report)
 
 
-def load_checkpoint(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
+def keep_log_before(path, step):
+    """Drop the records of `step` and later from a run's log: those of a run that died after its last
+    checkpoint, which the resumed run writes again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if json.loads(line)["step"] < step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def to_cpu(state):
@@ -335,9 +353,9 @@ class Trainer:
                          else nullcontext())
         # 1. The full model, identical on every rank (restored from a checkpoint when resuming).
         self.model = build_model(model_config(args, data.vocab_size), args.seed, dtype, device)
-        checkpoint = load_checkpoint(args.resume) if args.resume else None
-        if checkpoint:
-            self.model.load_state_dict(checkpoint["model"])
+        saved = checkpoint.load(args.resume) if args.resume else None
+        if saved:
+            self.model.load_state_dict(saved["model"])
         self.n_params = sum(p.numel() for p in self.model.parameters())
         # 2. Expert parallelism: each rank keeps E/ep experts; tokens reach them by all-to-all. The
         #    load-balancing statistics span every rank holding different tokens (the dense group).
@@ -387,9 +405,9 @@ class Trainer:
             self.grad_sync = GradientSync(syncs) if syncs else None
             self.optimizer = make_optimizer(self.params, args)
         self.start_step = 0
-        if checkpoint:
-            self.load_optimizer_state(checkpoint["optimizer"])
-            self.start_step = checkpoint["step"]
+        if saved:
+            self.load_optimizer_state(saved["optimizer"])
+            self.start_step = saved["step"]
         self.meter = ActivationMeter(self.params)
         self.pp_bytes_sent = 0
         self.comm_baseline = {}
@@ -640,6 +658,7 @@ def train(args):
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = check_args(args, world)
+    args.resume = resume_from(args, world, report=print if rank == 0 else lambda message: None)
     mesh = Mesh(shape)
     data = load_training_data(args)
     trainer = Trainer(args, mesh, data, device)
@@ -653,50 +672,94 @@ def train(args):
         floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
         print(f"run {run_dir}: {world} ranks {shape}, {trainer.n_params:,} parameters, "
               f"loss floor (entropy rate) {floor}", flush=True)
-    log = open(os.path.join(run_dir, "log.jsonl"), "a" if args.resume else "w") if rank == 0 else None
+    log = None
+    if rank == 0:  # one record per step: a resumed run rewrites those after its checkpoint
+        keep_log_before(os.path.join(run_dir, "log.jsonl"), trainer.start_step if args.resume else 0)
+        log = open(os.path.join(run_dir, "log.jsonl"), "a")
     losses, val_losses, wall = [], {}, 0.0
-    tokens_per_step = args.batch_size * args.seq_len
     # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
     # tokens per second, over every device's peak.
     peak, flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
-    end = min(args.steps, args.stop_at or args.steps)
-    for step in range(trainer.start_step, end):
-        record = gather_records(trainer.train_step(step))
-        step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
-        wall += step_s
-        # Each rank reported its stage's share of its data's loss: the mean over ranks, times the stages.
-        loss = args.pp * sum(record["loss"]) / world
-        losses.append(loss)
-        entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall,
-                     tokens_per_s=tokens_per_step / step_s, **{k: v for k, v in record.items() if k != "loss"})
-        if peak:
-            entry["mfu"] = flops_per_token * entry["tokens_per_s"] / (world * peak)
-        if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
-            entry.update(trainer.routing)
-        if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
-            entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages)
-        last = step == end - 1
-        if (step + 1) % args.eval_interval == 0 or last:
-            entry["val_loss"] = val_losses[step] = trainer.validation_loss()
-        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
-            state = trainer.checkpoint(step + 1)
-            if rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), state)
-        trainer.reset_comm_baseline()
-        if rank == 0:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
-            if step % args.log_interval == 0 or last or "val_loss" in entry:
-                val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
-                bubble = (f"  bubble {max(entry['pp_bubble']):.2f} (ideal {entry['pp_bubble_formula']:.2f})"
-                          if args.pp > 1 else "")
-                mfu = f"  MFU {entry['mfu']:.1%}" if peak else ""
-                print(f"step {step:5d}  loss {loss:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{mfu}{bubble}",
-                      flush=True)
+    end, stopped = min(args.steps, args.stop_at or args.steps), False
+    with Preemption() as preemption:
+        for step in range(trainer.start_step, end):
+            record = gather_records(dict(trainer.train_step(step), stop_requested=preemption.requested))
+            if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
+                end, stopped = step + 1, True
+            entry = log_entry(args, step, record, wall, trainer)
+            if peak:
+                entry["mfu"] = flops_per_token * entry["tokens_per_s"] / (world * peak)
+            wall, last = entry["time_s"], step == end - 1
+            losses.append(entry["loss"])
+            if (step + 1) % args.eval_interval == 0 or last:
+                entry["val_loss"] = val_losses[step] = trainer.validation_loss()
+            if rank == 0:  # logged before the checkpoint, so every step a checkpoint has passed is in the log
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+                if step % args.log_interval == 0 or last or "val_loss" in entry:
+                    print_progress(entry, args)
+            if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
+                state = trainer.checkpoint(step + 1)
+                if rank == 0:
+                    path = checkpoint.save(run_dir, step + 1, state, args.keep_checkpoints)
+                    if stopped:
+                        print(f"stopped after step {step} on a signal; checkpoint {path}", flush=True)
+            trainer.reset_comm_baseline()
+            if stopped:
+                break
     if log:
         log.close()
     return dict(losses=losses, val_losses=val_losses, state_dict=trainer.full_state_dict(),
                 entropy_floor=data.entropy_rate)
+
+
+def log_entry(args, step, record, wall, trainer):
+    """The log record of a step, from every rank's values (lists indexed by rank)."""
+    world = len(record["loss"])
+    step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
+    # Each rank reported its stage's share of its data's loss: the mean over ranks, times the stages.
+    loss = args.pp * sum(record["loss"]) / world
+    entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall + step_s,
+                 tokens_per_s=args.batch_size * args.seq_len / step_s,
+                 **{k: v for k, v in record.items() if k != "loss"})
+    if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
+        entry.update(trainer.routing)
+    if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
+        entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages)
+    return entry
+
+
+def print_progress(entry, args):
+    val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+    mfu = f"  MFU {entry['mfu']:.1%}" if "mfu" in entry else ""
+    bubble = (f"  bubble {max(entry['pp_bubble']):.2f} (ideal {entry['pp_bubble_formula']:.2f})"
+              if args.pp > 1 else "")
+    print(f"step {entry['step']:5d}  loss {entry['loss']:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{mfu}{bubble}",
+          flush=True)
+
+
+class Preemption:
+    """SIGTERM or SIGINT (a scheduler's notice, or torchrun passing on its own) asks the run to stop after
+    the step in progress, with a checkpoint; a second one ends the process at once (its default)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only there can Python take signals
+            self.previous = {s: signal.signal(s, self._request) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _request(self, signum, frame):
+        self.requested = True
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def refuse(message, rank, world):
@@ -723,9 +786,11 @@ def main(argv=None):
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    try:
-        check_args(args, world)  # before any process group exists: a bad launch cannot hang
-    except ConfigError as e:
+    try:  # before any process group exists: a bad launch cannot hang
+        check_args(args, world)
+        if args.resume not in (None, "auto"):
+            checkpoint.load(args.resume)
+    except (ConfigError, checkpoint.BadCheckpoint) as e:
         refuse(str(e), rank, world)
     train(args)
     dist.destroy_process_group()

@@ -59,7 +59,7 @@ def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path):
     argv = [*BASE, *MOE, "--steps", "4"]
     first = run_on_ranks(8, train_worker, [*argv, "--tp", "2", "--pp", "2", "--ep", "2", "--stop-at", "2",
                                            "--out", str(tmp_path / "a")], timeout=300)
-    checkpoint = tmp_path / "a" / "gpu8_tp2_pp2_cp1_ep2" / "checkpoint.pt"
+    checkpoint = tmp_path / "a" / "gpu8_tp2_pp2_cp1_ep2" / "checkpoint-00000002.pt"
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["step"] == 2 and set(saved["model"]) == set(oracle([*BASE, *MOE])["state_dict"])  # model.py's layout
     second = run_on_ranks(8, train_worker, [*argv, "--resume", str(checkpoint), "--out", str(tmp_path / "b")],

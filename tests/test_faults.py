@@ -1,0 +1,117 @@
+"""Faults: a run stopped or preempted resumes with `--resume auto` to exactly what an uninterrupted run
+computes (float64, the oracle); checkpoints are atomic, verified, and a bad one is skipped or refused."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+from distributed import REPO, run_on_ranks, torchrun
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
+
+ARGV = [*EQUIVALENCE, "--steps", "6"]
+RUN = "gpu2_tp1_pp1_cp1_ep1"
+
+
+def read_log(run_dir):
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def final_state(run_dir):
+    return checkpoint.load(checkpoint.checkpoints(run_dir)[0])["model"]
+
+
+def assert_resumed_run_matches_oracle(run_dir):
+    """One log record per step, in order, with the oracle's losses; the last checkpoint holds its weights."""
+    log = read_log(run_dir)
+    assert [e["step"] for e in log] == list(range(6))
+    assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=final_state(run_dir)), oracle(ARGV))
+
+
+# -- checkpoint.py on its own ---------------------------------------------------------
+
+def test_keeps_the_newest_and_tells_incomplete_and_damaged_ones(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, {"step": step}, keep=2)
+    assert [os.path.basename(p) for p in checkpoint.checkpoints(tmp_path)] == \
+        ["checkpoint-00000003.pt", "checkpoint-00000002.pt"]
+    assert checkpoint.load(checkpoint.path_for(tmp_path, 3)) == {"step": 3}
+    newest = checkpoint.path_for(tmp_path, 3)
+    data = bytearray(open(newest, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    open(newest, "wb").write(bytes(data))
+    with pytest.raises(checkpoint.BadCheckpoint, match="damaged"):
+        checkpoint.load(newest)
+    reports = []
+    assert checkpoint.newest_good(tmp_path, reports.append) == checkpoint.path_for(tmp_path, 2)
+    assert reports == [f"skipping checkpoint {newest}: damaged, its bytes do not match its SHA-256"]
+    os.remove(checkpoint.path_for(tmp_path, 2) + ".sha256")  # as if killed between the two renames
+    with pytest.raises(checkpoint.BadCheckpoint, match="incomplete"):
+        checkpoint.load(checkpoint.path_for(tmp_path, 2))
+    assert checkpoint.newest_good(tmp_path, reports.append) is None
+
+
+# -- resuming --------------------------------------------------------------------------
+
+def test_resume_auto_starts_fresh_then_continues_exactly(tmp_path):
+    argv = [*ARGV, "--resume", "auto", "--checkpoint-interval", "1", "--out", str(tmp_path)]
+    run_on_ranks(2, train_worker, [*argv, "--stop-at", "4"])  # nothing to resume: starts at step 0
+    assert len(read_log(tmp_path / RUN)) == 4
+    # As if the run had died after logging step 3 but before checkpointing it: the resumed run starts
+    # from the checkpoint of step 2, runs step 3 again, and the log keeps one record of it.
+    os.remove(checkpoint.path_for(tmp_path / RUN, 4))
+    second = run_on_ranks(2, train_worker, argv)[0]
+    assert len(second["losses"]) == 3  # from the checkpoint of step 3
+    assert_resumed_run_matches_oracle(tmp_path / RUN)
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path):
+    argv = [*ARGV, "--resume", "auto", "--checkpoint-interval", "1", "--out", str(tmp_path)]
+    run_on_ranks(2, train_worker, [*argv, "--stop-at", "4"])
+    newest = checkpoint.path_for(tmp_path / RUN, 4)
+    with open(newest, "r+b") as f:  # truncated, as by a full disk
+        f.truncate(os.path.getsize(newest) // 2)
+    second = run_on_ranks(2, train_worker, argv)[0]
+    assert len(second["losses"]) == 3  # from step 3, the previous checkpoint
+    assert_resumed_run_matches_oracle(tmp_path / RUN)
+
+
+def test_resume_from_a_bad_checkpoint_is_one_clear_error_on_every_rank(tmp_path):
+    bad = tmp_path / "checkpoint-00000002.pt"
+    bad.write_bytes(b"not a checkpoint")
+    out = torchrun(2, "train.py", *ARGV, "--resume", str(bad), "--out", str(tmp_path), timeout=120)
+    assert out.returncode != 0
+    for rank in range(2):
+        assert f"[rank {rank}] train.py: error: {bad}: incomplete, its write never finished" in out.stderr
+
+
+# -- preemption --------------------------------------------------------------------------
+
+def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
+    """SIGTERM to torchrun (as a scheduler sends it) is passed to every worker: each finishes its step, all
+    agree on the last one, write a checkpoint and exit; the same command with --resume auto finishes."""
+    argv = [*ARGV, "--steps", "400", "--resume", "auto", "--checkpoint-interval", "1000", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", *argv]
+    launch = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = tmp_path / RUN / "log.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launch.send_signal(signal.SIGTERM)
+    output, _ = launch.communicate(timeout=120)
+    stopped = len(read_log(tmp_path / RUN))
+    assert 3 <= stopped < 400, output[-3000:]
+    assert "stopped after step" in output
+    assert checkpoint.checkpoints(tmp_path / RUN) == [checkpoint.path_for(tmp_path / RUN, stopped)]
+    resumed = run_on_ranks(2, train_worker, argv)[0]
+    assert len(resumed["losses"]) == 400 - stopped
+    log = read_log(tmp_path / RUN)
+    assert [e["step"] for e in log] == list(range(400))
+    reference = reference_run([*ARGV, "--steps", "400"])
+    assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=final_state(tmp_path / RUN)), reference)
