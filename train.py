@@ -217,11 +217,24 @@ def init_distributed():
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend, device_id = ("cpu:gloo,cuda:nccl", device) if cuda else ("gloo", None)
-        if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, device_id=device_id)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        store = launcher_store(rank, world) if "WORLD_SIZE" in os.environ else dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id)
     return device
+
+
+def launcher_store(rank, world):
+    """The launch's key-value store, under a prefix of this attempt's own.
+
+    The ranks meet there to exchange their addresses. When torchrun restarts the workers of a run that
+    failed, the store is the same and still holds the dead workers' addresses: read by a new rank
+    before its peer has written its own, one sends it to a closed port and the restart fails. Keys
+    under the restart count's prefix are only ever this attempt's.
+    """
+    hosted_by_launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not hosted_by_launcher)
+    return dist.PrefixStore(f"train.py/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def data_vocab_size(args):

@@ -115,3 +115,49 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_continues_ex
     assert [e["step"] for e in log] == list(range(400))
     reference = reference_run([*ARGV, "--steps", "400"])
     assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=final_state(tmp_path / RUN)), reference)
+
+
+# -- workers killed: torchrun restarts them, --resume auto continues ------------------------
+
+def children(pid):
+    """The processes whose parent is pid (torchrun's workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
+@pytest.mark.parametrize("world,flags", [(2, []), (8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "4"])],
+                         ids=["dp2", "tp2-pp2-ep2"])
+def test_workers_killed_twice_restart_and_end_as_if_never_killed(tmp_path, world, flags):
+    """SIGKILL to a worker mid-step, twice: torchrun --max-restarts brings every worker up again, the
+    process group forms again, and --resume auto continues from the last checkpoint; the log and the final
+    weights equal an uninterrupted run's."""
+    steps = 300
+    argv = [*EQUIVALENCE, *flags, "--steps", str(steps), "--checkpoint-interval", "7", "--resume", "auto"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "3",
+           "--nproc_per_node", str(world), "train.py", *argv, "--out", str(tmp_path)]
+    launch = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 400
+    for lines in (20, 60):  # kill a worker once 20 steps are logged, and again at 60 (after the restart)
+        while time.monotonic() < deadline:
+            logs = list(tmp_path.glob("*/log.jsonl"))
+            if logs and len(logs[0].read_text().splitlines()) >= lines:
+                break
+            time.sleep(0.05)
+        os.kill(children(launch.pid)[-1], signal.SIGKILL)
+    output, _ = launch.communicate(timeout=max(1, deadline - time.monotonic()))
+    assert launch.returncode == 0, output[-3000:]
+    assert output.count("run ") >= 3  # three launches of the workers: the first and two restarts
+    (run,) = [p.parent for p in tmp_path.glob("*/log.jsonl")]
+    entries = read_log(run)
+    assert [e["step"] for e in entries] == list(range(steps))
+    reference = reference_run([*EQUIVALENCE, *flags, "--steps", str(steps)])
+    assert_matches_oracle(dict(losses=[e["loss"] for e in entries], state_dict=final_state(run)), reference)
