@@ -87,7 +87,7 @@ def group_ranks(shape: MeshShape, dims):
 class Mesh:
     """This rank's place in the grid and its process groups (call on every rank)."""
 
-    def __init__(self, shape: MeshShape, backend=None):
+    def __init__(self, shape: MeshShape, backend=None, timeout=None):
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs torch.distributed to be initialised first")
         if dist.get_world_size() != shape.world:
@@ -99,7 +99,7 @@ class Mesh:
         for name, dims in GROUPS.items():
             # Every rank must create every group, in the same order.
             for ranks in group_ranks(shape, dims):
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name], self.ranks[name] = group, ranks
 

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
@@ -68,6 +69,9 @@ LOG_FIELDS = ("loss", "stop_requested", "param_bytes", "grad_bytes", "optim_byte
               "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
 class ConfigError(ValueError):
     """A combination of flags that cannot run; raised before any communication."""
 
@@ -102,6 +106,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--log-interval", type=int, default=10, help="steps between printed lines")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="steps between checkpoints (0: end only)")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="seconds a collective may wait for a rank before the run stops with an error "
+                        "(a dead or stalled peer); torchrun --max-restarts then restarts it")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many of the newest checkpoints to keep")
     p.add_argument("--resume", default=None,
                    help="a checkpoint to resume from, or 'auto': the newest good one of this run, if any")
@@ -202,7 +209,7 @@ def lr_at(step, args):
     return min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
 
 
-def init_distributed():
+def init_distributed(timeout=timedelta(minutes=5)):
     """Join the launch's process group (or make a one-rank group); returns this rank's device.
 
     On GPUs (one per rank) the group has two backends: NCCL for CUDA tensors, the training's
@@ -219,7 +226,8 @@ def init_distributed():
         backend, device_id = ("cpu:gloo,cuda:nccl", device) if cuda else ("gloo", None)
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         store = launcher_store(rank, world) if "WORLD_SIZE" in os.environ else dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device_id,
+                                timeout=timeout)
     return device
 
 
@@ -668,11 +676,11 @@ def gather_records(record):
 
 def train(args):
     """Run the training described by args; returns the losses and the final consolidated state dict."""
-    device = init_distributed()
+    device = init_distributed(timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = check_args(args, world)
     args.resume = resume_from(args, world, report=print if rank == 0 else lambda message: None)
-    mesh = Mesh(shape)
+    mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
     data = load_training_data(args)
     trainer = Trainer(args, mesh, data, device)
     run_dir = os.path.join(args.out, run_name(args, world))
@@ -805,8 +813,26 @@ def main(argv=None):
             checkpoint.load(args.resume)
     except (ConfigError, checkpoint.BadCheckpoint) as e:
         refuse(str(e), rank, world)
-    train(args)
+    try:
+        train(args)
+    except RuntimeError as e:  # in a collective, a peer died or stalled: say where this rank waited, then fail
+        if not in_collective(e):
+            raise
+        sys.stderr.write(f"[rank {rank}] train.py: error: a collective failed while waiting in {where(e)}, "
+                         f"{str(e).splitlines()[0]} (a rank that died or stalled; --timeout {args.timeout:g} s)\n")
+        raise
     dist.destroy_process_group()
+
+
+def in_collective(error):
+    """Whether the communication backend raised this (gloo's and NCCL's errors name themselves)."""
+    return isinstance(error, dist.DistError) or any(backend in str(error) for backend in ("gloo", "NCCL"))
+
+
+def where(error):
+    """The innermost frame of this repository's code in the error's traceback: 'file:line in function'."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.dirname(f.filename) == REPO]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
 
 
 if __name__ == "__main__":

@@ -161,3 +161,27 @@ def test_workers_killed_twice_restart_and_end_as_if_never_killed(tmp_path, world
     assert [e["step"] for e in entries] == list(range(steps))
     reference = reference_run([*EQUIVALENCE, *flags, "--steps", str(steps)])
     assert_matches_oracle(dict(losses=[e["loss"] for e in entries], state_dict=final_state(run)), reference)
+
+
+def test_a_stalled_rank_stops_the_others_within_the_timeout(tmp_path):
+    """A worker frozen mid-run (SIGSTOP): the other stops after --timeout, saying where it waited, instead
+    of hanging; torchrun then ends the job (after its own grace period for the frozen worker)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
+           *EQUIVALENCE, "--steps", "100000", "--timeout", "5", "--out", str(tmp_path)]
+    launch = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/log.jsonl")) or len(next(tmp_path.glob("*/log.jsonl")).read_text()) < 100:
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.05)
+    frozen = children(launch.pid)[-1]
+    os.kill(frozen, signal.SIGSTOP)
+    stalled_at = time.monotonic()
+    try:
+        output, _ = launch.communicate(timeout=120)
+    finally:
+        os.kill(frozen, signal.SIGKILL) if os.path.exists(f"/proc/{frozen}") else None
+    assert launch.returncode != 0
+    assert time.monotonic() - stalled_at < 5 + 60  # the timeout, then torchrun's 30 s grace, with room
+    assert "train.py: error: a collective failed while waiting in" in output
+    assert "Timed out" in output and "--timeout 5 s" in output
