@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from data import load_data, vocab_size_of
+from data import load_data, split_lengths, vocab_size_of
 import cp
 import ep
 import pp
@@ -177,7 +177,22 @@ def check_args(args, world):
         if problem:
             raise ConfigError(f"--tp {args.tp}: {problem}")
     check_pipeline(args)
+    check_data(args)
     return shape
+
+
+def check_data(args):
+    """--data that cannot train (missing, empty, shorter than one sequence) fails here, not mid-run."""
+    if args.data is None:
+        return
+    try:
+        lengths = split_lengths(args.data)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--data {args.data}: no such file or directory ({e.filename})") from None
+    for split, n_tokens in lengths.items():
+        if n_tokens < args.seq_len + 1:
+            raise ConfigError(f"--data {args.data}: the {split} split has {n_tokens} tokens, fewer than one "
+                              f"sequence of --seq-len {args.seq_len} plus its last target")
 
 
 def check_pipeline(args):

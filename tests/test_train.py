@@ -215,3 +215,20 @@ def test_compiled_blocks_match_single_device(tmp_path, world, flags, model):
 def compiled_train_worker(argv):
     result = train_worker(argv)
     return dict(result, compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def test_data_that_cannot_train_is_refused_before_training(tmp_path):
+    """Missing, empty, or shorter than one sequence: refused by check_args, which runs on every rank before any
+    process group exists (so each rank says why, as test_refused_flags_fail_fast_on_every_rank shows)."""
+    empty, short, tokens = tmp_path / "empty.txt", tmp_path / "short.txt", tmp_path / "tokens"
+    empty.write_bytes(b"")
+    short.write_bytes(b"x" * 100)  # val: the last 10 bytes, fewer than 16 + 1
+    tokens.mkdir()
+    np.zeros(100, dtype=np.uint16).tofile(tokens / "train.bin")
+    for path, message in [(tmp_path / "missing", "no such file or directory"),
+                          (empty, "the train split has 0 tokens"), (short, "the val split has 10 tokens"),
+                          (tokens, "no such file or directory")]:  # no val.bin
+        with pytest.raises(train.ConfigError, match=message):
+            train.check_args(train.parse_args([*QUICK, "--data", str(path)]), 1)
+    np.zeros(100, dtype=np.uint16).tofile(tokens / "val.bin")
+    train.check_args(train.parse_args([*QUICK, "--data", str(tokens)]), 1)  # 100 tokens a split: enough
