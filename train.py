@@ -65,7 +65,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "ep": ("all_to_all",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
-LOG_FIELDS = ("loss", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
+LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
               "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
@@ -73,7 +73,11 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 class ConfigError(ValueError):
-    """A combination of flags that cannot run; raised before any communication."""
+    """A combination of flags (or data) that cannot run; raised on every rank alike, before training."""
+
+
+class NonFiniteStep(ArithmeticError):
+    """A step whose loss or gradient norm is not finite, beyond what --skip-nonfinite-steps allows."""
 
 
 def parse_args(argv=None):
@@ -90,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr (cosine)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--skip-nonfinite-steps", type=int, default=0,
+                   help="steps whose gradient norm is not finite that may be skipped (no update) before the "
+                        "run stops; 0: the first one stops it")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="float64 for checks; bfloat16 = float32 weights with bf16 autocast")
     p.add_argument("--data", default=None, help="text file or directory with train.bin/val.bin "
@@ -195,6 +202,16 @@ def check_data(args):
                               f"sequence of --seq-len {args.seq_len} plus its last target")
 
 
+def check_vocabulary(data, rank, world):
+    """Token ids outside the vocabulary fail before training, on every rank: each rank scans its share of
+    the token files (1/world of each split: seconds even for billions of tokens), and they agree on the largest."""
+    largest = torch.tensor([data.largest_id(rank, world)], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if largest.item() >= data.vocab_size:
+        raise ConfigError(f"--data {data.path} holds token id {largest.item()}, outside the vocabulary of "
+                          f"{data.vocab_size} (meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
+
+
 def check_pipeline(args):
     if args.pp == 1:
         if args.schedule == "interleaved" or args.virtual_stages > 1:
@@ -257,7 +274,12 @@ def launcher_store(rank, world):
     hosted_by_launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not hosted_by_launcher)
-    return dist.PrefixStore(f"train.py/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(attempt_prefix(), store)
+
+
+def attempt_prefix():
+    """A prefix for the keys of this attempt of the launch (torchrun counts its restarts)."""
+    return f"train.py/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def data_vocab_size(args):
@@ -440,10 +462,10 @@ class Trainer:
                 syncs.append(DataParallel(experts, mesh.groups["expert"], bucket_bytes, divide_by=mesh.size("dense")))
             self.grad_sync = GradientSync(syncs) if syncs else None
             self.optimizer = make_optimizer(self.params, args)
-        self.start_step = 0
+        self.start_step, self.skipped_steps = 0, 0
         if saved:
             self.load_optimizer_state(saved["optimizer"])
-            self.start_step = saved["step"]
+            self.start_step, self.skipped_steps = saved["step"], saved["skipped_steps"]
         self.meter = ActivationMeter(self.params)
         self.pp_bytes_sent = 0
         self.comm_baseline = {}
@@ -519,7 +541,7 @@ class Trainer:
     def checkpoint(self, step):
         """The consolidated checkpoint (every rank must call this; rank 0 writes it)."""
         return dict(model=self.full_state_dict(), optimizer=self.full_optimizer_state(), step=step,
-                    args=vars(self.args))
+                    skipped_steps=self.skipped_steps, args=vars(self.args))
 
     def n_data(self):
         return self.mesh.size("data")
@@ -566,19 +588,23 @@ class Trainer:
         grad_wait.add(wait_start, grad_wait.now())
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        if args.grad_clip > 0:
-            self.clip_gradients(args.grad_clip)
+        # The norm is the same on every rank, so they all update, or all skip a step whose gradient is not
+        # finite (the weights and AdamW's moments stay as they were; train() decides whether to go on).
+        grad_norm = self.clip_gradients(args.grad_clip or math.inf).item()
+        self.skipped_steps += not math.isfinite(grad_norm)
         if self.zero:
-            self.zero.step()  # update this rank's shards, then gather the parameters
+            if math.isfinite(grad_norm):
+                self.zero.step()  # update this rank's shards, then gather the parameters
             self.zero.zero_grad()
         else:
-            self.optimizer.step()
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
         elapsed = time.perf_counter() - start
         comm_wait = grad_wait.seconds() + pipeline.wait_s
-        return self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline)
+        return dict(self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline), grad_norm=grad_norm)
 
     def count_routing(self):
         """Add the last forward's tokens per expert (summed over all ranks already) to this step's."""
@@ -602,7 +628,7 @@ class Trainer:
         return losses
 
     def clip_gradients(self, max_norm):
-        """Clip to the norm of the whole model's gradient, every element counted once.
+        """Clip to the norm of the whole model's gradient, every element counted once; returns the norm.
 
         After synchronisation, data-parallel replicas hold identical gradients,
         so one rank of the dense group sees every element it holds. Across the
@@ -697,6 +723,7 @@ def train(args):
     args.resume = resume_from(args, world, report=print if rank == 0 else lambda message: None)
     mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
     data = load_training_data(args)
+    check_vocabulary(data, rank, world)
     trainer = Trainer(args, mesh, data, device)
     run_dir = os.path.join(args.out, run_name(args, world))
     if rank == 0:
@@ -712,11 +739,12 @@ def train(args):
     if rank == 0:  # one record per step: a resumed run rewrites those after its checkpoint
         keep_log_before(os.path.join(run_dir, "log.jsonl"), trainer.start_step if args.resume else 0)
         log = open(os.path.join(run_dir, "log.jsonl"), "a")
-    losses, val_losses, wall = [], {}, 0.0
+    losses, grad_norms, val_losses, wall = [], [], {}, 0.0
     # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
     # tokens per second, over every device's peak.
     peak, flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
     end, stopped = min(args.steps, args.stop_at or args.steps), False
+    last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
     with Preemption() as preemption:
         for step in range(trainer.start_step, end):
             record = gather_records(dict(trainer.train_step(step), stop_requested=preemption.requested))
@@ -727,6 +755,8 @@ def train(args):
                 entry["mfu"] = flops_per_token * entry["tokens_per_s"] / (world * peak)
             wall, last = entry["time_s"], step == end - 1
             losses.append(entry["loss"])
+            grad_norms.append(entry["grad_norm"])
+            problem = nonfinite_problem(step, record, trainer.skipped_steps, args)
             if (step + 1) % args.eval_interval == 0 or last:
                 entry["val_loss"] = val_losses[step] = trainer.validation_loss()
             if rank == 0:  # logged before the checkpoint, so every step a checkpoint has passed is in the log
@@ -734,19 +764,37 @@ def train(args):
                 log.flush()
                 if step % args.log_interval == 0 or last or "val_loss" in entry:
                     print_progress(entry, args)
+            if problem:  # every rank has the same record, so every rank stops here
+                raise NonFiniteStep(f"{problem}; the last good checkpoint is {last_checkpoint or 'none'}")
             if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
                 state = trainer.checkpoint(step + 1)
+                last_checkpoint = checkpoint.path_for(run_dir, step + 1)
                 if rank == 0:
-                    path = checkpoint.save(run_dir, step + 1, state, args.keep_checkpoints)
+                    checkpoint.save(run_dir, step + 1, state, args.keep_checkpoints)
                     if stopped:
-                        print(f"stopped after step {step} on a signal; checkpoint {path}", flush=True)
+                        print(f"stopped after step {step} on a signal; checkpoint {last_checkpoint}", flush=True)
             trainer.reset_comm_baseline()
             if stopped:
                 break
     if log:
         log.close()
-    return dict(losses=losses, val_losses=val_losses, state_dict=trainer.full_state_dict(),
+    return dict(losses=losses, grad_norms=grad_norms, val_losses=val_losses, state_dict=trainer.full_state_dict(),
                 entropy_floor=data.entropy_rate)
+
+
+def nonfinite_problem(step, record, skipped_steps, args):
+    """What is wrong with a step whose loss or gradient norm is not finite, unless it may be skipped
+    (--skip-nonfinite-steps: its update was not made, see Trainer.train_step); None for a good step."""
+    bad_ranks = [r for r, loss in enumerate(record["loss"]) if not math.isfinite(loss)]
+    grad_norm = record["grad_norm"][0]  # the same on every rank
+    if not bad_ranks and math.isfinite(grad_norm):
+        return None
+    if not math.isfinite(grad_norm) and skipped_steps <= args.skip_nonfinite_steps:
+        return None
+    losses = (f"a non-finite loss on rank{'s' * (len(bad_ranks) > 1)} {', '.join(map(str, bad_ranks))}"
+              if bad_ranks else "every loss finite")
+    return (f"step {step}: {losses}, gradient norm {grad_norm} (non-finite steps so far: {skipped_steps}; "
+            f"--skip-nonfinite-steps {args.skip_nonfinite_steps})")
 
 
 def log_entry(args, step, record, wall, trainer):
@@ -755,9 +803,10 @@ def log_entry(args, step, record, wall, trainer):
     step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
     # Each rank reported its stage's share of its data's loss: the mean over ranks, times the stages.
     loss = args.pp * sum(record["loss"]) / world
-    entry = dict(step=step, loss=loss, lr=lr_at(step, args), step_s=step_s, time_s=wall + step_s,
+    entry = dict(step=step, loss=loss, lr=lr_at(step, args), grad_norm=record["grad_norm"][0],
+                 skipped_steps=trainer.skipped_steps, step_s=step_s, time_s=wall + step_s,
                  tokens_per_s=args.batch_size * args.seq_len / step_s,
-                 **{k: v for k, v in record.items() if k != "loss"})
+                 **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
     if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
         entry.update(trainer.routing)
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
@@ -798,24 +847,27 @@ class Preemption:
         signal.signal(signum, signal.SIG_DFL)
 
 
-def refuse(message, rank, world):
-    """Say on this rank why the launch cannot run, and exit with status 2.
+def exit_with_error(message, rank, world, status):
+    """Say on this rank why the run cannot go on, and exit with `status`.
 
-    Every rank reaches the same verdict without communicating. torchrun stops
-    all ranks as soon as one exits, so before exiting each rank counts itself
-    in the launcher's key-value store and waits (30 s at most) until every
-    rank has printed its message.
+    Every rank reaches the same verdict (before any communication, from the
+    flags; or from a record all ranks share). torchrun stops all ranks as
+    soon as one exits, so before exiting each rank counts itself in the
+    launcher's key-value store and waits (30 s at most) until every rank has
+    printed its message.
     """
     sys.stderr.write(f"[rank {rank}] train.py: error: {message}\n")  # one write: lines of ranks never interleave
     sys.stderr.flush()
     if world > 1 and "MASTER_ADDR" in os.environ:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=30))
-        store.add("train.py/refused", 1)
+        store = dist.PrefixStore(attempt_prefix(), dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=30)))
+        store.add("exited", 1)
         deadline = time.monotonic() + 30
-        while store.add("train.py/refused", 0) < world and time.monotonic() < deadline:
+        while store.add("exited", 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
-    sys.exit(2)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)
 
 
 def main(argv=None):
@@ -827,9 +879,13 @@ def main(argv=None):
         if args.resume not in (None, "auto"):
             checkpoint.load(args.resume)
     except (ConfigError, checkpoint.BadCheckpoint) as e:
-        refuse(str(e), rank, world)
+        exit_with_error(str(e), rank, world, status=2)
     try:
         train(args)
+    except ConfigError as e:  # the data, found bad by every rank together before training
+        exit_with_error(str(e), rank, world, status=2)
+    except NonFiniteStep as e:
+        exit_with_error(str(e), rank, world, status=1)
     except RuntimeError as e:  # in a collective, a peer died or stalled: say where this rank waited, then fail
         if not in_collective(e):
             raise

@@ -33,8 +33,9 @@ def oracle(argv):
     return _oracles[key]
 
 
-def reference_run(argv):
-    """Train on one device; returns per-step losses, gradient norms before clipping, final state dict."""
+def reference_run(argv, skipped_steps=()):
+    """Train on one device; returns per-step losses, gradient norms before clipping, final state dict.
+    The steps in skipped_steps make no update (as train.py skips a step whose gradient is not finite)."""
     args = train.parse_args([*argv, "--dtype", "float64"])
     data = train.load_training_data(args)
     model = train.build_model(train.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
@@ -50,7 +51,8 @@ def reference_run(argv):
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(step, args)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
-        optimizer.step()
+        if step not in skipped_steps:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         losses.append(step_loss)
     return dict(losses=losses, grad_norms=grad_norms, state_dict=model.state_dict())

@@ -1,6 +1,7 @@
 """Faults: a run stopped or preempted resumes with `--resume auto` to exactly what an uninterrupted run
 computes (float64, the oracle); checkpoints are atomic, verified, and a bad one is skipped or refused."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -9,8 +10,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import checkpoint
+import train
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
@@ -115,6 +118,66 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_continues_ex
     assert [e["step"] for e in log] == list(range(400))
     reference = reference_run([*ARGV, "--steps", "400"])
     assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=final_state(tmp_path / RUN)), reference)
+
+
+# -- bad numbers ----------------------------------------------------------------------------
+
+def poisoned_train_worker(argv, poisoned_step, poisoned_rank):
+    """train.py's training, with one weight of one rank made NaN during one step (its own value again
+    after it): that rank's loss, then every rank's gradient, is not finite at that step alone."""
+    train_step = train.Trainer.train_step
+
+    def poisoned(trainer, step):
+        if (step, dist.get_rank()) != (poisoned_step, poisoned_rank):
+            return train_step(trainer, step)
+        weight = trainer.params[0].detach()
+        kept = weight.clone()
+        weight.view(-1)[0] = float("nan")
+        try:
+            return train_step(trainer, step)
+        finally:
+            weight.copy_(kept)
+
+    train.Trainer.train_step = poisoned
+    try:
+        return train_worker(argv)
+    except train.NonFiniteStep as e:
+        return str(e)
+
+
+def test_a_nonfinite_step_is_skipped_when_allowed_and_the_run_ends_as_if_it_made_no_update(tmp_path):
+    argv = [*ARGV, "--skip-nonfinite-steps", "1", "--out", str(tmp_path)]
+    result = run_on_ranks(2, poisoned_train_worker, argv, 2, 1)[0]
+    reference = reference_run(ARGV, skipped_steps={2})
+    assert math.isnan(result["losses"][2]) and math.isnan(result["grad_norms"][2])
+    del result["losses"][2], reference["losses"][2], result["grad_norms"][2], reference["grad_norms"][2]
+    assert_matches_oracle(result, reference)
+    torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], rtol=1e-9, atol=0)
+    assert [e["skipped_steps"] for e in read_log(tmp_path / RUN)] == [0, 0, 1, 1, 1, 1]
+
+
+def test_a_nonfinite_step_stops_every_rank_naming_it_and_resume_auto_goes_on_from_the_last_good_checkpoint(
+        tmp_path):
+    argv = [*ARGV, "--checkpoint-interval", "1", "--resume", "auto", "--out", str(tmp_path)]
+    stopped = run_on_ranks(2, poisoned_train_worker, argv, 2, 1)
+    good = checkpoint.path_for(tmp_path / RUN, 2)
+    assert stopped == [f"step 2: a non-finite loss on rank 1, gradient norm nan (non-finite steps so far: 1; "
+                       f"--skip-nonfinite-steps 0); the last good checkpoint is {good}"] * 2
+    assert checkpoint.checkpoints(tmp_path / RUN)[0] == good
+    run_on_ranks(2, train_worker, argv)  # the fault was transient: the same command goes on from step 2
+    assert_resumed_run_matches_oracle(tmp_path / RUN)
+
+
+def test_a_diverging_run_exits_with_the_message_on_every_rank(tmp_path):
+    """A learning rate of 1e300 makes the weights overflow after one update: train.py itself (under
+    torchrun) stops at step 1, each rank saying why, and exits with status 1."""
+    out = torchrun(2, "train.py", *ARGV, "--lr", "1e300", "--checkpoint-interval", "1", "--out", str(tmp_path),
+                   timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    for rank in range(2):
+        assert (f"[rank {rank}] train.py: error: step 1: a non-finite loss on ranks 0, 1, gradient norm nan "
+                f"(non-finite steps so far: 1; --skip-nonfinite-steps 0); the last good checkpoint is "
+                f"{checkpoint.path_for(tmp_path / RUN, 1)}") in out.stderr
 
 
 # -- workers killed: torchrun restarts them, --resume auto continues ------------------------
