@@ -50,6 +50,11 @@ def save(run_dir, step, state, keep):
 
 def load(path):
     """The state saved at path, or BadCheckpoint saying what is wrong with it."""
+    return torch.load(io.BytesIO(verified_bytes(path)), map_location="cpu", weights_only=True)
+
+
+def verified_bytes(path):
+    """The bytes of the checkpoint at path, checked complete and undamaged (else BadCheckpoint)."""
     if not os.path.isfile(path):
         raise BadCheckpoint(f"{path}: no such checkpoint")
     if not os.path.isfile(path + ".sha256"):
@@ -59,14 +64,14 @@ def load(path):
     with open(path + ".sha256") as f:
         if hashlib.sha256(data).hexdigest() != f.read().strip():
             raise BadCheckpoint(f"{path}: damaged, its bytes do not match its SHA-256")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return data
 
 
 def newest_good(run_dir, report=print):
-    """The path of the newest checkpoint in run_dir that loads, or None; each bad one is reported."""
+    """The path of the newest complete, undamaged checkpoint in run_dir, or None; each bad one is reported."""
     for path in checkpoints(run_dir):
         try:
-            load(path)
+            verified_bytes(path)
             return path
         except BadCheckpoint as e:
             report(f"skipping checkpoint {e}")

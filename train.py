@@ -877,7 +877,7 @@ def main(argv=None):
     try:  # before any process group exists: a bad launch cannot hang
         check_args(args, world)
         if args.resume not in (None, "auto"):
-            checkpoint.load(args.resume)
+            checkpoint.verified_bytes(args.resume)
     except (ConfigError, checkpoint.BadCheckpoint) as e:
         exit_with_error(str(e), rank, world, status=2)
     try:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import checkpoint
 import train
+from bench import worker_pids
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
@@ -182,20 +183,6 @@ def test_a_diverging_run_exits_with_the_message_on_every_rank(tmp_path):
 
 # -- workers killed: torchrun restarts them, --resume auto continues ------------------------
 
-def children(pid):
-    """The processes whose parent is pid (torchrun's workers)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return found
-
-
 @pytest.mark.parametrize("world,flags", [(2, []), (8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "4"])],
                          ids=["dp2", "tp2-pp2-ep2"])
 def test_workers_killed_twice_restart_and_end_as_if_never_killed(tmp_path, world, flags):
@@ -215,7 +202,7 @@ def test_workers_killed_twice_restart_and_end_as_if_never_killed(tmp_path, world
             if logs and len(logs[0].read_text().splitlines()) >= lines:
                 break
             time.sleep(0.05)
-        os.kill(children(launch.pid)[-1], signal.SIGKILL)
+        os.kill(worker_pids(launch.pid)[-1], signal.SIGKILL)
     output, _ = launch.communicate(timeout=max(1, deadline - time.monotonic()))
     assert launch.returncode == 0, output[-3000:]
     assert output.count("run ") >= 3  # three launches of the workers: the first and two restarts
@@ -237,7 +224,7 @@ def test_a_stalled_rank_stops_the_others_within_the_timeout(tmp_path):
     while not list(tmp_path.glob("*/log.jsonl")) or len(next(tmp_path.glob("*/log.jsonl")).read_text()) < 100:
         assert time.monotonic() < deadline, "the run did not start"
         time.sleep(0.05)
-    frozen = children(launch.pid)[-1]
+    frozen = worker_pids(launch.pid)[-1]
     os.kill(frozen, signal.SIGSTOP)
     stalled_at = time.monotonic()
     try:
