@@ -45,6 +45,7 @@ Self-check: torchrun --nproc_per_node 4 dp.py
 import copy
 import math
 import os
+import weakref
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -118,6 +119,20 @@ class Bucket:
         return self.padded * self.grad.element_size()
 
 
+def _weakly(method):
+    """A hook that calls method without keeping its object alive.
+
+    A parameter holds its hooks, and autograd's C++ side holds the parameter,
+    where Python's garbage collector cannot see: a hook holding the
+    DataParallel strongly would keep it, and its process group with gloo's
+    threads, alive after destroy_process_group, until the interpreter's exit
+    (where one of those threads releasing a finished collective can abort
+    the process: "terminate called without an active exception").
+    """
+    method = weakref.WeakMethod(method)
+    return lambda *args: method()(*args)
+
+
 def make_buckets(params, bucket_bytes, n_ranks):
     """Group params (already in gradient-arrival order) into buckets of about bucket_bytes."""
     buckets, current, size = [], [], 0
@@ -164,7 +179,7 @@ class DataParallel:
             if p.grad is not None:
                 bucket.grad_views[p].copy_(p.grad)
             p.grad = bucket.grad_views[p]
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(_weakly(self._on_grad_ready))
 
     def _make_buckets(self, bucket_bytes):
         return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks)
@@ -509,6 +524,12 @@ def _join_process_group():
 
 
 def _self_check():
+    # Before the group exists: the first optimizer imports torch._dynamo, which imports a module whose
+    # default argument (fsdp's ShardedGradScaler, process_group=dist.group.WORLD) would keep the group
+    # alive. destroy_process_group would then leave gloo's threads running, and one still releasing a
+    # finished collective's tensors as the interpreter exits aborts the rank ("terminate called without
+    # an active exception").
+    import torch._dynamo  # noqa: F401
     device = _join_process_group()
     backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
