@@ -65,8 +65,8 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "ep": ("all_to_all",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
-LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
-              "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
+LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
+              "activation_peak_bytes", "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
