@@ -1,5 +1,7 @@
 """Data parallelism equals the single device, step for step, in float64."""
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -104,3 +106,22 @@ def test_second_backward_without_no_sync_is_an_error():
 def test_self_check_covers_every_stage_alone_in_an_empty_folder(tmp_path):
     differences = self_check_alone("dp.py", 4, tmp_path)  # plain data parallelism, ZeRO-1, 2, 3
     assert len(differences) == 4 and max(differences) < 1e-12
+
+
+def freed_after_use():
+    """Whether a DataParallel that synchronised a backward is freed once nothing of the caller's holds it."""
+    model = toy_model()
+    dp = DataParallel(model.parameters())
+    model(torch.ones(4, 8, dtype=torch.float64)).sum().backward()
+    dp.finish_grad_sync()
+    alive = weakref.ref(dp)
+    del dp
+    gc.collect()
+    return alive() is None
+
+
+def test_a_data_parallel_no_longer_used_is_freed_with_its_hold_on_the_group():
+    """The parameters keep their gradient hooks, and autograd keeps the parameters where the garbage
+    collector cannot look: hooks holding the DataParallel would keep it, and through it the process group
+    and gloo's threads, alive past destroy_process_group (the cause of aborts at the exit of dp.py)."""
+    assert run_on_ranks(2, freed_after_use) == [True, True]
