@@ -27,6 +27,12 @@ Backward recomputes each block's probabilities from the saved log-sum-exp
 (P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
 K/V block, picking up each rank's contribution, until they are back home.
 
+Grouped-query attention: k and v may have fewer heads than q, each serving a
+group of consecutive query heads. The ring carries them as they are (so its
+traffic is n_kv_heads / n_heads of full multi-head attention's); each block
+computation repeats them to the query heads, and backward sums the repeated
+heads' dK, dV over each group before they travel on.
+
 Messages match by order alone, as NCCL requires (it ignores tags). Every rank
 runs the same loop, so every rank posts the same sequence of exchanges: each
 passes one set of tensors to the next rank and receives a set of the same
@@ -79,6 +85,17 @@ def restore_order(shards, dim=1):
 # ---------------------------------------------------------------------------
 # One block, and merging blocks
 # ---------------------------------------------------------------------------
+
+def repeat_kv(t, heads_per_kv):
+    """(batch, kv_heads, seq, d) -> (batch, kv_heads * heads_per_kv, seq, d): each key/value head serves
+    heads_per_kv consecutive query heads (grouped-query attention)."""
+    return t.repeat_interleave(heads_per_kv, dim=1)
+
+
+def sum_groups(t, heads_per_kv):
+    """The gradient of repeat_kv: the repeated heads' gradients summed back onto their key/value head."""
+    return t.unflatten(1, (-1, heads_per_kv)).sum(2)
+
 
 def block_attention(q, k, v, causal):
     """(output, log-sum-exp) of q against one block of keys and values, in float32 or better."""
@@ -149,7 +166,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, group):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        ring = _Ring(group)
+        ring, heads_per_kv = _Ring(group), q.shape[1] // k.shape[1]  # query heads per key/value head
         dtype = torch.promote_types(q.dtype, torch.float32)
         qh = q.to(dtype).chunk(2, dim=2)  # the two local chunks
         out = [torch.zeros_like(h) for h in qh]
@@ -159,7 +176,7 @@ class RingAttention(torch.autograd.Function):
             source = (rank - step) % n
             if step < n - 1:  # the next block is on its way while this one is computed
                 works, next_kv = ring.pass_on(kv)
-            kh, vh = (t.to(dtype).chunk(2, dim=2) for t in kv)
+            kh, vh = (repeat_kv(t.to(dtype), heads_per_kv).chunk(2, dim=2) for t in kv)
             for qi, ki, causal in chunk_pairs(rank, source, n):
                 block_out, block_lse = block_attention(qh[qi], kh[ki], vh[ki], causal)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
@@ -176,9 +193,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
-        ring = _Ring(group)
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        ring, heads_per_kv = _Ring(ctx.group), q.shape[1] // k.shape[1]
         dtype = out.dtype
         scale = 1.0 / math.sqrt(q.shape[-1])
         qh, do, oh, lh = (t.to(dtype).chunk(2, dim=2) for t in (q, grad_out, out, lse))
@@ -190,7 +206,7 @@ class RingAttention(torch.autograd.Function):
             source = (rank - step) % n
             if step < n - 1:
                 works, next_kv = ring.pass_on(kv)
-            kh, vh = (t.to(dtype).chunk(2, dim=2) for t in kv)
+            kh, vh = (repeat_kv(t.to(dtype), heads_per_kv).chunk(2, dim=2) for t in kv)
             dk, dv = [torch.zeros_like(h) for h in kh], [torch.zeros_like(h) for h in vh]
             for qi, ki, causal in chunk_pairs(rank, source, n):
                 scores = torch.matmul(qh[qi], kh[ki].transpose(-2, -1)) * scale
@@ -202,7 +218,8 @@ class RingAttention(torch.autograd.Function):
                 dq[qi] += torch.matmul(ds, kh[ki]) * scale
                 dk[ki] += torch.matmul(ds.transpose(-2, -1), qh[qi]) * scale
                 blocks_computed["backward"] += 1
-            contribution = (torch.cat(dk, dim=2), torch.cat(dv, dim=2))
+            contribution = (sum_groups(torch.cat(dk, dim=2), heads_per_kv),
+                            sum_groups(torch.cat(dv, dim=2), heads_per_kv))
             if pending is not None:  # the accumulators of this block, from the ranks it visited before
                 _wait(pending[0])
                 grad_acc = tuple(a + c for a, c in zip(pending[1], contribution))
@@ -262,13 +279,13 @@ def _join_process_group():
     return device
 
 
-def _self_check():
-    device = _join_process_group()
-    backend, rank, n = dist.get_backend(), dist.get_rank(), dist.get_world_size()
+def _check_against_full_attention(n_heads, n_kv_heads, rank, n, device):
+    """The largest difference of ring attention from full causal attention (output, dQ, dK, dV) on this rank."""
     g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(2, 3, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(4))
+    q, grad = (torch.randn(2, n_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
+    k, v = (torch.randn(2, n_kv_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*full, is_causal=True)
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
     expected.backward(grad)
     local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
     out, _ = ring_attention(*local, None)
@@ -278,12 +295,24 @@ def _self_check():
         worst = max(worst, (mine.grad - shard_sequence(reference.grad, n, rank, dim=2)).abs().max().item())
     worst_all = torch.tensor([worst], device=device)
     dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"cp.py self-check on {n} ranks ({backend}): largest difference from full causal attention "
-              f"(output, dQ, dK, dV, float64) = {worst_all.item():.3g}; blocks per rank: "
-              f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
+    return worst_all.item()
+
+
+def _self_check():
+    device = _join_process_group()
+    backend, rank, n = dist.get_backend(), dist.get_rank(), dist.get_world_size()
+    worst = 0.0
+    for n_kv_heads in (4, 1):  # multi-head, and grouped-query attention with one key/value head for four
+        comm_bytes.clear(), blocks_computed.clear()
+        difference = _check_against_full_attention(4, n_kv_heads, rank, n, device)
+        worst = max(worst, difference)
+        if rank == 0:
+            print(f"cp.py self-check on {n} ranks ({backend}), 4 query heads, {n_kv_heads} key/value heads: "
+                  f"largest difference from full causal attention (output, dQ, dK, dV, float64) = {difference:.3g}; "
+                  f"bytes sent per rank {comm_bytes['send_recv']}; blocks per rank: "
+                  f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
     dist.destroy_process_group()
-    if worst_all.item() > 1e-12:
+    if worst > 1e-12:
         raise SystemExit(f"rank {rank}: ring attention differs from full attention")
 
 

@@ -505,7 +505,8 @@ class ZeRO(DataParallel):
 
 def gpt_units(model):
     """ZeRO-3 units of model.py's GPT, in forward order (the only model knowledge in this file)."""
-    return [model.tok_emb, model.pos_emb, *model.blocks, model.norm, model.lm_head]
+    units = [model.tok_emb, model.pos_emb, *model.blocks, model.norm, model.lm_head]
+    return [unit for unit in units if unit is not None]  # no position table with rotary embeddings
 
 
 # ---------------------------------------------------------------------------

@@ -22,11 +22,25 @@ expert takes at most capacity_factor * tokens * k / E of a rank's tokens, in
 token order, and the rest are dropped (their output is zero, the residual
 stream carries them) and counted.
 
-Load balance: the Switch Transformer loss E * sum_i f_i P_i, with f_i the
-fraction of token assignments that went to expert i and P_i its mean router
-probability, both over the whole micro-batch: the statistics are summed over
-every rank that holds different tokens, so the loss equals the single
-device's.
+Load balance, two ways (either or both). The Switch Transformer loss
+E * sum_i f_i P_i, with f_i the fraction of token assignments that went to
+expert i and P_i its mean router probability, both over the whole
+micro-batch: the statistics are summed over every rank that holds different
+tokens, so the loss equals the single device's. And DeepSeek-V3's
+auxiliary-loss-free balancing: a per-expert bias added to the router's
+probabilities when choosing the top k (not to the gates), moved after every
+step by a fixed rate towards balance; the tokens per expert it is moved by
+are the same global counts, so every rank moves it alike (`load`).
+
+A shared expert (DeepSeek-MoE), an MLP every token passes through besides
+its top k, is replicated like the router and runs on this rank's tokens.
+
+What a model's MoE layer must offer (the contract for copying this file):
+`experts`, a list of modules mapping (tokens, d) -> (tokens, d); its router,
+a module mapping tokens to one logit per expert, under any attribute name
+(`router=`); `top_k`. Optional: a shared expert (`shared=`, its name), a
+`route_bias` buffer with `bias_update_rate`. Parameter and buffer names stay
+those of the layer it replaces, so checkpoints match the single device's.
 
 Gradients: the router and everything outside the experts are averaged over
 the ranks holding different tokens, as in data parallelism. An expert sees
@@ -47,10 +61,12 @@ import torch.nn.functional as F
 comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
 
 
-def route(router_logits, top_k):
-    """(gates, experts, probs): top-k of the softmax, gates renormalised to sum to one."""
+def route(router_logits, top_k, bias=None):
+    """(gates, experts, probs): top-k of the softmax (shifted by a balancing bias for the choice only),
+    gates renormalised to sum to one."""
     probs = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).softmax(-1)
-    top_probs, experts = probs.topk(top_k, dim=-1)
+    experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
+    top_probs = probs.gather(-1, experts)
     return top_probs / top_probs.sum(-1, keepdim=True), experts, probs
 
 
@@ -87,12 +103,12 @@ def _all_to_all(x, output_splits, input_splits, group):
 class ExpertParallelMoE(nn.Module):
     """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks with distinct tokens.
 
-    Made from a single-device MoE (`router`, `experts`, `top_k`): the router is
-    replicated, this rank keeps experts [r*E/N, (r+1)*E/N) under their global
-    indices, so parameter names match the single device's.
+    Made from a single-device MoE layer (see the contract in the module docstring):
+    the router (and a shared expert) is replicated, this rank keeps experts
+    [r*E/N, (r+1)*E/N) under their global indices, so names match the single device's.
     """
 
-    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0):
+    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared"):
         super().__init__()
         self.n_experts, self.top_k = len(moe.experts), moe.top_k
         n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
@@ -100,21 +116,30 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
         self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
         self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
-        self.router = moe.router
+        self.router_name, self.shared_name = router, shared
+        setattr(self, router, getattr(moe, router))
+        setattr(self, shared, getattr(moe, shared, None))
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
+        route_bias = getattr(moe, "route_bias", None)
+        self.register_buffer("route_bias", route_bias)  # absent (None) if the layer has no balancing bias
+        self.bias_update_rate = getattr(moe, "bias_update_rate", 0.0)
+        # This step's tokens per expert over every rank, for the rule that moves the bias (the model's own).
+        self.register_buffer("load", torch.zeros(self.n_experts, dtype=torch.long,
+                                                 device=next(moe.parameters()).device), persistent=False)
         self.aux_loss = self.tokens_per_expert = None
         self.dropped = 0
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        gates, experts, probs = route(self.router(tokens), self.top_k)
+        gates, experts, probs = route(getattr(self, self.router_name)(tokens), self.top_k, self.route_bias)
         keep = torch.ones_like(experts, dtype=torch.bool)
         if self.capacity_factor:
             capacity = int(self.capacity_factor * len(tokens) * self.top_k / self.n_experts + 0.999999)
             keep = capacity_mask(experts, self.n_experts, capacity)
         self.aux_loss = self._load_balancing_loss(probs, experts, keep)
         out = self._dispatch_compute_combine(tokens, gates, experts, keep)
-        return out.view_as(x)
+        shared = getattr(self, self.shared_name)
+        return (out if shared is None else out + shared(tokens)).view_as(x)
 
     def _load_balancing_loss(self, probs, experts, keep):
         """This rank's share of E * sum_i f_i P_i over the whole micro-batch (see the module docstring).
@@ -129,6 +154,8 @@ class ExpertParallelMoE(nn.Module):
         dist.all_reduce(stats, group=self.stats_group)
         counts, n_tokens, dropped = stats[:-2], stats[-2], stats[-1]
         self.tokens_per_expert, self.dropped = counts.long().tolist(), int(dropped)
+        if torch.is_grad_enabled():  # a training forward (evaluation runs without gradients)
+            self.load += counts.long()
         f = counts / (n_tokens * self.top_k)
         n_ranks = dist.get_world_size(self.stats_group)
         return self.n_experts * n_ranks * (f * probs.sum(0)).sum() / n_tokens

@@ -1,6 +1,11 @@
 """A slim GPT: the single-device model that every parallel run must match.
 
 Read top to bottom: config, attention, MLP, mixture of experts, block, GPT.
+The config describes both of today's families of decoder: GPT-2 (learned
+positions, LayerNorm, GELU MLP, biases) and Llama (rotary positions,
+grouped-query attention, RMSNorm, SwiGLU MLP, no biases); MoE layers may add
+a shared expert (DeepSeek-MoE) and balance their experts with a routing bias
+instead of, or beside, an auxiliary loss (DeepSeek-V3).
 Everything is plain PyTorch on one device. The parallel files never change
 this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:
@@ -9,8 +14,9 @@ ranks and swap two seams that are kept deliberately small:
   parallelism replaces it with ring attention);
 - `GPT.loss_fn(logits, targets)` is the cross-entropy (tensor parallelism
   replaces it with one that never gathers the vocabulary-sharded logits);
-- positions are passed in explicitly (`pos`), so a rank holding a shard of the
-  sequence that is not contiguous still embeds the right positions.
+- positions are passed in explicitly (`pos`, down to every block, where rotary
+  embeddings need them), so a rank holding a shard of the sequence that is
+  not contiguous still embeds and rotates the right positions.
 
 No dropout: the correctness contract (every configuration equals the single
 device, step for step) needs a deterministic model.
@@ -29,18 +35,35 @@ class GPTConfig:
     seq_len: int = 128           # the longest sequence (size of the position table)
     n_layer: int = 4
     n_head: int = 4
+    n_kv_heads: int = 0          # key/value heads (grouped-query attention); 0 means n_head
     d_model: int = 128
     d_ff: int = 0                # MLP hidden size; 0 means 4 * d_model
+    position: str = "learned"    # "learned" (a position table, GPT-2) or "rope" (rotary, Llama)
+    rope_theta: float = 10000.0  # rotary base: pair i of a head turns by pos * theta^(-2i/head_dim)
+    norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
+    mlp: str = "gelu"            # "gelu" or "swiglu"
+    bias: bool = True            # biases in the linear layers and LayerNorms
     n_experts: int = 0           # 0: every MLP is dense; > 0: mixture of experts
     top_k: int = 2               # experts chosen per token
     moe_layers: tuple = field(default_factory=tuple)  # which blocks are MoE; empty: all of them
-    aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
+    n_shared_experts: int = 0    # experts every token passes through besides its top-k (DeepSeek-MoE)
+    aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss (0: none)
+    bias_update_rate: float = 0.0  # step of the routing bias towards balance per training step (0: none)
 
     def __post_init__(self):
         self.d_ff = self.d_ff or 4 * self.d_model
+        self.n_kv_heads = self.n_kv_heads or self.n_head
         self.moe_layers = tuple(self.moe_layers)
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if not 1 <= self.n_kv_heads <= self.n_head or self.n_head % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}")
+        for name, value, allowed in [("position", self.position, ("learned", "rope")),
+                                     ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, ("gelu", "swiglu"))]:
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {allowed}")
+        if self.position == "rope" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"rotary embeddings turn pairs of features: head size {self.d_model // self.n_head} is odd")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         bad = [i for i in self.moe_layers if not 0 <= i < self.n_layer]
@@ -50,15 +73,23 @@ class GPTConfig:
     def is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and (not self.moe_layers or layer in self.moe_layers)
 
+    @property
+    def kv_dim(self) -> int:
+        """Features of the keys (and of the values): n_kv_heads heads of head_dim."""
+        return self.n_kv_heads * (self.d_model // self.n_head)
+
     def flops_per_token(self) -> int:
         """Training FLOPs per token: forward and backward are 3 x the forward's 2 per multiply-add.
 
-        Every matrix a token passes through counts (in an MoE layer: the router and its top-k
-        experts), plus causal attention's scores and weighted sum (about seq_len/2 keys per query).
+        Every matrix a token passes through counts (in an MoE layer: the router, its top-k
+        experts and the shared ones), plus causal attention's scores and weighted sum (about
+        seq_len/2 keys per query).
         """
-        d, mlp = self.d_model, 2 * self.d_model * self.d_ff
-        per_layer = [4 * d * d + 2 * d * self.seq_len +  # q, k, v, projection; attention's two products
-                     (self.top_k * mlp + d * self.n_experts if self.is_moe(i) else mlp) for i in range(self.n_layer)]
+        d = self.d_model
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_ff  # SwiGLU has a gate matrix besides the two
+        moe = (self.top_k + self.n_shared_experts) * mlp + d * self.n_experts
+        attention = 2 * d * d + 2 * d * self.kv_dim + 2 * d * self.seq_len  # q, proj; k, v; the two products
+        per_layer = [attention + (moe if self.is_moe(i) else mlp) for i in range(self.n_layer)]
         return 6 * (sum(per_layer) + d * self.vocab_size)
 
 
@@ -73,48 +104,89 @@ def cross_entropy(logits, targets):
 
 
 def causal_attention(q, k, v):
-    """softmax(q kᵀ / √d + causal mask) v for (batch, heads, seq, head_dim) tensors."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """softmax(q kᵀ / √d + causal mask) v for (batch, heads, seq, head_dim) tensors.
+
+    k and v may have fewer heads than q (grouped-query attention): each group
+    of consecutive query heads shares one key/value head.
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def rotary(x, pos, theta):
+    """Rotary position embedding (RoFormer, as Llama lays it out) of x (batch, heads, seq, head_dim).
+
+    Feature pairs (i, i + head_dim/2) of the token at position p are turned by the
+    angle p * theta^(-2i/head_dim), so q . k depends on positions only through
+    their difference. Positions come from `pos`, never from the place in x.
+    """
+    half = x.shape[-1] // 2
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    frequencies = theta ** (-torch.arange(half, dtype=dtype, device=x.device) / half)
+    angles = pos.to(dtype).unsqueeze(-1) * frequencies  # (seq, half)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = at_least_float32(x).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.head_dim = config.d_model // config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # output laid out as (q|k|v, head, head_dim)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.group = config.n_head // config.n_kv_heads  # query heads per key/value head
+        # Output laid out as (q heads | k heads | v heads) x head_dim; with grouped-query attention
+        # the k and v parts are smaller than q's.
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * config.kv_dim, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.rope_theta = config.rope_theta if config.position == "rope" else None
         self.core = causal_attention  # the swappable seam (see the module docstring)
 
-    def forward(self, x):
+    def forward(self, x, pos):
         qkv = self.qkv(x)
         # Shapes are read off qkv's output, so a rank holding some of the heads (tensor parallelism),
         # or whose qkv gathers the sequence (sequence parallelism), runs this unchanged.
         batch, seq = qkv.shape[:2]
-        heads = qkv.view(batch, seq, 3, -1, self.head_dim)
-        q, k, v = heads.permute(2, 0, 3, 1, 4)  # each (batch, heads, seq, head_dim)
+        heads = qkv.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        n_kv = heads.shape[1] // (self.group + 2)
+        q, k, v = heads.split([self.group * n_kv, n_kv, n_kv], dim=1)
+        if self.rope_theta:
+            q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
+def swiglu(h):
+    """SwiGLU (Shazeer, 2020): silu(gate) * up, from the two halves of the first projection."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """proj(act(fc(x))): GELU, or SwiGLU, whose fc holds the gate and up matrices as (gate | up)."""
+
+    def __init__(self, config: GPTConfig, d_ff=None):
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.d_ff)
-        self.proj = nn.Linear(config.d_ff, config.d_model)
+        d_ff = d_ff or config.d_ff
+        n_inputs = 2 if config.mlp == "swiglu" else 1
+        self.fc = nn.Linear(config.d_model, n_inputs * d_ff, bias=config.bias)
+        self.act = swiglu if config.mlp == "swiglu" else F.gelu
+        self.proj = nn.Linear(d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(self.act(self.fc(x)))
 
 
-def route(router_logits, top_k):
+def route(router_logits, top_k, bias=None):
     """Top-k routing: (gates, experts, probs) for (tokens, n_experts) logits.
 
     probs are the softmax over all experts; the k largest are kept and
     renormalised to sum to one (the article's 0.60/0.35 -> 0.63/0.37).
+    A balancing bias (DeepSeek-V3) is added to the probabilities only to
+    choose the k experts; the gates stay those of the unbiased probabilities.
     Computed in float32 or better, whatever the activations' dtype.
     """
     probs = at_least_float32(router_logits).softmax(-1)
-    top_probs, experts = probs.topk(top_k, dim=-1)
+    experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
+    top_probs = probs.gather(-1, experts)
     gates = top_probs / top_probs.sum(-1, keepdim=True)
     return gates, experts, probs
 
@@ -135,27 +207,63 @@ def load_balancing_loss(probs, experts, n_experts):
 class MoE(nn.Module):
     """Mixture of experts, dropless, on one device: the reference for ep.py.
 
-    y = sum over the token's top-k experts of gate_i(x) * expert_i(x).
+    y = sum over the token's top-k experts of gate_i(x) * expert_i(x),
+    plus shared(x) when the layer has shared experts (DeepSeek-MoE: one MLP of
+    n_shared_experts times an expert's width that every token passes through).
+
+    Two ways to balance the experts, either or both: the Switch auxiliary loss
+    (`aux_loss`, added to the loss by GPT.forward with aux_loss_coef), and a
+    routing bias (DeepSeek-V3's auxiliary-loss-free balancing): `route_bias`
+    shifts which experts are chosen, and after every training step
+    `update_route_biases` moves it by bias_update_rate towards balance, from
+    the tokens each expert received during the step (`load`).
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.top_k = config.top_k
+        self.top_k, self.bias_update_rate = config.top_k, config.bias_update_rate
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(config) for _ in range(config.n_experts))
+        self.shared = MLP(config, config.n_shared_experts * config.d_ff) if config.n_shared_experts else None
+        self.register_buffer("route_bias", torch.zeros(config.n_experts))  # saved in checkpoints
+        self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.long), persistent=False)  # step's tokens
         self.aux_loss = None  # set by every forward; GPT.forward adds it to the loss
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        gates, experts, probs = route(self.router(tokens), self.top_k)
+        gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias)
         self.aux_loss = load_balancing_loss(probs, experts, len(self.experts))
-        out = torch.zeros_like(tokens)
+        if torch.is_grad_enabled():  # a training forward (evaluation runs without gradients)
+            self.load += torch.bincount(experts.flatten(), minlength=len(self.experts))
+        out = torch.zeros_like(tokens) if self.shared is None else self.shared(tokens)
         for e, expert in enumerate(self.experts):
             token_idx, choice = torch.where(experts == e)
-            if len(token_idx):  # an expert that got no token is simply not run
+            if len(token_idx):  # an expert that got no token is simply not run: its gradient stays None
                 y = expert(tokens[token_idx]) * gates[token_idx, choice, None].to(x.dtype)
                 out.index_add_(0, token_idx, y)
         return out.view_as(x)
+
+
+@torch.no_grad()
+def update_route_biases(model):
+    """After a training step: b_i += rate * sign(mean load - load_i) in every MoE layer (DeepSeek-V3),
+    so an expert that got more than its share of the step's tokens is chosen less; then the loads restart.
+
+    Found by attribute, like moe_aux_losses; the loads must already be those of the whole step's batch
+    (expert parallelism sums them over ranks), so every rank moves its biases alike.
+    """
+    for m in model.modules():
+        if isinstance(getattr(m, "route_bias", None), torch.Tensor):
+            load = m.load.to(m.route_bias.dtype)
+            m.route_bias += m.bias_update_rate * torch.sign(load.mean() - load)
+            m.load.zero_()
+
+
+def make_norm(config: GPTConfig):
+    """LayerNorm (GPT-2), or RMSNorm (Llama: x / rms(x) * weight; no mean subtracted, no bias)."""
+    if config.norm == "rms":
+        return nn.RMSNorm(config.d_model, eps=1e-5)
+    return nn.LayerNorm(config.d_model, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -163,13 +271,13 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.d_model)
+        self.norm1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.norm2 = nn.LayerNorm(config.d_model)
+        self.norm2 = make_norm(config)
         self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x, pos):
+        x = x + self.attn(self.norm1(x), pos)
         return x + self.mlp(self.norm2(x))
 
 
@@ -187,9 +295,10 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        # Learned positions are added to the input; rotary ones turn q and k inside every block.
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.position == "learned" else None
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.norm = nn.LayerNorm(config.d_model)
+        self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.loss_fn = cross_entropy  # the swappable seam (see the module docstring)
         self.apply(self._init_weights)
@@ -206,6 +315,11 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def embed(self, idx, pos):
+        """Token embeddings, plus learned position embeddings (rotary ones act inside attention)."""
+        x = self.tok_emb(idx)
+        return x if self.pos_emb is None else x + self.pos_emb(pos)
+
     def forward(self, idx, targets=None, pos=None):
         """Logits for token ids idx (batch, seq); with targets, also the loss.
 
@@ -215,9 +329,9 @@ class GPT(nn.Module):
         """
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.embed(idx, pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, pos)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None

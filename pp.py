@@ -417,15 +417,17 @@ class GPTChunk:
 
     def __init__(self, model, layers, first, last, positions=None):
         self.model, self.layers, self.first, self.last = model, layers, first, last
-        self.positions = positions  # of the tokens this rank holds (None: 0..seq-1)
+        # The positions of the tokens this rank holds (None: 0..seq_len-1), which every block needs
+        # (rotary embeddings); a later stage only sees hidden states, which may be a shard of them.
+        self.positions = torch.arange(model.config.seq_len) if positions is None else positions
 
     def __call__(self, x):
         m = self.model
+        pos = self.positions.to(x.device)
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device) if self.positions is None else self.positions
-            x = m.tok_emb(x) + m.pos_emb(pos)
+            x = m.embed(x, pos)
         for i in self.layers:
-            x = m.blocks[i](x)
+            x = m.blocks[i](x, pos)
         y = m.lm_head(m.norm(x)) if self.last else x
         # The load-balancing losses of this chunk's MoE layers (set by their forward) are its side loss.
         aux = [mod.aux_loss for i in self.layers for mod in m.blocks[i].modules()

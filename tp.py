@@ -4,8 +4,11 @@ Split the weight matrices themselves across a tensor-parallel group of N ranks.
 
 - Column-parallel linear: W = [W_1 | ... | W_N] split by output features;
   rank i computes Y_i = X W_i, its own slice of the output (article:
-  Y = [XW_1 | XW_2]). Attention's q, k, v are split this way by heads, the
-  MLP's first matrix by hidden units, the LM head by vocabulary entries.
+  Y = [XW_1 | XW_2]). Attention's q, k, v are split this way by heads (the
+  query heads and the key/value heads each N ways, so that with grouped-query
+  attention a rank's query heads find their key/value heads on the same
+  rank), the MLP's first matrix by hidden units (SwiGLU's gate and up alike),
+  the LM head by vocabulary entries.
 - Row-parallel linear: W split by input features; rank i holds X_i (the
   slice a column-parallel layer produced) and computes the partial product
   X_i W_i; the partial products are summed (article: Y = X_1 W_1 + X_2 W_2).
@@ -29,7 +32,8 @@ An all-reduce is a reduce-scatter followed by an all-gather, so the traffic
 is the same and the activation memory outside the matmuls drops by N. A
 parameter applied to a sequence shard (layer norm weights, the row-parallel
 bias, position embeddings) then only sees 1/N of the tokens, so its gradient
-is summed over the group: f applied to the parameter does exactly that.
+is summed over the group, as f applied to the parameter would do; a hook on
+the parameter's gradient does it for any norm module (`sequence_parallel_norm`).
 
 The embedding is split by vocabulary (each rank looks up the ids it holds,
 the others contribute zeros, g sums), and the cross-entropy is computed on
@@ -37,6 +41,14 @@ vocabulary-sharded logits without ever gathering them.
 
 Sharding slices an existing full model, so the single device and the
 parallel run start identical; `unshard` gathers a shard back to full size.
+
+What a model must offer (the contract for copying this file elsewhere): its
+attention reads q, k and v from column-parallel layers (fused, laid out as
+q heads | k heads | v heads, or separate: then `share_region_entry` on the
+attention module makes the three share one f) and writes through a
+row-parallel projection, reading the number of heads off the shapes it gets
+rather than from a config; likewise the MLP (SwiGLU's gate and up fused as
+gate | up, or separate with a shared entry). Everything else is untouched.
 
 Self-check: torchrun --nproc_per_node 2 tp.py
 """
@@ -179,45 +191,68 @@ class ScatterToSequenceParallel(torch.autograd.Function):
 # Slicing a full tensor, and gathering it back
 # ---------------------------------------------------------------------------
 
-def shard(full, dim, rank, n_ranks, n_chunks=1):
-    """This rank's slice of `full` along dim. With n_chunks > 1 the dimension holds
-    n_chunks consecutive blocks (attention's q|k|v) and each block is split."""
-    blocks = full.chunk(n_chunks, dim)
-    return torch.cat([block.chunk(n_ranks, dim)[rank] for block in blocks], dim).clone()
+def shard(full, dim, rank, n_ranks, blocks=None):
+    """This rank's slice of `full` along dim. blocks: the sizes of consecutive blocks along dim
+    that are each split on their own (attention's q | k | v, SwiGLU's gate | up); None: one block."""
+    pieces = full.split(list(blocks or [full.shape[dim]]), dim)
+    return torch.cat([piece.chunk(n_ranks, dim)[rank] for piece in pieces], dim).clone()
 
 
-def unshard(local, dim, group, n_chunks=1):
+def unshard(local, dim, group, blocks=None):
     """The inverse of shard: the full tensor, from every rank's slice."""
     n = dist.get_world_size(group)
     pieces = [torch.empty_like(local) for _ in range(n)]
     dist.all_gather(pieces, local.contiguous(), group=group)
-    blocks = [piece.chunk(n_chunks, dim) for piece in pieces]
-    return torch.cat([blocks[r][c] for c in range(n_chunks) for r in range(n)], dim)
+    sizes = [size // n for size in blocks] if blocks else [local.shape[dim]]
+    per_rank = [piece.split(sizes, dim) for piece in pieces]
+    return torch.cat([per_rank[r][b] for b in range(len(sizes)) for r in range(n)], dim)
 
 
-def _sharded_parameter(full, dim, group, n_chunks=1):
-    return nn.Parameter(shard(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), n_chunks))
+def _sharded_parameter(full, dim, group, blocks=None):
+    return nn.Parameter(shard(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), blocks))
 
 
 # ---------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------
 
-class ColumnParallelLinear(nn.Module):
-    """Y_i = X W_i + b_i: this rank's output features (the input is replicated, or gathered)."""
+def enter_region(x, group, sequence_parallel=False):
+    """What a tensor-parallel region begins with: f, or under sequence parallelism the all-gather."""
+    if sequence_parallel:
+        return GatherFromSequenceParallel.apply(x, group)
+    return CopyToTensorParallel.apply(x, group)
 
-    def __init__(self, full: nn.Linear, group, sequence_parallel=False, n_chunks=1):
+
+def share_region_entry(module, group, sequence_parallel=False):
+    """Enter the region once, at module's first input, for the separate column-parallel layers inside it
+    that all read that input (q, k and v; SwiGLU's gate and up; made with entered=True): one
+    all-reduce (or all-gather) for all of them in backward, as for a fused layer, instead of one each."""
+    module.register_forward_pre_hook(lambda _, args: (enter_region(args[0], group, sequence_parallel), *args[1:]))
+    return module
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X W_i + b_i: this rank's output features (the input is replicated, or gathered).
+
+    blocks: the sizes of consecutive blocks of output features that are split
+    each on its own (see `shard`). entered: the input has already entered the
+    tensor-parallel region (`share_region_entry`).
+    """
+
+    def __init__(self, full: nn.Linear, group, sequence_parallel=False, blocks=None, entered=False):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _sharded_parameter(full.weight, 0, group, n_chunks)
-        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, group, n_chunks)
-        self.layouts = {"weight": (0, n_chunks), "bias": (0, n_chunks)}  # how to unshard each parameter
+        self.group, self.sequence_parallel, self.entered = group, sequence_parallel, entered
+        n, out_features = dist.get_world_size(group), full.weight.shape[0]
+        for size in blocks or [out_features]:
+            if size % n:
+                raise ValueError(f"{size} output features of a block do not divide by the tensor-parallel size {n}")
+        self.weight = _sharded_parameter(full.weight, 0, group, blocks)
+        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, group, blocks)
+        self.layouts = {"weight": (0, blocks), "bias": (0, blocks)}  # how to unshard each parameter
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = GatherFromSequenceParallel.apply(x, self.group)
-        else:
-            x = CopyToTensorParallel.apply(x, self.group)
+        if not self.entered:
+            x = enter_region(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -229,7 +264,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _sharded_parameter(full.weight, 1, group)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
-        self.layouts = {"weight": (1, 1)}
+        self.layouts = {"weight": (1, None)}
 
     def forward(self, x):
         partial_sum = F.linear(x, self.weight)
@@ -253,7 +288,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = full.num_embeddings // n
         self.vocab_start = rank * self.per_rank
         self.weight = _sharded_parameter(full.weight, 0, group)
-        self.layouts = {"weight": (0, 1)}
+        self.layouts = {"weight": (0, None)}
 
     def forward(self, ids):
         local = ids - self.vocab_start
@@ -265,19 +300,13 @@ class VocabParallelEmbedding(nn.Module):
         return ReduceFromTensorParallel.apply(partial_lookup, self.group)
 
 
-class SequenceParallelLayerNorm(nn.Module):
-    """A layer norm on this rank's sequence shard; f sums its weight and bias gradients over the group."""
-
-    def __init__(self, full: nn.LayerNorm, group):
-        super().__init__()
-        self.group, self.shape, self.eps = group, full.normalized_shape, full.eps
-        self.weight = nn.Parameter(full.weight.detach().clone())
-        self.bias = nn.Parameter(full.bias.detach().clone())
-
-    def forward(self, x):
-        weight = CopyToTensorParallel.apply(self.weight, self.group)
-        bias = CopyToTensorParallel.apply(self.bias, self.group)
-        return F.layer_norm(x, self.shape, weight, bias, self.eps)
+def sequence_parallel_norm(norm, group):
+    """Any norm module (LayerNorm, RMSNorm, ...) applied to this rank's sequence shard, in place: each of
+    its parameters' gradients is summed over the group (a hook on the gradient does what f applied to the
+    parameter would), since each rank saw only its own tokens. Names and module type stay the same."""
+    for p in norm.parameters():
+        p.register_hook(partial(all_reduce, group=group))
+    return norm
 
 
 class SequenceParallelPositionEmbedding(nn.Module):
@@ -345,56 +374,73 @@ def sequence_parallel_moe(moe, group):
     moe.register_forward_hook(lambda module, args, output: SplitSequence.apply(output, group))
 
 
+def split_mlp(mlp, group, sequence_parallel=False):
+    """fc column-parallel, proj row-parallel. A SwiGLU fc holds (gate | up): its width is a multiple of
+    proj's input, and each part is split alike, so a rank holds the gate and up of the same units."""
+    width = mlp.proj.in_features
+    mlp.fc = ColumnParallelLinear(mlp.fc, group, sequence_parallel, blocks=[width] * (mlp.fc.out_features // width))
+    mlp.proj = RowParallelLinear(mlp.proj, group, sequence_parallel)
+
+
 def split_experts(moe, group):
-    """Split each expert's MLP like a dense one: its tokens are the same on every rank of the group."""
+    """Split each expert's MLP (and a shared expert) like a dense one: its tokens are the same on every
+    rank of the group; its output is reduced before the gates weight it."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
-    for expert in experts:
-        expert.fc = ColumnParallelLinear(expert.fc, group)
-        expert.proj = RowParallelLinear(expert.proj, group)  # reduced before the gates weight it
+    for expert in [*experts, *([moe.shared] if getattr(moe, "shared", None) is not None else [])]:
+        split_mlp(expert, group)
 
 
-def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None):
+def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_heads=None):
     """Why a model cannot be split n_ranks ways (seq_len given: with sequence parallelism), or None."""
-    for what, size in [("attention heads", n_head), ("MLP hidden size", d_ff), ("vocabulary", vocab_size),
-                       ("sequence length (sequence parallelism)", seq_len)]:
+    for what, size in [("attention heads", n_head), ("key/value heads", n_kv_heads), ("MLP hidden size", d_ff),
+                       ("vocabulary", vocab_size), ("sequence length (sequence parallelism)", seq_len)]:
         if size is not None and size % n_ranks:
             return f"{what} {size} does not divide by the tensor-parallel size {n_ranks}"
     return None
 
 
+def split_block(block, config, group, sequence_parallel=False):
+    """One transformer block of model.py, in place: one all-reduce (or reduce-scatter) after attention
+    and one after the MLP in forward, and their conjugates in backward."""
+    sp = sequence_parallel
+    # Query heads and key/value heads are split separately, so each rank keeps whole groups.
+    qkv_blocks = [config.d_model, config.kv_dim, config.kv_dim]
+    block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp, blocks=qkv_blocks)
+    block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
+    if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts split
+        split_experts(block.mlp, group)
+        if sp:
+            sequence_parallel_moe(block.mlp, group)
+    else:
+        split_mlp(block.mlp, group, sp)
+    if sp:
+        sequence_parallel_norm(block.norm1, group)
+        sequence_parallel_norm(block.norm2, group)
+
+
 def apply_tensor_parallel(model, group, sequence_parallel=False):
-    """Shard a GPT in place across `group`: heads, MLP units and vocabulary split N ways."""
+    """Shard a GPT in place across `group`: heads, key/value heads, MLP units and vocabulary split N ways."""
     c = model.config
     n = dist.get_world_size(group)
-    problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.vocab_size, c.seq_len if sequence_parallel else None)
+    problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.vocab_size, c.seq_len if sequence_parallel else None,
+                                    c.n_kv_heads)
     if problem:
         raise ValueError(problem)
     sp = sequence_parallel
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
-    if sp:
+    if sp and model.pos_emb is not None:
         model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
     for block in model.blocks:
-        block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp, n_chunks=3)  # heads split within q, k, v
-        block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
-        if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts split
-            split_experts(block.mlp, group)
-            if sp:
-                sequence_parallel_moe(block.mlp, group)
-        else:
-            block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group, sp)
-            block.mlp.proj = RowParallelLinear(block.mlp.proj, group, sp)
-        if sp:
-            block.norm1 = SequenceParallelLayerNorm(block.norm1, group)
-            block.norm2 = SequenceParallelLayerNorm(block.norm2, group)
+        split_block(block, c, group, sp)
     if sp:
-        model.norm = SequenceParallelLayerNorm(model.norm, group)
+        sequence_parallel_norm(model.norm, group)
     model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
     model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
     return model
 
 
 def sharded_layouts(model):
-    """{parameter name: (dim, n_chunks)} for every parameter split across the group; others are replicated."""
+    """{parameter name: (dim, blocks)} for every parameter split across the group; others are replicated."""
     return {f"{module_name}.{name}": layout
             for module_name, module in model.named_modules() if hasattr(module, "layouts")
             for name, layout in module.layouts.items() if getattr(module, name, None) is not None}
@@ -432,8 +478,8 @@ def _split_toy(model, group, sp):
     model.fc, model.proj = ColumnParallelLinear(model.fc, group, sp), RowParallelLinear(model.proj, group, sp)
     if sp:
         model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
-        model.norm1 = SequenceParallelLayerNorm(model.norm1, group)
-        model.norm = SequenceParallelLayerNorm(model.norm, group)
+        sequence_parallel_norm(model.norm1, group)
+        sequence_parallel_norm(model.norm, group)
     model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
     model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
     return model

@@ -42,7 +42,7 @@ import tp
 from dp import DataParallel, ZeRO, gpt_units
 from mesh import Mesh, mesh_shape
 from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, update_route_biases
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
     "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
@@ -51,6 +51,15 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     # GPU sizes: GPT-2 small (124M) and medium (350M), with GPT-2's vocabulary padded to 50304.
     "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
+}
+# The Llama-style block (--arch llama): rotary positions, grouped-query attention, RMSNorm, SwiGLU, no
+# biases; per size, the key/value heads and a SwiGLU width of about 8/3 d_model (Llama's, rounded up),
+# which keeps the MLP's parameters those of GPT's 4 d_model GELU MLP.
+LLAMA = dict(position="rope", norm="rms", mlp="swiglu", bias=False)
+LLAMA_SHAPES = {
+    "tiny": dict(n_kv_heads=2, d_ff=96), "small": dict(n_kv_heads=2, d_ff=352),
+    "medium": dict(n_kv_heads=2, d_ff=704), "gpt2": dict(n_kv_heads=4, d_ff=2048),
+    "gpt2-medium": dict(n_kv_heads=4, d_ff=2816),
 }
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
@@ -83,6 +92,12 @@ class NonFiniteStep(ArithmeticError):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=PRESETS, default="small", help="model size preset")
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                   help="gpt: GPT-2's block (learned positions, LayerNorm, GELU, biases); llama: rotary positions, "
+                        "grouped-query attention, RMSNorm, SwiGLU, no biases")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads of grouped-query attention (default: all heads with --arch gpt, the "
+                        "preset's with --arch llama)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -124,7 +139,13 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
     p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--shared-experts", type=int, default=0,
+                   help="experts' widths of an MLP every token passes through besides its top-k (DeepSeek-MoE)")
+    p.add_argument("--balance", choices=("aux", "bias", "both"), default="aux",
+                   help="expert balancing: the Switch auxiliary loss, DeepSeek-V3's routing bias, or both")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--bias-update-rate", type=float, default=1e-3,
+                   help="step of the routing bias towards balance after every training step (--balance bias, both)")
     p.add_argument("--capacity-factor", type=float, default=0.0,
                    help="an expert takes at most this x its fair share of a rank's tokens (0: dropless)")
     for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")]:
@@ -156,6 +177,8 @@ def check_args(args, world):
                           "instance of their own over the expert-gradient group")
     if args.capacity_factor < 0 or (args.capacity_factor and not args.experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
+    if not args.experts and (args.shared_experts or args.balance != "aux"):
+        raise ConfigError("--shared-experts and --balance shape mixture-of-experts layers: they need --experts")
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -176,15 +199,14 @@ def check_args(args, world):
     if args.sp and args.tp == 1:
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")
-    if args.tp > 1:
-        preset = PRESETS[args.model]
-        vocab = padded_vocab(data_vocab_size(args))
-        problem = tp.check_tensor_parallel(args.tp, preset["n_head"], 4 * preset["d_model"], vocab,
-                                           args.seq_len // args.cp if args.sp else None)
-        if problem:
-            raise ConfigError(f"--tp {args.tp}: {problem}")
     check_pipeline(args)
     check_data(args)
+    config = model_config(args, data_vocab_size(args))
+    if args.tp > 1:
+        problem = tp.check_tensor_parallel(args.tp, config.n_head, config.d_ff, config.vocab_size,
+                                           args.seq_len // args.cp if args.sp else None, config.n_kv_heads)
+        if problem:
+            raise ConfigError(f"--tp {args.tp}: {problem}")
     return shape
 
 
@@ -309,8 +331,18 @@ def padded_vocab(vocab_size):
 
 
 def model_config(args, vocab_size):
-    preset = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=padded_vocab(vocab_size))
-    return GPTConfig(**preset, n_experts=args.experts, top_k=args.top_k, aux_loss_coef=args.aux_loss_coef)
+    """The model the flags describe (a ConfigError if they describe none)."""
+    shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=padded_vocab(vocab_size))
+    if args.arch == "llama":
+        shape.update(LLAMA, **LLAMA_SHAPES[args.model])
+    if args.kv_heads:
+        shape.update(n_kv_heads=args.kv_heads)
+    try:
+        return GPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
+                         aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0,
+                         bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
+    except ValueError as e:
+        raise ConfigError(f"--model {args.model} --arch {args.arch}: {e}") from None
 
 
 def build_model(config, seed, dtype, device):
@@ -494,15 +526,15 @@ class Trainer:
         """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp)."""
         if name not in self.tp_layouts:
             return tensor
-        dim, n_chunks = self.tp_layouts[name]
-        return tp.unshard(tensor, dim, self.tp_group, n_chunks)
+        dim, blocks = self.tp_layouts[name]
+        return tp.unshard(tensor, dim, self.tp_group, blocks)
 
     def shard(self, name, full):
         """This rank's part of a full-size tensor laid out like parameter `name`."""
         if name not in self.tp_layouts:
             return full
-        dim, n_chunks = self.tp_layouts[name]
-        return tp.shard(full, dim, self.mesh.index("tp"), self.tp_size, n_chunks)
+        dim, blocks = self.tp_layouts[name]
+        return tp.shard(full, dim, self.mesh.index("tp"), self.tp_size, blocks)
 
     def merge_stages(self, by_name):
         """{name: value} merged over pipeline stages and expert-parallel ranks, which hold different names
@@ -600,6 +632,7 @@ class Trainer:
             if math.isfinite(grad_norm):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
+        update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
         elapsed = time.perf_counter() - start

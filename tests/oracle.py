@@ -8,6 +8,7 @@ in both.
 """
 import torch
 
+import model as model_lib
 import train
 
 # The equivalence runs: a tiny model in float64, two micro-batches, gradient clipping at 0.05 (active at
@@ -54,6 +55,7 @@ def reference_run(argv, skipped_steps=()):
         if step not in skipped_steps:
             optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+        model_lib.update_route_biases(model)  # MoE routing biases move towards balance (--balance bias)
         losses.append(step_loss)
     return dict(losses=losses, grad_norms=grad_norms, state_dict=model.state_dict())
 

@@ -14,17 +14,20 @@ B, H, D = 2, 3, 8  # batch, heads, head_dim of the unit tests
 
 
 def full_causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d) + causal mask) v and its log-sum-exp, written out."""
+    """softmax(q k^T / sqrt(d) + causal mask) v and its log-sum-exp, written out; k and v may have fewer
+    heads than q, each serving consecutive query heads (grouped-query attention)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = q @ k.transpose(-2, -1) / D ** 0.5
     scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
     lse = scores.logsumexp(-1)
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
-def ring_worker(seq_len):
+def ring_worker(seq_len, kv_heads):
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64) for _ in range(4))
+    q, grad = (torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected, expected_lse = full_causal_attention(*full)
     expected.backward(grad)
@@ -44,11 +47,13 @@ def ring_worker(seq_len):
         backward_bytes=cp.comm_bytes["send_recv"] - forward_bytes, saved=meter.peak)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_ring_attention_matches_full_causal_attention(n):
+@pytest.mark.parametrize("n,kv_heads", [(2, H), (3, H), (4, H), (3, 1)], ids=["2", "3", "4", "3-gqa"])
+def test_ring_attention_matches_full_causal_attention(n, kv_heads):
     seq_len = 4 * n
-    results = run_on_ranks(n, ring_worker, seq_len)
-    local_kv = B * H * (seq_len // n) * D * 8  # bytes of this rank's K (or V)
+    results = run_on_ranks(n, ring_worker, seq_len, kv_heads)
+    # Bytes of this rank's K (or V): with grouped-query attention the ring carries the key/value heads
+    # only, kv_heads / H of multi-head attention's traffic.
+    local_kv = B * kv_heads * (seq_len // n) * D * 8
     for r in results:
         assert r["output"] < 1e-13 and r["lse"] < 1e-13 and max(r["grads"]) < 1e-13
         # Zigzag balance: every rank computes the same 2N + 1 blocks, forward and backward.
@@ -106,5 +111,5 @@ def test_sequence_length_must_split_into_two_chunks_per_rank():
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("cp.py", 4, tmp_path)
-    assert len(differences) == 1 and max(differences) < 1e-12
+    differences = self_check_alone("cp.py", 4, tmp_path)  # multi-head and grouped-query attention
+    assert len(differences) == 2 and max(differences) < 1e-12

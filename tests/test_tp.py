@@ -106,19 +106,14 @@ def test_each_layer_matches_its_single_device_counterpart(layer_errors, layer):
 
 # -- communication and activation memory of one block ------------------------------------
 
-def block_worker(sequence_parallel):
+LLAMA = dict(n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=48)
+
+
+def block_worker(sequence_parallel, arch):
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=16)
+    config = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=16, **arch)
     block = Block(config, 0).double()
-    # Apply the block's part of apply_tensor_parallel.
-    group = None
-    block.attn.qkv = tp.ColumnParallelLinear(block.attn.qkv, group, sequence_parallel, n_chunks=3)
-    block.attn.proj = tp.RowParallelLinear(block.attn.proj, group, sequence_parallel)
-    block.mlp.fc = tp.ColumnParallelLinear(block.mlp.fc, group, sequence_parallel)
-    block.mlp.proj = tp.RowParallelLinear(block.mlp.proj, group, sequence_parallel)
-    if sequence_parallel:
-        block.norm1 = tp.SequenceParallelLayerNorm(block.norm1, group)
-        block.norm2 = tp.SequenceParallelLayerNorm(block.norm2, group)
+    tp.split_block(block, config, None, sequence_parallel)
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     if sequence_parallel:
         x = x.chunk(dist.get_world_size(), 1)[dist.get_rank()].clone()  # only this rank's shard exists
@@ -126,32 +121,37 @@ def block_worker(sequence_parallel):
     meter = ActivationMeter(list(block.parameters()))
     tp.comm_bytes.clear()
     with meter:
-        y = block(x)
+        y = block(x, torch.arange(8))
     forward = dict(tp.comm_bytes)
     tp.comm_bytes.clear()
     y.sum().backward()
     return forward, dict(tp.comm_bytes), meter.peak
 
 
-def test_block_communication_and_activation_memory():
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt", "llama"])
+def test_block_communication_and_activation_memory(arch):
     n, b, s, h = 2, 2, 8, 16
     activation = b * s * h * 8  # bytes of one (batch, seq, hidden) float64 tensor
     ring = (n - 1) / n
-    plain = run_on_ranks(2, block_worker, False)[0]
-    seq_par = run_on_ranks(2, block_worker, True)[0]
+    plain = run_on_ranks(2, block_worker, False, arch)[0]
+    seq_par = run_on_ranks(2, block_worker, True, arch)[0]
     # Without sequence parallelism: two all-reduces of b*s*h in forward (g after attention and after the MLP)
-    # and two in backward (f before qkv and before fc); an all-reduce sends 2 (N-1)/N of its data.
+    # and two in backward (f before qkv and before fc); an all-reduce sends 2 (N-1)/N of its data. The same
+    # with grouped-query attention and SwiGLU: q, k, v and gate, up are each one fused column-parallel layer.
     assert plain[0] == {"all_reduce": 2 * 2 * ring * activation}
     assert plain[1] == {"all_reduce": 2 * 2 * ring * activation}
-    # With it: the same volume as all-gathers and reduce-scatters, plus the summed gradients of the six
-    # replicated vectors applied to sequence shards (two layer norms' weight and bias, two row biases).
+    # With it: the same volume as all-gathers and reduce-scatters, plus the summed gradients of the
+    # replicated vectors applied to sequence shards: GPT-2's two layer norms' weight and bias and two row
+    # biases (six), Llama's two RMSNorm weights (two; no biases).
+    vectors = 2 if arch else 6
     assert seq_par[0] == {"all_gather": 2 * ring * activation, "reduce_scatter": 2 * ring * activation}
     assert seq_par[1] == {"all_gather": 2 * ring * activation, "reduce_scatter": 2 * ring * activation,
-                          "all_reduce": 6 * 2 * ring * h * 8}
-    # Activation memory: what the two layer norms save (their input, and a mean and a reciprocal standard
-    # deviation per token) is now kept for 1/N of the sequence; the matmuls save what they did before.
-    norms_saved = 2 * (activation + 2 * b * s * 8)
-    assert plain[2] - seq_par[2] == norms_saved * (1 - 1 / n)
+                          "all_reduce": vectors * 2 * ring * h * 8}
+    if not arch:
+        # Activation memory: what the two layer norms save (their input, and a mean and a reciprocal standard
+        # deviation per token) is now kept for 1/N of the sequence; the matmuls save what they did before.
+        norms_saved = 2 * (activation + 2 * b * s * 8)
+        assert plain[2] - seq_par[2] == norms_saved * (1 - 1 / n)
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
