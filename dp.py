@@ -12,13 +12,22 @@ Part 1, `DataParallel`: what `torch.nn.parallel.DistributedDataParallel` does.
    When the last gradient of a bucket arrives, that bucket's all-reduce is
    launched asynchronously, while backward goes on computing the gradients
    of earlier layers: communication overlaps computation.
-3. `finish_grad_sync()` waits for the in-flight all-reduces and divides by N.
+3. At the end of backward (an autograd callback, as DDP's), the buckets it
+   left incomplete are launched too: a parameter that got no gradient on
+   this rank counts as zero there. So any collective may follow backward().
+4. `finish_grad_sync()` waits for the in-flight all-reduces and divides by N.
 
 Buckets are launched strictly in order, on every rank, so the collectives
 match across ranks even if gradients arrive in a different order (or not at
 all, as for an expert that received no token). `no_sync()` skips the
 all-reduce for gradient accumulation: gradients of several micro-batches add
 up locally and are averaged once, after the last.
+
+Unused parameters (`find_unused_parameters=True`, as in DDP): a parameter
+that no rank of the group gave a gradient this step (an expert no token
+reached) keeps `grad = None`, as in a single process, so the optimizer skips
+it (no weight decay, no momentum). Which ones they are takes one small
+all-reduce (MAX) of a used-mask per step, over the group.
 
 Part 2, `ZeRO`: data parallelism does not reduce memory; every rank keeps
 16 bytes per parameter in the article's mixed-precision accounting (2 for the
@@ -159,14 +168,18 @@ class DataParallel:
         optimizer.step()
     """
 
-    def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None):
+    def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None,
+                 find_unused_parameters=False):
         self.params = [p for p in params if p.requires_grad]
-        self.group = group
+        self.group, self.find_unused_parameters = group, find_unused_parameters
         self.n_ranks = dist.get_world_size(group)
         # Gradients are summed over the group, then divided by the number of ranks the loss is averaged
         # over: the group's size, unless (experts) the group is only a part of them.
         self.divide_by = divide_by or self.n_ranks
         self.sync = True
+        self.keep_incomplete = False  # see keep_incomplete_buckets
+        self.end_of_backward_queued = False
+        self.arrived = set()  # parameters that got a gradient on this rank this step
         self.reduce_every_backward = False  # ZeRO-2/3 reduce each micro-batch's gradients
         self.comm_bytes = Counter()  # bytes this rank sent, per collective kind
         if broadcast:
@@ -193,13 +206,27 @@ class DataParallel:
         finally:
             self.sync = True
 
+    @contextmanager
+    def keep_incomplete_buckets(self):
+        """A backward in this block launches the buckets it completes and leaves the others for a later
+        backward of the same step (a pipeline rank's model chunks: each has its own last backward)."""
+        self.keep_incomplete = True
+        try:
+            yield
+        finally:
+            self.keep_incomplete = False
+
     def _on_grad_ready(self, p):
+        if not self.end_of_backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(_weakly(self._end_of_backward))
+            self.end_of_backward_queued = True
         bucket = self.bucket_of[p]
         if self.sync and bucket.launched:  # a second backward since the buckets were reduced
             if not self.reduce_every_backward:
                 raise RuntimeError("a gradient arrived after its bucket was reduced: "
                                    "wrap all but the last backward of a step in no_sync()")
             self.finish_grad_sync()
+        self.arrived.add(p)
         view = self._grad_view(bucket, p)
         if p.grad is not view:  # a new gradient tensor (first backward, or grads set to None): move it in
             view.copy_(p.grad)
@@ -210,6 +237,19 @@ class DataParallel:
 
     def _grad_view(self, bucket, p):
         return bucket.grad_views[p]
+
+    def _end_of_backward(self):
+        self.end_of_backward_queued = False
+        if self.sync and not self.keep_incomplete:
+            self._launch_remaining()
+
+    def _launch_remaining(self):
+        """Launch every bucket not yet launched; this rank's missing gradients count as zero in it."""
+        for bucket in self.buckets[self.next_to_launch:]:
+            for p in bucket.params:
+                if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
+                    self._grad_view(bucket, p).zero_()
+            self._launch(bucket)
 
     def _launch_ready_buckets(self):
         while self.next_to_launch < len(self.buckets):
@@ -237,16 +277,30 @@ class DataParallel:
             self._complete(bucket)
 
     def finish_grad_sync(self):
-        """Launch what backward did not (unused parameters count as zero), wait, average."""
-        for bucket in self.buckets[self.next_to_launch:]:
-            for p in bucket.params:
-                if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
-                    p.grad = self._grad_view(bucket, p).zero_()  # this rank computed no gradient for p
-            self._launch(bucket)
+        """Launch what backward did not (a backward that had no gradient for these parameters at all),
+        wait, average; then each parameter's grad is its bucket's view, or None if no rank used it."""
+        self._launch_remaining()
         for bucket in self.buckets:
             self._wait(bucket)
             bucket.ready, bucket.launched = set(), False
         self.next_to_launch = 0
+        self._keep_used_grads(self._used_somewhere())
+        self.arrived = set()
+
+    def _keep_used_grads(self, used_somewhere):
+        for p in self.params:
+            p.grad = self.bucket_of[p].grad_views[p] if used_somewhere(p) else None
+
+    def _used_somewhere(self):
+        """Whether some rank of the group gave p a gradient this step (always, without find_unused_parameters)."""
+        if not self.find_unused_parameters:
+            return lambda p: True
+        mask = torch.tensor([p in self.arrived for p in self.params], dtype=torch.uint8,
+                            device=self.params[0].device)
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
+        self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", mask.numel(), self.n_ranks)
+        used = dict(zip(self.params, mask.tolist()))
+        return lambda p: used[p]
 
     def zero_grad(self):
         for bucket in self.buckets:
@@ -342,6 +396,10 @@ class ZeRO(DataParallel):
         """
         with super().no_sync() if self.stage == 1 else nullcontext():
             yield
+
+    def _keep_used_grads(self, used_somewhere):
+        if self.stage == 1:  # stages 2 and 3 keep no full gradient: the shards hold them
+            super()._keep_used_grads(used_somewhere)
 
     def _grad_view(self, bucket, p):
         if not is_allocated(bucket.grad):  # stages 2 and 3 free it after each reduce-scatter

@@ -11,8 +11,9 @@ tokens travel to the rank that holds their expert with an all-to-all:
 2. dispatch: sort the (token, choice) pairs by expert, tell every rank how
    many tokens it will get for each of its experts (an all-to-all of counts),
    then send the tokens (an all-to-all with uneven splits);
-3. compute: each local expert runs on the tokens it received (possibly none:
-   it still runs, on an empty batch, so its gradient is a well-defined zero);
+3. compute: each local expert runs on the tokens it received (if none, it is
+   not run: as on one device, its gradient stays None unless another rank's
+   copy of it ran, which data parallelism's used-mask finds out);
 4. combine: the reverse all-to-all brings the outputs home, where they are
    weighted by their gates and added into place.
 
@@ -176,6 +177,8 @@ class ExpertParallelMoE(nn.Module):
         pieces = list(received.split(recv_counts.flatten().tolist()))
         for e, expert in enumerate(self.experts.values()):
             rows = [pieces[src * self.per_rank + e] for src in range(n)]
+            if not sum(len(r) for r in rows):
+                continue
             outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
             for src in range(n):
                 pieces[src * self.per_rank + e] = outputs[src]

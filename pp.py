@@ -339,8 +339,10 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     chunks: this rank's model chunks, callables x -> y or (y, side_loss) (chunk c is model chunk c*P + rank).
     micro_batches: (inputs, targets) per micro-batch; the first stage reads inputs, the last targets.
     loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
-    grad_sync: a data-parallel wrapper with no_sync(): gradients are reduced only during the last
-    backward of each chunk, once per step. Without backward actions this is an inference pass.
+    grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): gradients are
+    reduced only during the last backward of each chunk, once per step, and only the rank's last
+    backward launches what is left (the other chunks' last backwards leave it to a later one).
+    Without backward actions this is an inference pass.
     forward_context: entered around every forward (autocast, activation counting).
     """
     n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -350,6 +352,7 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     actions = schedules[rank]
     last_backward = {chunk: max(m for kind, c, m in actions if kind == "backward" and c == chunk)
                      for chunk in {c for kind, c, _ in actions if kind == "backward"}}
+    final_backward = next((a for a in reversed(actions) if a[0] == "backward"), None)
     saved, losses, side_losses = {}, [], []
 
     def forward(c, m, x):
@@ -380,8 +383,13 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
         grads = [None] * len(roots)
         if grad is not None:
             roots, grads = [y, *roots], [grad, *grads]
-        reduce_now = grad_sync is None or m == last_backward[c]
-        with nullcontext() if reduce_now else grad_sync.no_sync():
+        if grad_sync is None or ("backward", c, m) == final_backward:
+            reduction = nullcontext()
+        elif m == last_backward[c]:
+            reduction = grad_sync.keep_incomplete_buckets()
+        else:
+            reduction = grad_sync.no_sync()
+        with reduction:
             torch.autograd.backward(roots, grads)
         return x.grad
 

@@ -346,17 +346,9 @@ def model_config(args, vocab_size):
 
 
 def build_model(config, seed, dtype, device):
-    """The full model, identical on every rank (same seed); every gradient starts at zero.
-
-    Zero gradients (rather than None) make AdamW treat a parameter that got no
-    gradient this step (an expert that received no token) the same way in
-    every configuration.
-    """
+    """The full model, identical on every rank (same seed)."""
     torch.manual_seed(seed)
-    model = GPT(config).to(device, dtype)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    return model
+    return GPT(config).to(device, dtype)
 
 
 def make_optimizer(params, args):
@@ -422,6 +414,13 @@ class GradientSync:
         with ExitStack() as stack:
             for sync in self.syncs:
                 stack.enter_context(sync.no_sync())
+            yield
+
+    @contextmanager
+    def keep_incomplete_buckets(self):
+        with ExitStack() as stack:
+            for sync in self.syncs:
+                stack.enter_context(sync.keep_incomplete_buckets())
             yield
 
     def finish_grad_sync(self):
@@ -491,7 +490,8 @@ class Trainer:
             if mesh.size("dense") > 1:
                 syncs.append(DataParallel(dense, group, bucket_bytes))
             if experts and mesh.size("dense") > 1:
-                syncs.append(DataParallel(experts, mesh.groups["expert"], bucket_bytes, divide_by=mesh.size("dense")))
+                syncs.append(DataParallel(experts, mesh.groups["expert"], bucket_bytes, divide_by=mesh.size("dense"),
+                                          find_unused_parameters=True))
             self.grad_sync = GradientSync(syncs) if syncs else None
             self.optimizer = make_optimizer(self.params, args)
         self.start_step, self.skipped_steps = 0, 0
@@ -593,6 +593,10 @@ class Trainer:
         self.meter.reset_peak()
         start = time.perf_counter()
         micro_batches = self.local_micro_batches(tokens)
+        if not self.zero:
+            # As on one device: a parameter that gets no gradient this step on any rank (an expert no token
+            # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
+            self.optimizer.zero_grad(set_to_none=True)
         self.routing = dict(tokens_per_expert=[[0] * args.experts for _ in self.moe_layers], dropped_tokens=0)
         pipeline = pp.PipelineStats(self.device)  # stays empty without pipeline parallelism
         if self.chunks:
@@ -628,10 +632,8 @@ class Trainer:
             if math.isfinite(grad_norm):
                 self.zero.step()  # update this rank's shards, then gather the parameters
             self.zero.zero_grad()
-        else:
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
+        elif math.isfinite(grad_norm):
+            self.optimizer.step()
         update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
@@ -676,7 +678,8 @@ class Trainer:
             return self.zero.clip_grad_norm_(max_norm, weights, other_groups)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
-            squares += p.grad.to(torch.float64).square().sum() * weights[p]
+            if p.grad is not None:  # None: no rank used it this step
+                squares += p.grad.to(torch.float64).square().sum() * weights[p]
         for group in other_groups:
             dist.all_reduce(squares, group=group)
         total_norm = squares.sqrt()

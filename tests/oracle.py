@@ -54,7 +54,7 @@ def reference_run(argv, skipped_steps=()):
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
         if step not in skipped_steps:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()  # to None: a parameter without a gradient next step (an unused expert) is skipped
         model_lib.update_route_biases(model)  # MoE routing biases move towards balance (--balance bias)
         losses.append(step_loss)
     return dict(losses=losses, grad_norms=grad_norms, state_dict=model.state_dict())

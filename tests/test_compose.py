@@ -12,6 +12,17 @@ from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, tr
 # 4 layers (two pipeline stages of two), batch 16 (8 data ranks x 2 micro-batches), two steps.
 BASE = [*EQUIVALENCE, "--layers", "4", "--steps", "2", "--batch-size", "16"]
 MOE = ["--experts", "4", "--top-k", "2"]
+# The Llama-style block: rotary positions, grouped-query attention (the tiny preset's 4 query heads share 2
+# key/value heads; 1 where tensor parallelism does not split them), RMSNorm, SwiGLU, no biases; its MoE
+# layers add a shared expert and balance with both the auxiliary loss and the routing bias.
+LLAMA = ["--arch", "llama"]
+LLAMA_MOE = ["--shared-experts", "1", "--balance", "both", "--bias-update-rate", "0.01"]
+
+
+def llama(flags, model):
+    """A configuration's Llama-style twin: (flags, model flags)."""
+    kv_heads = [] if "--tp" in flags else ["--kv-heads", "1"]
+    return flags, (*LLAMA, *kv_heads, *model, *(LLAMA_MOE if model else ()))
 
 
 
@@ -34,25 +45,38 @@ def row_name(world, flags):
     return f"gpu{world}_" + "_".join(flags[i][2:] + flags[i + 1] for i in range(0, len(flags), 2))
 
 
+LLAMA_TABLE = [(world, *llama(flags, model)) for world, flags, model in TABLE]
+
+
 @pytest.mark.parametrize("world,flags,model", TABLE, ids=[row_name(w, f) for w, f, _ in TABLE])
 def test_benchmark_table_configurations(tmp_path, world, flags, model):
     check(tmp_path, world, flags, model)
 
 
-def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path):
-    check(tmp_path, 16, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"], MOE, timeout=600)
+@pytest.mark.parametrize("world,flags,model", LLAMA_TABLE, ids=[row_name(w, f) for w, f, _ in LLAMA_TABLE])
+def test_benchmark_table_configurations_llama(tmp_path, world, flags, model):
+    check(tmp_path, world, flags, model)
 
 
-def test_all_five_dimensions_on_32_ranks(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path, arch):
+    flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"]
+    check(tmp_path, 16, *(llama(flags, MOE) if arch == "llama" else (flags, MOE)), timeout=600)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_all_five_dimensions_on_32_ranks(tmp_path, arch):
     """dp=2 tp=2 pp=2 cp=2 ep=2: every dimension above one in the same run."""
-    check(tmp_path, 32, ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"], MOE, timeout=900)
+    flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"]
+    check(tmp_path, 32, *(llama(flags, MOE) if arch == "llama" else (flags, MOE)), timeout=900)
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("flags", [["--zero", "1", "--tp", "2"], ["--zero", "3", "--tp", "2", "--sp"],
                                    ["--zero", "1", "--tp", "2", "--pp", "2"]], ids=lambda f: " ".join(f))
-def test_zero_with_tensor_parallel(tmp_path, flags):
+def test_zero_with_tensor_parallel(tmp_path, flags, arch):
     world = 8 if "--pp" in flags else 4
-    check(tmp_path, world, flags)
+    check(tmp_path, world, *(llama(flags, ()) if arch == "llama" else (flags, ())))
 
 
 def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path):
@@ -79,6 +103,9 @@ REFUSED = [
     (["--schedule", "interleaved"], "--schedule interleaved and --virtual-stages need pipeline parallelism"),
     (["--cp", "2", "--seq-len", "6"], "--cp 2: --seq-len 6 must divide into 2 x 2 chunks"),
     (["--tp", "4"], "world size 2 is not divisible by tp*pp*cp*ep = 4*1*1*1 = 4"),
+    (["--tp", "2", "--arch", "llama", "--kv-heads", "1"],
+     "--tp 2: key/value heads 1 does not divide by the tensor-parallel size 2"),
+    (["--shared-experts", "1"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),
 ]
 
 

@@ -85,6 +85,35 @@ def test_parameter_unused_on_one_rank():
         assert grad_b == [2.0] * 3  # (4 + 0) / 2
 
 
+def unused_everywhere_worker():
+    """find_unused_parameters: c is used by no rank (its gradient stays None, as in one process), b by rank 0
+    only (averaged); and a collective on the same group between backward() and finish_grad_sync() is fine,
+    as the buckets backward left incomplete were launched when it ended."""
+    rank = dist.get_rank()
+    a, b, c = (torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(3))
+    dp = DataParallel([a, b, c], bucket_bytes=1, find_unused_parameters=True)  # one bucket per parameter
+    grads = []
+    for step in range(2):
+        loss = (a * 2).sum() + ((b * 4).sum() if rank == 0 else 0)
+        loss.backward()
+        logged = loss.detach().reshape(1).clone()
+        dist.all_reduce(logged)  # a loss all-reduce for logging, before the gradients are finished
+        dp.finish_grad_sync()
+        grads.append([None if p.grad is None else p.grad.tolist() for p in (a, b, c)])
+        for p in (a, b, c):
+            p.grad = None  # zero_grad(set_to_none=True)
+    return grads, logged.item(), dp.comm_bytes["all_reduce"]
+
+
+def test_a_parameter_no_rank_used_keeps_no_gradient():
+    for grads, logged, comm in run_on_ranks(2, unused_everywhere_worker):
+        assert grads == [[[2.0] * 3, [2.0] * 3, None]] * 2
+        assert logged == 6.0 + 18.0
+        # Two steps of: three one-parameter buckets of 3 float64 (padded to 4, a multiple of the group's
+        # size) and the 3-byte used-mask, each all-reduced (2 (N-1)/N of the bytes: once each with N = 2).
+        assert comm == 2 * (3 * 4 * 8 + 3)
+
+
 def double_backward_worker():
     p = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
     dp = DataParallel([p])

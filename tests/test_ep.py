@@ -9,7 +9,7 @@ import ep
 import train
 from distributed import run_on_ranks, self_check_alone
 from model import MoE, GPTConfig
-from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
 BASE = [*EQUIVALENCE, "--experts", "4"]
 
@@ -21,6 +21,43 @@ def test_expert_parallel_matches_single_device(tmp_path, world, ep_size, top_k, 
     argv = [*BASE, "--top-k", str(top_k), "--ep", str(ep_size), *extra, "--out", str(tmp_path)]
     for result in run_on_ranks(world, train_worker, argv):
         assert_matches_oracle(result, oracle([*BASE, "--top-k", str(top_k)]))  # the loss includes the aux loss
+
+
+# -- an expert that no token reaches on any rank --------------------------------------------------
+
+STARVED = [*BASE, "--top-k", "2", "--weight-decay", "0.5"]
+
+
+def build_with_a_starved_expert(config, seed, dtype, device):
+    """train.py's model, with a routing bias that keeps every token away from expert 3 of each layer."""
+    model = BUILD_MODEL(config, seed, dtype, device)
+    for block in model.blocks:
+        block.mlp.route_bias[3] = -10.0
+    return model
+
+
+def starved_train_worker(argv):
+    train.build_model = build_with_a_starved_expert
+    return train_worker(argv)
+
+
+BUILD_MODEL = train.build_model
+
+
+@pytest.mark.parametrize("world,flags", [(4, ["--ep", "2"]), (2, [])], ids=["dp2-ep2", "dp2-experts-replicated"])
+def test_an_expert_no_token_reaches_is_left_alone_as_on_one_device(tmp_path, monkeypatch, world, flags):
+    """On one device its gradient is None, so AdamW skips it (no weight decay): every rank must agree
+    that no rank used it (dp.py's used-mask) and leave it as it was too."""
+    monkeypatch.setattr(train, "build_model", build_with_a_starved_expert)
+    expected = reference_run(STARVED)
+    initial = build_with_a_starved_expert(train.model_config(train.parse_args(STARVED), 64), 0, torch.float64, "cpu")
+    for name, p in initial.named_parameters():
+        if ".experts.3." in name:
+            assert torch.equal(expected["state_dict"][name], p), name  # untouched on one device
+        elif ".experts." in name:
+            assert not torch.equal(expected["state_dict"][name], p), name  # the others train
+    for result in run_on_ranks(world, starved_train_worker, [*STARVED, *flags, "--out", str(tmp_path)]):
+        assert_matches_oracle(result, expected)
 
 
 # -- one layer, with a skewed router ------------------------------------------------------------
@@ -74,8 +111,10 @@ def skewed_worker():
               (layer.router.weight.grad - reference.router.weight.grad).abs().max().item()]
     for e, expert in layer.experts.items():
         for p, ref in zip(expert.parameters(), reference.experts[int(e)].parameters()):
-            ref_grad = torch.zeros_like(p) if ref.grad is None else ref.grad  # an unused expert gets no gradient
-            errors.append((p.grad - ref_grad).abs().max().item())
+            if ref.grad is None:  # an expert no token reached is not run: no gradient, as on one device
+                errors.append(0.0 if p.grad is None else float("inf"))
+            else:
+                errors.append((p.grad - ref.grad).abs().max().item())
     return dict(worst=max(errors), tokens_per_expert=layer.tokens_per_expert, my_experts=sorted(layer.experts),
                 forward_bytes=forward_bytes, backward_bytes=backward_bytes, routed_away=routed_away,
                 routed_here=routed_here)

@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, MoE, GPTConfig, causal_attention, load_balancing_loss, route
+from model import GPT, MoE, GPTConfig, causal_attention, load_balancing_loss, route, rotary, update_route_biases
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
+LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
 
 
 def tiny_gpt(seed=0, **overrides):
@@ -26,7 +27,8 @@ def random_tokens(batch, seq, vocab=TINY["vocab_size"], seed=1):
 
 
 def explicit_attention(q, k, v, mask):
-    """softmax(q kᵀ / √d, masked where mask is True) v, written out by hand."""
+    """softmax(q kᵀ / √d, masked where mask is True) v, written out by hand (k, v with as many heads as q)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # grouped-query attention
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
 
@@ -298,11 +300,13 @@ def test_generate_with_top_k_one_is_greedy_decoding():
     assert torch.equal(out, idx)
 
 
-@pytest.mark.parametrize("experts", [0, 4])
-def test_flops_per_token_counts_every_matrix_and_attention(experts):
-    """6 x (multiply-adds per token): every Linear weight a token meets (for MoE: the router and top-k of the
-    experts' weights), and attention's q k^T and p v over about seq_len/2 keys, twice, per layer."""
-    config = GPTConfig(**TINY, n_experts=experts, top_k=2)
+@pytest.mark.parametrize("experts,arch", [(0, {}), (4, {}), (0, LLAMA), (4, dict(LLAMA, n_shared_experts=2))],
+                         ids=["gpt", "gpt-moe", "llama", "llama-moe-shared"])
+def test_flops_per_token_counts_every_matrix_and_attention(experts, arch):
+    """6 x (multiply-adds per token): every Linear weight a token meets (for MoE: the router, the shared
+    expert and top-k of the experts' weights), and attention's q k^T and p v over about seq_len/2 keys,
+    twice, per layer."""
+    config = GPTConfig(**{**TINY, **arch}, n_experts=experts, top_k=2)
     model = GPT(config)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     expert_weights = sum(m.weight.numel() for m in linears if ".experts." in name_of(model, m))
@@ -314,3 +318,117 @@ def test_flops_per_token_counts_every_matrix_and_attention(experts):
 
 def name_of(model, module):
     return next(name for name, m in model.named_modules() if m is module)
+
+
+# 9. The Llama-style block -------------------------------------------------------
+
+def test_llama_block_has_no_biases_no_position_table_and_gqa_shapes():
+    model = tiny_gpt(**LLAMA)
+    assert model.pos_emb is None
+    assert not [name for name, _ in model.named_parameters() if name.endswith("bias")]
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    head_dim = TINY["d_model"] // 4
+    assert attn.qkv.out_features == (4 + 2 * 2) * head_dim  # 4 query heads, 2 key and 2 value heads
+    assert mlp.fc.out_features == 2 * 40 and mlp.proj.in_features == 40  # SwiGLU: gate | up
+    assert isinstance(model.blocks[0].norm1, nn.RMSNorm)
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_key_value_heads():
+    """Each key/value head serves the consecutive query heads of its group (as Llama's repeat_kv)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    repeated = [t[:, [0, 0, 0, 1, 1, 1]] for t in (k, v)]
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(causal_attention(q, k, v), explicit_attention(q, *repeated, mask),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_rotary_scores_depend_only_on_the_difference_of_positions():
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, 1, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    def score(p_q, p_k):
+        return (rotary(q, torch.tensor([p_q]), 10000.0) * rotary(k, torch.tensor([p_k]), 10000.0)).sum().item()
+    assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-12)
+    assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-6)
+    torch.testing.assert_close(rotary(q, torch.tensor([0]), 10000.0), q)  # position 0: no turn
+    turned = rotary(q, torch.tensor([5]), 10000.0)
+    torch.testing.assert_close(turned.norm(), q.norm())  # a rotation keeps lengths
+
+
+def test_llama_with_explicit_positions_matches_on_a_permuted_sequence():
+    """Rotary positions come from pos, not from the place in the sequence: a permuted sequence with its
+    positions, and an attention core that masks by those positions, gives the permuted logits."""
+    model = tiny_gpt(**LLAMA)
+    idx = random_tokens(2, 12)
+    expected, _ = model(idx)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(3))
+    for block in model.blocks:
+        block.attn.core = attention_masked_by_positions(perm)
+    logits, _ = model(idx[:, perm], pos=perm)
+    torch.testing.assert_close(logits, expected[:, perm], rtol=1e-10, atol=1e-12)
+
+
+def test_swiglu_mlp_is_silu_gate_times_up():
+    model = tiny_gpt(**LLAMA)
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 16, dtype=torch.float64)
+    gate, up = mlp.fc.weight[:40], mlp.fc.weight[40:]
+    expected = (F.silu(x @ gate.T) * (x @ up.T)) @ mlp.proj.weight.T
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_shared_expert_is_added_to_every_token():
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(**TINY, n_experts=4, top_k=2, n_shared_experts=2)).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    assert moe.shared.proj.in_features == 2 * moe.experts[0].proj.in_features
+    routed = moe_by_token_loop(moe, x)
+    torch.testing.assert_close(moe(x), routed + moe.shared(x), rtol=1e-12, atol=1e-14)
+
+
+def test_routing_bias_chooses_experts_but_leaves_the_gates_unbiased():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
+    gates, experts, probs = route(logits, 2, bias=torch.tensor([0.0, -1.0, 0.0, 1.0], dtype=torch.float64))
+    assert experts.tolist() == [[3, 0]]  # chosen by probs + bias
+    torch.testing.assert_close(gates, probs[:, [3, 0]] / probs[:, [3, 0]].sum())
+
+
+def test_bias_balancing_evens_out_the_tokens_of_a_skewed_router():
+    """A router that sends most tokens to expert 0: after steps of bias updates alone (no training), the
+    tokens per expert are much closer to even, and the biases moved against the load."""
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(**TINY, n_experts=4, top_k=1, bias_update_rate=0.02)).double()
+    with torch.no_grad():
+        moe.router.weight[0] += 0.2  # expert 0's logit grows with the sum of the (positive) features
+    x = torch.randn(64, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).abs()
+    def spread():
+        with torch.enable_grad():
+            moe(x)
+        load = moe.load.clone()
+        update_route_biases(moe)
+        return load
+    first = spread()
+    for _ in range(60):
+        last = spread()
+    assert first.max() >= 60                # skewed: almost all 64 tokens on one expert
+    assert last.max() - last.min() <= 12   # then within a few tokens of the fair 16 each
+    assert moe.route_bias[0] < 0 and moe.route_bias.argmin() == 0
+    assert moe.load.sum() == 0  # the loads restart after every update
+
+
+def test_evaluation_forward_does_not_count_tokens():
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(**TINY, n_experts=4, top_k=2)).double()
+    with torch.no_grad():
+        moe(torch.randn(5, 16, dtype=torch.float64))
+    assert moe.load.sum() == 0
+    moe(torch.randn(5, 16, dtype=torch.float64))
+    assert moe.load.sum() == 10
+
+
+@pytest.mark.parametrize("bad", [dict(n_head=4, n_kv_heads=3), dict(n_head=4, n_kv_heads=8), dict(norm="batch"),
+                                 dict(mlp="relu"), dict(position="alibi"), dict(d_model=12, n_head=4, position="rope")])
+def test_llama_config_validation_raises(bad):
+    with pytest.raises(ValueError):
+        GPTConfig(**{**TINY, **bad})
