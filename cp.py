@@ -42,6 +42,15 @@ is therefore the n-th receive its successor posts from it, and since both
 ends of an exchange sit in the batch of the same step on every rank, the
 exchange of step s completes once every rank has reached step s.
 
+What a model must offer (the contract for copying this file elsewhere): its
+attention calls a replaceable function on q, k, v of shape (batch, heads,
+seq, head_dim), k and v possibly with fewer heads, after any rotary
+embedding; and it takes token positions as an argument, so that a rank's
+zigzag shard (`shard_sequence`) is embedded at its true positions
+(`zigzag_positions`). The glue is one line per attention layer,
+`core = lambda q, k, v: ring_attention(q, k, v, group)[0]`, plus sharding the
+batch; gradients are then averaged over the group as data parallelism does.
+
 Self-check: torchrun --nproc_per_node 4 cp.py
 """
 import math

@@ -49,6 +49,13 @@ Nothing here knows the model: the classes take parameters (or a module and
 its units) and a process group, so one instance can average dense gradients
 over one group and another expert gradients over another.
 
+What a model must offer (the contract for copying this file elsewhere):
+nothing but its parameters, and for ZeRO-3 the submodules whose parameters
+are gathered together, in forward order. The glue is two lines:
+`DataParallel(model.parameters(), group, find_unused_parameters=...)` and
+`finish_grad_sync()` before the optimizer step (with `no_sync()` around the
+backwards that accumulate).
+
 Self-check: torchrun --nproc_per_node 4 dp.py
 """
 import copy

@@ -42,6 +42,8 @@ a module mapping tokens to one logit per expert, under any attribute name
 (`router=`); `top_k`. Optional: a shared expert (`shared=`, its name), a
 `route_bias` buffer with `bias_update_rate`. Parameter and buffer names stay
 those of the layer it replaces, so checkpoints match the single device's.
+The glue is one line per MoE layer: `layer = ExpertParallelMoE(layer,
+ep_group, stats_group, router="gate", shared="shared_expert")`.
 
 Gradients: the router and everything outside the experts are averaged over
 the ranks holding different tokens, as in data parallelism. An expert sees
@@ -177,9 +179,12 @@ class ExpertParallelMoE(nn.Module):
         pieces = list(received.split(recv_counts.flatten().tolist()))
         for e, expert in enumerate(self.experts.values()):
             rows = [pieces[src * self.per_rank + e] for src in range(n)]
-            if not sum(len(r) for r in rows):
-                continue
-            outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
+            if not sum(len(r) for r in rows):  # no token: not run, so no gradient, as on one device
+                with torch.no_grad():
+                    dtype = expert(rows[0]).dtype  # the dtype a run would give (bf16 under autocast)
+                outputs = [row.to(dtype) for row in rows]  # empty, so that every rank sends the same dtype
+            else:
+                outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
             for src in range(n):
                 pieces[src * self.per_rank + e] = outputs[src]
         returned = AllToAll.apply(torch.cat(pieces), send_splits, recv_counts.sum(1).tolist(), self.ep_group)

@@ -33,6 +33,12 @@ in the batch of the same step, so:
   after the other (NCCL's stream): batch t needs only every rank to have
   finished step t, and step t needs only batches before t.
 
+What a model must offer (the contract for copying this file elsewhere): a
+way to run a contiguous slice of its layers as a callable (token ids in on
+the first stage, logits out on the last, activations of one fixed shape in
+between), and a loss function of (output, targets). The glue is that stage
+function, about ten lines (`GPTChunk` below is model.py's).
+
 Self-check: torchrun --nproc_per_node 4 pp.py
 """
 import os

@@ -49,6 +49,8 @@ attention module makes the three share one f) and writes through a
 row-parallel projection, reading the number of heads off the shapes it gets
 rather than from a config; likewise the MLP (SwiGLU's gate and up fused as
 gate | up, or separate with a shared entry). Everything else is untouched.
+The glue for a Llama-style model with separate projections is about a dozen
+lines (tests/test_copy.py, `glue_tp`); for model.py's, `apply_tensor_parallel`.
 
 Self-check: torchrun --nproc_per_node 2 tp.py
 """
@@ -458,28 +460,42 @@ def full_state_dict(model, group):
 # ---------------------------------------------------------------------------
 
 class _ToyLM(nn.Module):
-    """Embedding, a pre-norm MLP block with a residual, final norm, head: the pieces tp.py splits."""
+    """Embedding, a pre-norm grouped-query attention block (two query heads per key/value head, q | k | v
+    fused) and an MLP block with residuals, final norm, head: the pieces tp.py splits."""
 
-    def __init__(self, vocab=16, d=8, seq=4):
+    def __init__(self, vocab, seq, kv_heads, head_dim=2):
         super().__init__()
+        d, self.head_dim = 2 * kv_heads * head_dim, head_dim
+        self.qkv_sizes = [d, kv_heads * head_dim, kv_heads * head_dim]
         self.tok_emb, self.pos_emb = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.norm0, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, sum(self.qkv_sizes)), nn.Linear(d, d)
         self.norm1, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         self.loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+    def attend(self, x):
+        heads = self.qkv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        n_kv = heads.shape[1] // 4  # per key/value head: two query heads, a key and a value
+        q, k, v = heads.split([2 * n_kv, n_kv, n_kv], dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(y.transpose(1, 2).flatten(2))
+
     def forward(self, ids, targets):
         x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        x = x + self.attend(self.norm0(x))
         x = x + self.proj(F.gelu(self.fc(self.norm1(x))))
         return self.loss_fn(self.lm_head(self.norm(x)), targets)
 
 
 def _split_toy(model, group, sp):
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
+    model.qkv = ColumnParallelLinear(model.qkv, group, sp, blocks=model.qkv_sizes)  # heads and KV heads split alike
+    model.out = RowParallelLinear(model.out, group, sp)
     model.fc, model.proj = ColumnParallelLinear(model.fc, group, sp), RowParallelLinear(model.proj, group, sp)
     if sp:
         model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
-        sequence_parallel_norm(model.norm1, group)
-        sequence_parallel_norm(model.norm, group)
+        for norm in (model.norm0, model.norm1, model.norm):
+            sequence_parallel_norm(norm, group)
     model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
     model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
     return model
@@ -500,7 +516,7 @@ def _self_check():
     device = _join_process_group()
     backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    reference = _ToyLM(vocab=8 * world, seq=2 * world).to(device, torch.float64)
+    reference = _ToyLM(vocab=8 * world, seq=2 * world, kv_heads=world).to(device, torch.float64)
     ids = torch.randint(0, 8 * world, (3, 2 * world + 1), generator=torch.Generator().manual_seed(1)).to(device)
     ref_loss = reference(ids[:, :-1], ids[:, 1:])
     ref_loss.backward()
@@ -517,7 +533,8 @@ def _self_check():
             grad = unshard(p.grad, layouts[name][0], None, layouts[name][1]) if name in layouts else p.grad
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         if rank == 0:
-            print(f"tp.py self-check on {world} ranks ({backend}), sequence parallel {'on ' if sp else 'off'}: "
+            print(f"tp.py self-check on {world} ranks ({backend}), grouped-query attention and an MLP, sequence "
+                  f"parallel {'on ' if sp else 'off'}: "
                   f"largest difference from one device (loss and every gradient, float64) = {worst:.3g}")
         if worst > 1e-12:
             raise SystemExit(f"rank {rank}: tensor-parallel result differs from the single device by {worst:.3g}")

@@ -1,0 +1,366 @@
+"""Each dimension file copied alone into another project, beside a Llama-style model written here.
+
+The model below is not model.py: it is written the way Llama-style models are
+(separate q, k, v projections, grouped-query attention, rotary positions,
+RMSNorm, SwiGLU MLPs with separate gate, up and down, no biases, an MoE layer
+whose router is called `gate` and which has a shared expert), keeping only
+what each file's docstring asks of a model. Each test copies one file into an
+empty folder, imports it from there (so it can lean on nothing else in this
+repository), glues it on with the few lines its docstring promises (the
+`glue_*` functions: what a user would write), and checks it against the same
+model on one process in float64.
+"""
+import copy
+import importlib.util
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distributed import REPO, run_on_ranks
+
+VOCAB, D, HEADS, KV_HEADS, FF, LAYERS, SEQ, BATCH = 32, 16, 4, 2, 24, 2, 8, 4
+
+
+# -- a small Llama-style model -----------------------------------------------------------------
+
+def rope(x, pos):
+    """Rotary embedding of (batch, heads, seq, head_dim), pairs (i, i + half) turned by pos * 10000^(-i/half)."""
+    half = x.shape[-1] // 2
+    angles = pos.to(x.dtype)[:, None] * 10000.0 ** (-torch.arange(half, dtype=x.dtype) / half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * angles.cos() - x2 * angles.sin(), x1 * angles.sin() + x2 * angles.cos()], -1)
+
+
+def attention(q, k, v):
+    """Causal attention; each key/value head serves a group of consecutive query heads."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = D // HEADS
+        self.q_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, KV_HEADS * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, KV_HEADS * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(D, D, bias=False)
+        self.core = attention
+
+    def forward(self, x, pos):
+        batch, seq = x.shape[0], x.shape[1]
+        # Heads are read off the shapes (-1), as Llama's code does: a rank holding some of them runs this too.
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = self.core(rope(q, pos), rope(k, pos), v)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width=FF):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, width, bias=False)
+        self.up_proj = nn.Linear(D, width, bias=False)
+        self.down_proj = nn.Linear(width, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k of a softmax router with a bias, renormalised gates, plus a shared expert for every token."""
+
+    def __init__(self, n_experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(D, n_experts)
+        self.experts = nn.ModuleList(SwiGLU(8) for _ in range(n_experts))
+        self.shared_expert = SwiGLU(8)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, D)
+        probs = self.gate(tokens).softmax(-1)
+        top, chosen = probs.topk(self.top_k, -1)
+        gates = top / top.sum(-1, keepdim=True)
+        out = self.shared_expert(tokens)
+        for e, expert in enumerate(self.experts):
+            token_idx, choice = torch.where(chosen == e)
+            if len(token_idx):
+                out = out.index_add(0, token_idx, expert(tokens[token_idx]) * gates[token_idx, choice, None])
+        return out.view_as(x)
+
+
+class Layer(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(D), nn.RMSNorm(D)
+        self.self_attn = Attention()
+        self.mlp = MoE() if moe else SwiGLU()
+
+    def forward(self, x, pos):
+        x = x + self.self_attn(self.input_layernorm(x), pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, moe=False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(Layer(moe) for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, ids, pos):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, pos)
+        return self.lm_head(self.norm(x))
+
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def copy_alone(filename, folder):
+    """Copy one dimension file into an empty folder; the folder, for the ranks to import it from."""
+    assert not os.listdir(folder)
+    shutil.copy(os.path.join(REPO, filename), folder)
+    return str(folder)
+
+
+def import_copy(folder, filename):
+    """The copied file, imported from its folder under a name of its own."""
+    spec = importlib.util.spec_from_file_location(f"copied_{filename[:-3]}", os.path.join(folder, filename))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference(moe=False):
+    """The model, a batch and the single process's loss and gradients (float64)."""
+    torch.manual_seed(0)
+    model = Llama(moe).double()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    loss = cross_entropy(model(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:])
+    loss.backward()
+    return model, ids, loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def fresh_copy(model):
+    copied = copy.deepcopy(model)
+    copied.zero_grad(set_to_none=True)
+    return copied
+
+
+def worst(a, b):
+    return (a - b).abs().max().item()
+
+
+# -- tp.py -----------------------------------------------------------------------------------
+
+def glue_tp(tp, model, group, sp):
+    """tp.py on the Llama: vocabulary-parallel embedding and head, q/k/v and gate/up column-parallel behind
+    one shared entry each, o and down row-parallel; under sequence parallelism the norms' gradients summed."""
+    model.embed_tokens = tp.VocabParallelEmbedding(model.embed_tokens, group, sp)
+    for layer in model.layers:
+        for module, columns, row in [(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
+                                     (layer.mlp, ("gate_proj", "up_proj"), "down_proj")]:
+            tp.share_region_entry(module, group, sp)
+            for name in columns:
+                setattr(module, name, tp.ColumnParallelLinear(getattr(module, name), group, sp, entered=True))
+            setattr(module, row, tp.RowParallelLinear(getattr(module, row), group, sp))
+    for norm in [m for m in model.modules() if isinstance(m, nn.RMSNorm)] if sp else []:
+        tp.sequence_parallel_norm(norm, group)
+    model.lm_head = tp.ColumnParallelLinear(model.lm_head, group, sp)
+    return lambda logits, targets: tp.vocab_parallel_cross_entropy(logits, targets, model.embed_tokens.vocab_start,
+                                                                   group)
+
+
+def tp_worker(folder, sequence_parallel):
+    tp = import_copy(folder, "tp.py")
+    ref, ids, ref_loss, ref_grads = reference()
+    model = fresh_copy(ref)
+    loss_fn = glue_tp(tp, model, None, sequence_parallel)
+    loss = loss_fn(model(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:])
+    tp.comm_bytes.clear()
+    loss.backward()
+    layouts = tp.sharded_layouts(model)
+    grads = {name: tp.unshard(p.grad, layouts[name][0], None, layouts[name][1]) if name in layouts else p.grad
+             for name, p in model.named_parameters()}
+    return dict(loss=abs(loss.item() - ref_loss), grads=max(worst(grads[k], ref_grads[k]) for k in ref_grads),
+                names=sorted(grads) == sorted(ref_grads), backward_bytes=dict(tp.comm_bytes))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp_on_a_llama_with_separate_projections(tmp_path, sequence_parallel):
+    folder = copy_alone("tp.py", tmp_path)
+    n, activation = 2, BATCH * SEQ * D * 8  # bytes of one (batch, seq, width) float64 tensor
+    for r in run_on_ranks(n, tp_worker, folder, sequence_parallel):
+        assert r["loss"] < 1e-12 and r["grads"] < 1e-12 and r["names"]
+        # Backward: q, k, v share one entry and gate, up another, so each layer costs two collectives of
+        # b*s*d there (not five), and the LM head's entry one more. With sp those are reduce-scatters,
+        # the row-parallel layers' and the embedding's all-gathers, and the 2L+1 RMSNorm weights of width
+        # D are summed over the group.
+        ring = (n - 1) / n
+        if sequence_parallel:
+            assert r["backward_bytes"] == {"reduce_scatter": (2 * LAYERS + 1) * ring * activation,
+                                           "all_gather": (2 * LAYERS + 1) * ring * activation,
+                                           "all_reduce": (2 * LAYERS + 1) * 2 * ring * D * 8}
+        else:
+            assert r["backward_bytes"] == {"all_reduce": (2 * LAYERS + 1) * 2 * ring * activation}
+
+
+# -- cp.py -----------------------------------------------------------------------------------
+
+def glue_cp(cp, model, group):
+    """cp.py on the Llama: ring attention as the attention core (the caller shards tokens and positions)."""
+    for layer in model.layers:
+        layer.self_attn.core = lambda q, k, v: cp.ring_attention(q, k, v, group)[0]
+
+
+def cp_worker(folder):
+    cp = import_copy(folder, "cp.py")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ref, ids, ref_loss, ref_grads = reference()
+    model = fresh_copy(ref)
+    glue_cp(cp, model, None)
+    inputs, targets = (cp.shard_sequence(t, n, rank) for t in (ids[:, :-1], ids[:, 1:]))
+    loss = cross_entropy(model(inputs, cp.zigzag_positions(SEQ, n, rank)), targets)
+    loss.backward()
+    cp.comm_bytes.clear()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)  # every rank holds as many tokens: the mean over ranks is the full mean
+    errors = [abs(mean_loss.item() / n - ref_loss)]
+    for name, p in model.named_parameters():  # summed and averaged over the ranks, as data parallelism would
+        dist.all_reduce(p.grad)
+        errors.append(worst(p.grad / n, ref_grads[name]))
+    return max(errors)
+
+
+def test_cp_on_a_llama_with_grouped_query_attention(tmp_path):
+    folder = copy_alone("cp.py", tmp_path)
+    assert max(run_on_ranks(2, cp_worker, folder)) < 1e-12
+
+
+# -- pp.py -----------------------------------------------------------------------------------
+
+def glue_pp(model, rank, n_stages):
+    """pp.py on the Llama: this rank's stage as a callable (ids or activations in, activations or logits out)."""
+    per_stage = LAYERS // n_stages
+    layers = model.layers[rank * per_stage:(rank + 1) * per_stage]
+    pos = torch.arange(SEQ)
+
+    def stage(x):
+        x = model.embed_tokens(x) if rank == 0 else x
+        for layer in layers:
+            x = layer(x, pos)
+        return model.lm_head(model.norm(x)) if rank == n_stages - 1 else x
+    return stage
+
+
+def pp_worker(folder, schedule):
+    pp = import_copy(folder, "pp.py")
+    rank, n, micro = dist.get_rank(), dist.get_world_size(), 4
+    ref, ids, ref_loss, ref_grads = reference()
+    model = fresh_copy(ref)
+    schedules = [pp.make_schedule(schedule, micro, n, r) for r in range(n)]
+    micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in ids.chunk(micro)]
+    losses, _ = pp.run_schedule(schedules, [glue_pp(model, rank, n)], micro_batches, cross_entropy, None,
+                                (BATCH // micro, SEQ, D), torch.float64, torch.device("cpu"))
+    errors = [abs(sum(losses) / micro - ref_loss)] if rank == n - 1 else []
+    errors += [worst(p.grad, ref_grads[name]) for name, p in model.named_parameters() if p.grad is not None]
+    used = sorted(name for name, p in model.named_parameters() if p.grad is not None)
+    return max(errors), used
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_on_a_llama_cut_into_stages(tmp_path, schedule):
+    folder = copy_alone("pp.py", tmp_path)
+    results = run_on_ranks(2, pp_worker, folder, schedule)
+    assert max(error for error, _ in results) < 1e-12
+    everything = sorted(name for name, _ in Llama().named_parameters())
+    assert sorted(results[0][1] + results[1][1]) == everything  # the stages together hold every parameter
+
+
+# -- ep.py -----------------------------------------------------------------------------------
+
+def ep_worker(folder):
+    ep = import_copy(folder, "ep.py")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    moe = MoE().double()
+    g = torch.Generator().manual_seed(1)
+    tokens, grad = (torch.randn(n, 6, D, generator=g, dtype=torch.float64) for _ in range(2))
+    (moe(tokens.flatten(0, 1)) * grad.flatten(0, 1)).sum().backward()
+    layer = ep.ExpertParallelMoE(fresh_copy(moe), None, None, router="gate", shared="shared_expert")  # the glue
+    out = layer(tokens[rank])
+    (out * grad[rank]).sum().backward()
+    errors = [worst(out, moe(tokens[rank]))]
+    reference = dict(moe.named_parameters())
+    for name, p in layer.named_parameters():
+        if not name.startswith("experts."):  # replicated (router, shared expert): each rank saw its tokens only
+            dist.all_reduce(p.grad)
+        errors.append(worst(p.grad, reference[name].grad))
+    return max(errors), sorted(name for name, _ in layer.named_parameters())
+
+
+def test_ep_on_an_moe_with_its_own_router_name_and_a_shared_expert(tmp_path):
+    folder = copy_alone("ep.py", tmp_path)
+    results = run_on_ranks(2, ep_worker, folder)
+    assert max(error for error, _ in results) < 1e-12
+    names = set(results[0][1]) | set(results[1][1])
+    assert names == {name for name, _ in MoE().named_parameters()}  # the single device's names, nothing renamed
+    assert [{name.split(".")[1] for name in names if name.startswith("experts.")} for _, names in results] == \
+        [{"0", "1"}, {"2", "3"}]  # each rank holds half of the experts
+
+
+# -- dp.py -----------------------------------------------------------------------------------
+
+def llama_moe_with_a_starved_expert():
+    torch.manual_seed(0)
+    model = Llama(moe=True).double()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.gate.bias[3] = -1e3  # no token ever chooses expert 3
+    return model
+
+
+def dp_worker(folder):
+    dp = import_copy(folder, "dp.py")
+    rank, n, steps = dist.get_rank(), dist.get_world_size(), 3
+    ref = llama_moe_with_a_starved_expert()
+    model = copy.deepcopy(ref)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(s)) for s in range(steps)]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.5)
+    for ids in batches:
+        cross_entropy(ref(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    sync = dp.DataParallel(model.parameters(), find_unused_parameters=True)  # glue
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    for ids in batches:
+        mine = ids.chunk(n)[rank]
+        cross_entropy(model(mine[:, :-1], torch.arange(SEQ)), mine[:, 1:]).backward()
+        sync.finish_grad_sync()  # glue
+        opt.step()
+        opt.zero_grad()
+    initial = llama_moe_with_a_starved_expert()
+    starved = [name for name, _ in model.named_parameters() if ".experts.3." in name]
+    untouched = all(torch.equal(dict(model.named_parameters())[name], dict(initial.named_parameters())[name])
+                    for name in starved)
+    return max(worst(a, b) for a, b in zip(model.parameters(), ref.parameters())), untouched
+
+
+def test_dp_on_a_llama_moe_with_an_expert_no_token_reaches(tmp_path):
+    folder = copy_alone("dp.py", tmp_path)
+    for error, untouched in run_on_ranks(2, dp_worker, folder):
+        assert error < 1e-12
+        assert untouched  # no gradient anywhere: AdamW left it alone (no weight decay), as on one device
