@@ -2,6 +2,7 @@
 
     python bench.py            # everything, about twenty minutes on 2 CPU cores
     python bench.py --quick    # the same on a tiny model, a few minutes
+    python bench.py --arch llama --out results/llama  # the table with the Llama-style block
     python plot.py             # figures and results/results.md from what this wrote
 
 Part 1 runs train.py under torchrun for each configuration (one model, one
@@ -93,7 +94,8 @@ def run_table(settings, out, names=None):
             continue
         print(f"bench: {name} ({world} ranks)", flush=True)
         peak = ["--peak-tflops", str(settings["peak_tflops"])] if settings.get("peak_tflops") else []
-        torchrun(world, "train.py", "--model", settings["model"], "--batch-size", str(settings["batch_size"]),
+        torchrun(world, "train.py", "--model", settings["model"], "--arch", settings.get("arch", "gpt"),
+                 "--batch-size", str(settings["batch_size"]),
                  "--micro-batches", str(settings["micro_batches"]), "--steps", str(settings["steps"]),
                  "--eval-interval", str(settings["eval_interval"]), "--dtype", settings.get("dtype", "float32"),
                  "--out", runs, "--name", name, *peak, *flags)
@@ -547,6 +549,7 @@ def main():
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
                                              "scaling check); the rest keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one device, for MFU (default: train.py's table of GPUs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -565,7 +568,7 @@ def main():
     settings = dict(QUICK if args.quick else FULL)
     if args.model:
         settings["model"] = args.model
-    settings.update(dtype=args.dtype, peak_tflops=args.peak_tflops)
+    settings.update(arch=args.arch, dtype=args.dtype, peak_tflops=args.peak_tflops)
     os.makedirs(args.out, exist_ok=True)
     # With --only, what is not run again keeps its earlier results.
     earlier = {name: read_json(os.path.join(args.out, name)) if args.only else {}
