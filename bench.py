@@ -136,6 +136,32 @@ def scaling_check(settings, out, cores):
     return dict(ranks=n, rounds=rounds, steps=steps, **summary, **ranges, per_round=per_round)
 
 
+def recomputation_check(settings, out, modes=("none", "selective", "full")):
+    """The three recomputation modes of train.py on one rank, run in turn in each round (so the machine's
+    drift cancels): activation memory (exact, from the log) and the step time of each against none's,
+    per round; the median and range of those ratios are reported."""
+    steps, rounds = settings["scaling_steps"], settings["scaling_rounds"]
+    runs = os.path.join(out, "recompute")
+    common = ["--model", settings["model"], "--arch", settings.get("arch", "gpt"), "--batch-size",
+              str(settings["batch_size"]), "--micro-batches", str(settings["micro_batches"]), "--steps", str(steps),
+              "--eval-interval", str(steps), "--out", runs]
+    per_round = []
+    for r in range(rounds):
+        print(f"bench: recomputation, round {r + 1} of {rounds}", flush=True)
+        logs = {}
+        for mode in modes:
+            torchrun(1, "train.py", *common, "--recompute", mode, "--name", f"{mode}{r}")
+            logs[mode] = read_log(os.path.join(runs, f"{mode}{r}", "log.jsonl"))
+        per_round.append({mode: dict(activation_peak_bytes=logs[mode][-1]["activation_peak_bytes"][0],
+                                     tokens_per_s=tokens_per_s(logs[mode][settings["skip"]:])) for mode in modes})
+    result = {}
+    for mode in modes:
+        slowdown = [r["none"]["tokens_per_s"] / r[mode]["tokens_per_s"] for r in per_round]
+        result[mode] = dict(activation_peak_bytes=per_round[0][mode]["activation_peak_bytes"],
+                            step_time_vs_none=statistics.median(slowdown), range=[min(slowdown), max(slowdown)])
+    return dict(model=settings["model"], rounds=rounds, steps=steps, modes=result, per_round=per_round)
+
+
 def tokens_per_s(records):
     """Tokens per second over these steps of a log (the steady ones: start-up left out)."""
     return sum(e["tokens_per_s"] * e["step_s"] for e in records) / sum(e["step_s"] for e in records)
@@ -547,7 +573,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a few minutes")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
-                                             "scaling check); the rest keep their earlier results")
+                                             "scaling check, 'recompute' for the recomputation modes); the rest "
+                                             "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -575,8 +602,17 @@ def main():
                for name in ("machine.json", "comparisons.json")}
     info = dict(machine(), settings=settings)
     run_table(settings, args.out, args.only)
-    rows = summarise(args.out, settings, info["cores"])
-    write_json(os.path.join(args.out, "summary.json"), rows)
+    if not args.only or any(name in args.only for name, *_ in CONFIGS):
+        rows = summarise(args.out, settings, info["cores"])
+        write_json(os.path.join(args.out, "summary.json"), rows)
+    else:  # the table was not run again: its earlier summary stands
+        rows = read_json(os.path.join(args.out, "summary.json")) or []
+    if not args.only or "recompute" in args.only:
+        recomputation = recomputation_check(settings, args.out)
+        write_json(os.path.join(args.out, "recomputation.json"), recomputation)
+        for mode, r in recomputation["modes"].items():
+            print(f"recompute {mode:9s} activations {r['activation_peak_bytes']:,} bytes, step time x"
+                  f"{r['step_time_vs_none']:.2f} of none's (range {r['range'][0]:.2f}-{r['range'][1]:.2f})")
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])
     elif "scaling" in earlier["machine.json"]:

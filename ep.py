@@ -131,6 +131,7 @@ class ExpertParallelMoE(nn.Module):
                                                  device=next(moe.parameters()).device), persistent=False)
         self.aux_loss = self.tokens_per_expert = None
         self.dropped = 0
+        self.recomputing = False  # set while the forward runs again for backward: its tokens were counted
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
@@ -157,7 +158,7 @@ class ExpertParallelMoE(nn.Module):
         dist.all_reduce(stats, group=self.stats_group)
         counts, n_tokens, dropped = stats[:-2], stats[-2], stats[-1]
         self.tokens_per_expert, self.dropped = counts.long().tolist(), int(dropped)
-        if torch.is_grad_enabled():  # a training forward (evaluation runs without gradients)
+        if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += counts.long()
         f = counts / (n_tokens * self.top_k)
         n_ranks = dist.get_world_size(self.stats_group)

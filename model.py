@@ -22,11 +22,14 @@ No dropout: the correctness contract (every configuration equals the single
 device, step for step) needs a deterministic model.
 """
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -228,12 +231,13 @@ class MoE(nn.Module):
         self.register_buffer("route_bias", torch.zeros(config.n_experts))  # saved in checkpoints
         self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.long), persistent=False)  # step's tokens
         self.aux_loss = None  # set by every forward; GPT.forward adds it to the loss
+        self.recomputing = False  # set while a forward runs again for backward (see `recomputed`)
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
         gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias)
         self.aux_loss = load_balancing_loss(probs, experts, len(self.experts))
-        if torch.is_grad_enabled():  # a training forward (evaluation runs without gradients)
+        if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += torch.bincount(experts.flatten(), minlength=len(self.experts))
         out = torch.zeros_like(tokens) if self.shared is None else self.shared(tokens)
         for e, expert in enumerate(self.experts):
@@ -279,6 +283,46 @@ class Block(nn.Module):
     def forward(self, x, pos):
         x = x + self.attn(self.norm1(x), pos)
         return x + self.mlp(self.norm2(x))
+
+
+@contextmanager
+def _recomputing(module):
+    """While module's forward runs again for backward: the layers under it that count (MoE tokens) know it."""
+    counters = [m for m in module.modules() if hasattr(m, "recomputing")]
+    for m in counters:
+        m.recomputing = True
+    try:
+        yield
+    finally:
+        for m in counters:
+            m.recomputing = False
+
+
+def recomputed(module, fn):
+    """fn (a part of module's forward) under activation checkpointing: its forward keeps only its inputs,
+    and backward runs it again to get what it needs. No dropout here, so no random state to replay."""
+    return partial(checkpoint, fn, use_reentrant=False, preserve_rng_state=False,
+                   context_fn=lambda: (nullcontext(), _recomputing(module)))
+
+
+def apply_recomputation(model, mode):
+    """Trade computation for activation memory, in place (Korthikanti et al., 2022, "Reducing Activation
+    Recomputation in Large Transformer Models").
+
+    full: every block keeps only its input (b*s*h per block) and runs its whole forward again in
+    backward, about a third more computation. selective: only the attention core, softmax(q kᵀ) v,
+    runs again: what it saves grows with s² (the attention probabilities, per head) unless a fused
+    kernel already avoids that, and it is cheap to recompute. A core that communicates (ring
+    attention) communicates again when recomputed. none: nothing changes.
+    """
+    for block in model.blocks:
+        if not isinstance(block, Block):  # another pipeline stage's layer
+            continue
+        if mode == "full":
+            block.forward = recomputed(block, block.forward)
+        elif mode == "selective":
+            block.attn.core = recomputed(block.attn, block.attn.core)
+    return model
 
 
 def moe_aux_losses(module):

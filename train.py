@@ -42,7 +42,7 @@ import tp
 from dp import DataParallel, ZeRO, gpt_units
 from mesh import Mesh, mesh_shape
 from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
-from model import GPT, GPTConfig, update_route_biases
+from model import GPT, GPTConfig, apply_recomputation, update_route_biases
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
     "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
@@ -156,6 +156,9 @@ def parse_args(argv=None):
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="model chunks per pipeline rank (interleaved schedule; default 2 there, else 1)")
     p.add_argument("--pp-debug", action="store_true", help="print every pipeline send and receive")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recomputation: full (each block keeps only its input), selective (the "
+                        "attention core only)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's computation (its parallel communication stays eager)")
     args = p.parse_args(argv)
@@ -474,6 +477,7 @@ class Trainer:
         self.params = list(self.model.parameters())
         if args.compile:
             self.compile_blocks()
+        apply_recomputation(self.model, args.recompute)  # around what runs: ring attention, compiled blocks
         # 6. Data parallelism: dense gradients averaged over the dense-gradient group (ZeRO: sharded),
         #    expert gradients over the expert-gradient group (divided by the dense group's size, see ep.py).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)

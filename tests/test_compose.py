@@ -58,6 +58,17 @@ def test_benchmark_table_configurations_llama(tmp_path, world, flags, model):
     check(tmp_path, world, flags, model)
 
 
+# The Llama twins again with activation recomputation, full and selective in turn: a recomputed block
+# communicates again (tp's collectives, ring attention, the all-to-all) and must route as it did.
+RECOMPUTED = [(world, [*flags, "--recompute", ("full", "selective")[i % 2]], model)
+              for i, (world, flags, model) in enumerate(LLAMA_TABLE)]
+
+
+@pytest.mark.parametrize("world,flags,model", RECOMPUTED, ids=[f"{row_name(w, f[:-2])}-{f[-1]}" for w, f, _ in RECOMPUTED])
+def test_benchmark_table_configurations_recomputed(tmp_path, world, flags, model):
+    check(tmp_path, world, flags, model)
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path, arch):
     flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"]

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, MoE, GPTConfig, causal_attention, load_balancing_loss, route, rotary, update_route_biases
+from meter import ActivationMeter
+from model import (GPT, MoE, GPTConfig, apply_recomputation, causal_attention, load_balancing_loss, route, rotary,
+                   update_route_biases)
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
@@ -432,3 +434,43 @@ def test_evaluation_forward_does_not_count_tokens():
 def test_llama_config_validation_raises(bad):
     with pytest.raises(ValueError):
         GPTConfig(**{**TINY, **bad})
+
+
+# 10. Activation recomputation ------------------------------------------------------
+
+def saved_and_grads(mode, n_layer, **config):
+    """Peak bytes saved for backward by a float64 GPT under a recomputation mode, and its gradients."""
+    model = tiny_gpt(n_layer=n_layer, seq_len=32, **config)
+    apply_recomputation(model, mode)
+    idx = random_tokens(2, 32)
+    meter = ActivationMeter(list(model.parameters()))
+    with meter:
+        _, loss = model(idx, idx)
+    loss.backward()
+    return meter.peak, {name: p.grad for name, p in model.named_parameters()}, model
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(mode):
+    _, expected, _ = saved_and_grads("none", 2, **LLAMA)
+    _, grads, _ = saved_and_grads(mode, 2, **LLAMA)
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name  # the same operations again: bit for bit
+
+
+def test_recomputation_memory_per_block_follows_the_formula():
+    """Per block (the difference between 3 and 1 layers, over 2): full keeps exactly its input, b*s*h;
+    selective drops what the attention core saves besides its inputs and output: with PyTorch's fused
+    kernel (used on CPU in float64 too) that is the log-sum-exp, b*heads*s, not the s^2 probabilities."""
+    b, s, h, heads, itemsize = 2, 32, TINY["d_model"], TINY["n_head"], 8
+    per_block = {mode: (saved_and_grads(mode, 3)[0] - saved_and_grads(mode, 1)[0]) // 2
+                 for mode in ("none", "selective", "full")}
+    assert per_block["full"] == b * s * h * itemsize
+    assert per_block["none"] - per_block["selective"] == b * heads * s * itemsize
+    assert per_block["none"] > 10 * per_block["full"]
+
+
+def test_a_recomputed_moe_counts_its_tokens_once():
+    _, _, model = saved_and_grads("full", 2, n_experts=4, top_k=2)
+    for block in model.blocks:
+        assert block.mlp.load.sum() == 2 * 32 * 2  # every token's two choices, once (not again in backward)
