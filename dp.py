@@ -223,16 +223,23 @@ class DataParallel:
         finally:
             self.keep_incomplete = False
 
+    def _expect_end_of_backward(self):
+        """At a backward's first gradient (or, under ZeRO, unit): queue for its end the launch of what it
+        leaves incomplete (see _end_of_backward). ZeRO-2/3 reduce every backward: the previous one's
+        reduction is finished first, on every rank alike, whether or not this one brings gradients."""
+        if self.end_of_backward_queued:
+            return
+        if self.reduce_every_backward and self.next_to_launch:
+            self._wait_all()
+        torch.autograd.Variable._execution_engine.queue_callback(_weakly(self._end_of_backward))
+        self.end_of_backward_queued = True
+
     def _on_grad_ready(self, p):
-        if not self.end_of_backward_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(_weakly(self._end_of_backward))
-            self.end_of_backward_queued = True
+        self._expect_end_of_backward()
         bucket = self.bucket_of[p]
         if self.sync and bucket.launched:  # a second backward since the buckets were reduced
-            if not self.reduce_every_backward:
-                raise RuntimeError("a gradient arrived after its bucket was reduced: "
-                                   "wrap all but the last backward of a step in no_sync()")
-            self.finish_grad_sync()
+            raise RuntimeError("a gradient arrived after its bucket was reduced: "
+                               "wrap all but the last backward of a step in no_sync()")
         self.arrived.add(p)
         view = self._grad_view(bucket, p)
         if p.grad is not view:  # a new gradient tensor (first backward, or grads set to None): move it in
@@ -287,12 +294,15 @@ class DataParallel:
         """Launch what backward did not (a backward that had no gradient for these parameters at all),
         wait, average; then each parameter's grad is its bucket's view, or None if no rank used it."""
         self._launch_remaining()
+        self._wait_all()
+        self._keep_used_grads(self._used_somewhere())
+        self.arrived = set()
+
+    def _wait_all(self):
         for bucket in self.buckets:
             self._wait(bucket)
             bucket.ready, bucket.launched = set(), False
         self.next_to_launch = 0
-        self._keep_used_grads(self._used_somewhere())
-        self.arrived = set()
 
     def _keep_used_grads(self, used_somewhere):
         for p in self.params:
@@ -322,7 +332,18 @@ class ZeRO(DataParallel):
     brings every rank's parameters up to date. Stage 3 needs `units`: the
     submodules whose parameters are gathered together, in forward order
     (for a transformer: embedding, each block, final norm, head); together
-    they must hold every parameter of `module`.
+    they must hold every parameter this instance shards. At any stage, a
+    backward through a unit also ends with this instance's reduction, on a
+    rank whose parameters got no gradient in it too, so the ranks reduce
+    alike (stages 2 and 3 reduce in every backward).
+
+    `params` (default: all of module's) picks the parameters this instance
+    shards, so that a mixture of experts can have two: the dense parameters
+    over the group of every rank holding different tokens, the experts' over
+    the ranks holding the same experts (with divide_by, as in
+    DataParallel). Stage 3's units then hold this instance's parameters
+    among others: a unit gathers only those (the experts' units are the MoE
+    layers, whose forward runs every expert).
 
     Usage per step (stage 2 and 3 need no no_sync: see `no_sync`):
         loss.backward()          # reduce-scatters launch from here
@@ -332,38 +353,44 @@ class ZeRO(DataParallel):
         zero.zero_grad()
     """
 
-    def __init__(self, module, group, stage, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True):
+    def __init__(self, module, group, stage, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
+                 params=None, divide_by=None, find_unused_parameters=False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         if stage == 3 and not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
-        self.stage, self.units = stage, list(units)
+        params = list(module.parameters() if params is None else params)
+        mine = set(map(id, params))
+        self.stage = stage
+        self.units = [unit for unit in units if any(id(p) in mine for p in unit.parameters())]
         self.names = {p: name for name, p in module.named_parameters()}
-        super().__init__(module.parameters(), group, bucket_bytes, broadcast)
+        super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters)
         self.rank = dist.get_rank(group)
         self.reduce_every_backward = stage >= 2
         for bucket in self.buckets:
             self._shard(bucket)
-        self.optimizer = make_optimizer([b.param_shard for b in self.buckets])
+        self.optimizer = make_optimizer([piece for b in self.buckets for piece in b.pieces.values()])
         if stage >= 2:  # no full gradient is kept between backwards
             for bucket in self.buckets:
                 free_storage(bucket.grad)
             for p in self.params:
                 p.grad = None
+        for i, unit in enumerate(self.units):
+            unit.register_forward_hook(partial(self._after_forward, i))
         if stage == 3:
             self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
             for i, unit in enumerate(self.units):
                 unit.register_forward_pre_hook(partial(self._before_forward, i))
-                unit.register_forward_hook(partial(self._after_forward, i))
                 free_storage(self.unit_buckets[i].param_full)
 
     def _make_buckets(self, bucket_bytes):
         if self.stage < 3:
             return super()._make_buckets(bucket_bytes)
-        params = [[p for p in unit.parameters() if p.requires_grad] for unit in self.units]
+        mine = set(map(id, self.params))
+        params = [[p for p in unit.parameters() if id(p) in mine] for unit in self.units]
         covered = [p for unit_params in params for p in unit_params]
-        if sorted(map(id, covered)) != sorted(map(id, self.params)):
-            raise ValueError("ZeRO-3 units must hold every trainable parameter of the module exactly once")
+        if sorted(map(id, covered)) != sorted(mine):
+            raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
         return [Bucket(unit_params, self.n_ranks) for unit_params in reversed(params)]
 
     def _shard(self, bucket):
@@ -378,8 +405,26 @@ class ZeRO(DataParallel):
         # Stages 1 and 2 keep full parameters, so the shard is a view of them;
         # stage 3 keeps only the shard, and the full buffer comes and goes.
         bucket.param_shard = mine.clone() if self.stage == 3 else mine
-        bucket.param_shard.grad = bucket.grad_shard = torch.zeros_like(mine)
+        bucket.grad_shard = torch.zeros_like(mine)
         bucket.gathered, bucket.gather_work = self.stage < 3, None
+        # The optimizer steps this rank's piece of each parameter in its shard (views of the shards), so
+        # that, as on one device, each parameter has its own step count and one that no rank gave a
+        # gradient (an expert no token reached) is skipped: its piece's grad is then None.
+        bucket.pieces, bucket.grad_pieces = {}, {}
+        for p, (lo, hi) in self._piece_ranges(bucket).items():
+            bucket.pieces[p] = bucket.param_shard[lo:hi]
+            bucket.pieces[p].grad = bucket.grad_pieces[p] = bucket.grad_shard[lo:hi]
+
+    def _piece_ranges(self, bucket):
+        """{parameter: (start, end) of its piece within this rank's shard}, for the parameters that have one."""
+        size = bucket.padded // self.n_ranks
+        first = self.rank * size
+        ranges = {}
+        for p in bucket.params:
+            lo, hi = max(bucket.offsets[p], first), min(bucket.offsets[p] + p.numel(), first + size)
+            if lo < hi:
+                ranges[p] = (lo - first, hi - first)
+        return ranges
 
     @property
     def param_shards(self):
@@ -407,6 +452,9 @@ class ZeRO(DataParallel):
     def _keep_used_grads(self, used_somewhere):
         if self.stage == 1:  # stages 2 and 3 keep no full gradient: the shards hold them
             super()._keep_used_grads(used_somewhere)
+        for bucket in self.buckets:
+            for p, piece in bucket.pieces.items():
+                piece.grad = bucket.grad_pieces[p] if used_somewhere(p) else None
 
     def _grad_view(self, bucket, p):
         if not is_allocated(bucket.grad):  # stages 2 and 3 free it after each reduce-scatter
@@ -452,6 +500,20 @@ class ZeRO(DataParallel):
         each parameter's squares multiplied by weights[p] (1/copies for a
         parameter that ranks of those groups hold a copy of).
         """
+        squares = self.squared_norm(weights)
+        for group in other_groups:
+            dist.all_reduce(squares, group=group)
+        total_norm = squares.sqrt()
+        self.scale_grads((max_norm / (total_norm + 1e-6)).clamp(max=1.0))  # as torch.nn.utils.clip_grad_norm_
+        return total_norm
+
+    def scale_grads(self, scale):
+        for g in self.grad_shards:
+            g.mul_(scale.to(g.dtype))
+
+    def squared_norm(self, weights=None):
+        """The sum of the squares of this instance's gradient elements over its group (weighted, see
+        clip_grad_norm_): one scalar all-reduce, the shards being disjoint."""
         squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_shard.device)
         for bucket in self.buckets:
             square = bucket.grad_shard.to(torch.float64).square()
@@ -462,14 +524,9 @@ class ZeRO(DataParallel):
                 size = bucket.padded // self.n_ranks
                 square = square * flat[self.rank * size:(self.rank + 1) * size]
             squares += square.sum()
-        for group in (self.group, *other_groups):
-            dist.all_reduce(squares, group=group)
+        dist.all_reduce(squares, group=self.group)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), self.n_ranks)
-        total_norm = squares.sqrt()
-        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for g in self.grad_shards:
-            g.mul_(scale.to(g.dtype))
-        return total_norm
+        return squares
 
     def step(self):
         """Update this rank's shards, then (stages 1, 2) all-gather the new parameters."""
@@ -490,13 +547,18 @@ class ZeRO(DataParallel):
         self._prefetch(i + 1)  # the next unit's gather overlaps this unit's compute
 
     def _after_forward(self, i, module, args, output):
-        self._free_params(self.unit_buckets[i])
+        if self.stage == 3:
+            self._free_params(self.unit_buckets[i])
         if torch.is_tensor(output) and output.requires_grad:
             output.register_hook(lambda grad: self._before_backward(i))
 
     def _before_backward(self, i):
-        self._gather(i)        # backward needs the weights again,
-        self._prefetch(i - 1)  # and the unit before this one comes next
+        # A backward through a unit reduces this instance's buckets at its end, on every rank, even where
+        # none of them got a gradient (experts no token reached here, and reached on another rank).
+        self._expect_end_of_backward()
+        if self.stage == 3:
+            self._gather(i)        # backward needs the weights again,
+            self._prefetch(i - 1)  # and the unit before this one comes next
 
     def _prefetch(self, i):
         if not 0 <= i < len(self.unit_buckets) or self.unit_buckets[i].gathered:
@@ -536,36 +598,48 @@ class ZeRO(DataParallel):
     # -- consolidated optimizer state, keyed by parameter name -----------------
 
     def full_optimizer_state(self):
-        """{parameter name: {'step', 'exp_avg', ...}} as a single device's optimizer would hold it."""
+        """{parameter name: {'step', 'exp_avg', ...}} as a single device's optimizer would hold it: each
+        state value's pieces gathered over the group, element by element (the step count too). A
+        parameter that no rank has stepped yet (step 0) has no state, as on one device."""
+        keys = self._state_keys()
         full_state = {}
         for bucket in self.buckets:
-            state = self.optimizer.state.get(bucket.param_shard, {})
             flats = {}
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == bucket.param_shard.shape:
-                    flats[key] = torch.empty_like(bucket.grad)
-                    all_gather_flat(flats[key], value, group=self.group)
-            for p in bucket.params if state else ():
-                full_state[self.names[p]] = {key: bucket.view(flats[key], p).clone() if key in flats
-                                             else value.clone() if torch.is_tensor(value) else value
-                                             for key, value in state.items()}
+            for key in keys:
+                local = torch.zeros_like(bucket.grad_shard)
+                for p, (lo, hi) in self._piece_ranges(bucket).items():
+                    value = self.optimizer.state.get(bucket.pieces[p], {}).get(key)
+                    if value is not None:
+                        local[lo:hi] = value  # a step count fills its piece
+                flats[key] = torch.empty_like(bucket.grad)
+                all_gather_flat(flats[key], local, group=self.group)
+            for p in bucket.params:
+                state = {key: bucket.view(flats[key], p).clone() for key in keys}
+                if "step" in state and state["step"].flatten()[0] > 0:
+                    state["step"] = torch.tensor(state["step"].flatten()[0].item(), dtype=torch.float32)
+                    full_state[self.names[p]] = state
         return full_state
 
+    def _state_keys(self):
+        """The optimizer's state keys (for AdamW: step, exp_avg, exp_avg_sq), agreed over the group: a rank
+        may not have stepped any of its pieces yet."""
+        mine = sorted({key for state in self.optimizer.state.values() for key in state})
+        everyone = [None] * self.n_ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return sorted(set().union(*everyone))
+
     def load_full_optimizer_state(self, full_state):
-        """The inverse of full_optimizer_state: take this rank's shard of every state tensor."""
+        """The inverse of full_optimizer_state: take this rank's piece of every state tensor."""
         for bucket in self.buckets:
-            size = bucket.padded // self.n_ranks
-            first = full_state[self.names[bucket.params[0]]]
-            state = {}
-            for key, value in first.items():
-                if torch.is_tensor(value) and value.shape == bucket.params[0].shape:
-                    flat = torch.zeros_like(bucket.grad)
-                    for p in bucket.params:
-                        bucket.view(flat, p).copy_(full_state[self.names[p]][key])
-                    state[key] = flat[self.rank * size:(self.rank + 1) * size].clone()
-                else:
-                    state[key] = value.clone() if torch.is_tensor(value) else value
-            self.optimizer.state[bucket.param_shard] = state
+            first = self.rank * (bucket.padded // self.n_ranks)
+            for p, (lo, hi) in self._piece_ranges(bucket).items():
+                saved = full_state.get(self.names[p])
+                if saved is None:
+                    continue
+                start = first + lo - bucket.offsets[p]  # where the piece begins inside the parameter
+                self.optimizer.state[bucket.pieces[p]] = {
+                    key: value.flatten()[start:start + hi - lo].clone() if value.shape == p.shape else value.clone()
+                    for key, value in saved.items()}
 
 
 def gpt_units(model):

@@ -175,9 +175,10 @@ def check_args(args, world):
         raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
     if args.experts and args.experts % args.ep:
         raise ConfigError(f"--experts {args.experts} do not divide over --ep {args.ep} ranks")
-    if args.experts and args.zero:
-        raise ConfigError("--zero with --experts is not supported yet: expert parameters would need a ZeRO "
-                          "instance of their own over the expert-gradient group")
+    if args.experts and args.zero == 3:
+        raise ConfigError("--zero 3 with --experts is not supported yet: a rank whose experts got no token "
+                          "reduces their gradients at the end of backward, out of order with the gathers of the "
+                          "next layer's experts that ZeRO-3 issues during backward; use --zero 1 or 2")
     if args.capacity_factor < 0 or (args.capacity_factor and not args.experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
     if not args.experts and (args.shared_experts or args.balance != "aux"):
@@ -481,23 +482,28 @@ class Trainer:
         # 6. Data parallelism: dense gradients averaged over the dense-gradient group (ZeRO: sharded),
         #    expert gradients over the expert-gradient group (divided by the dense group's size, see ep.py).
         group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
-        self.zero = None
+        named = list(self.model.named_parameters())
+        dense = [p for name, p in named if not ep.is_expert_parameter(name)]
+        experts = [p for name, p in named if ep.is_expert_parameter(name)]
+        expert_group = dict(group=mesh.groups["expert"], divide_by=mesh.size("dense"))
+        self.zeros = []  # ZeRO: one instance for the dense parameters, one for the experts' (DeepSeek-V3's layout)
         if args.zero:
-            self.zero = ZeRO(self.model, group, args.zero, lambda shards: make_optimizer(shards, args),
-                             units=gpt_units(self.model) if args.zero == 3 else (), bucket_bytes=bucket_bytes)
-            self.grad_sync, self.optimizer = self.zero, self.zero.optimizer
+            def shard(params, units, group, **options):
+                return ZeRO(self.model, group, args.zero, lambda shards: make_optimizer(shards, args),
+                            units=units, bucket_bytes=bucket_bytes, params=params, **options)
+            self.zeros.append(shard(dense, gpt_units(self.model), group))
+            if experts:
+                self.zeros.append(shard(experts, self.moe_layers, find_unused_parameters=True, **expert_group))
+            syncs, self.optimizers = self.zeros, [z.optimizer for z in self.zeros]
         else:
-            named = list(self.model.named_parameters())
-            dense = [p for name, p in named if not ep.is_expert_parameter(name)]
-            experts = [p for name, p in named if ep.is_expert_parameter(name)]
             syncs = []
             if mesh.size("dense") > 1:
                 syncs.append(DataParallel(dense, group, bucket_bytes))
             if experts and mesh.size("dense") > 1:
-                syncs.append(DataParallel(experts, mesh.groups["expert"], bucket_bytes, divide_by=mesh.size("dense"),
-                                          find_unused_parameters=True))
-            self.grad_sync = GradientSync(syncs) if syncs else None
-            self.optimizer = make_optimizer(self.params, args)
+                syncs.append(DataParallel(experts, bucket_bytes=bucket_bytes, find_unused_parameters=True,
+                                          **expert_group))
+            self.optimizers = [make_optimizer(self.params, args)]
+        self.grad_sync = GradientSync(syncs) if syncs else None
         self.start_step, self.skipped_steps = 0, 0
         if saved:
             self.load_optimizer_state(saved["optimizer"])
@@ -551,17 +557,19 @@ class Trainer:
         return by_name
 
     def full_state_dict(self):
-        with self.zero.full_parameters() if self.zero else nullcontext():
+        with ExitStack() as stack:
+            for zero in self.zeros:
+                stack.enter_context(zero.full_parameters())
             mine = to_cpu({name: self.unshard(name, t) for name, t in self.model.state_dict().items()})
         return self.merge_stages(mine)
 
     def full_optimizer_state(self):
         """{parameter name: AdamW state}, as one device holds it (collectives under ZeRO, tp and pp)."""
-        if self.zero:
-            local = self.zero.full_optimizer_state()  # this rank's (tensor-sharded) parameters, by name
+        if self.zeros:  # this rank's (tensor-sharded) parameters, by name
+            local = {name: state for zero in self.zeros for name, state in zero.full_optimizer_state().items()}
         else:
             names = {p: name for name, p in self.model.named_parameters()}
-            local = {names[p]: state for p, state in self.optimizer.state.items()}
+            local = {names[p]: state for p, state in self.optimizers[0].state.items()}
         return self.merge_stages(to_cpu({name: {k: v if k == "step" else self.unshard(name, v)
                                                 for k, v in state.items()} for name, state in local.items()}))
 
@@ -569,10 +577,11 @@ class Trainer:
         params = dict(self.model.named_parameters())
         local = {name: {k: v if k == "step" else self.shard(name, v).to(params[name].device, params[name].dtype)
                         for k, v in state.items()} for name, state in by_name.items() if name in params}
-        if self.zero:
-            return self.zero.load_full_optimizer_state(local)
-        for name, state in local.items():
-            self.optimizer.state[params[name]] = state
+        for zero in self.zeros:
+            zero.load_full_optimizer_state(local)
+        if not self.zeros:
+            for name, state in local.items():
+                self.optimizers[0].state[params[name]] = state
 
     def checkpoint(self, step):
         """The consolidated checkpoint (every rank must call this; rank 0 writes it)."""
@@ -597,10 +606,10 @@ class Trainer:
         self.meter.reset_peak()
         start = time.perf_counter()
         micro_batches = self.local_micro_batches(tokens)
-        if not self.zero:
+        if not self.zeros:
             # As on one device: a parameter that gets no gradient this step on any rank (an expert no token
             # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizers[0].zero_grad(set_to_none=True)
         self.routing = dict(tokens_per_expert=[[0] * args.experts for _ in self.moe_layers], dropped_tokens=0)
         pipeline = pp.PipelineStats(self.device)  # stays empty without pipeline parallelism
         if self.chunks:
@@ -626,18 +635,18 @@ class Trainer:
         if self.grad_sync:
             self.grad_sync.finish_grad_sync()
         grad_wait.add(wait_start, grad_wait.now())
-        for group in self.optimizer.param_groups:
+        for group in (group for optimizer in self.optimizers for group in optimizer.param_groups):
             group["lr"] = lr_at(step, args)
         # The norm is the same on every rank, so they all update, or all skip a step whose gradient is not
         # finite (the weights and AdamW's moments stay as they were; train() decides whether to go on).
         grad_norm = self.clip_gradients(args.grad_clip or math.inf).item()
         self.skipped_steps += not math.isfinite(grad_norm)
-        if self.zero:
+        for zero in self.zeros:
             if math.isfinite(grad_norm):
-                self.zero.step()  # update this rank's shards, then gather the parameters
-            self.zero.zero_grad()
-        elif math.isfinite(grad_norm):
-            self.optimizer.step()
+                zero.step()  # update this rank's shards, then gather the parameters
+            zero.zero_grad()
+        if not self.zeros and math.isfinite(grad_norm):
+            self.optimizers[0].step()
         update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
@@ -678,16 +687,20 @@ class Trainer:
         """
         weights = {p: 1 / self.copies(name) for name, p in self.model.named_parameters()}
         other_groups = [self.mesh.groups[g] for g in ("tp", "ep", "pp") if self.mesh.size(g) > 1]
-        if self.zero:
-            return self.zero.clip_grad_norm_(max_norm, weights, other_groups)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params:
+        for zero in self.zeros:  # ZeRO: the shards' squares, summed over each instance's group
+            squares += zero.squared_norm(weights)
+        for p in self.params if not self.zeros else ():
             if p.grad is not None:  # None: no rank used it this step
                 squares += p.grad.to(torch.float64).square().sum() * weights[p]
         for group in other_groups:
             dist.all_reduce(squares, group=group)
         total_norm = squares.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
+        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for zero in self.zeros:
+            zero.scale_grads(scale)
+        if not self.zeros:
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
         return total_norm
 
     def copies(self, name):
@@ -708,10 +721,11 @@ class Trainer:
         self.comm_baseline = self.comm_counters()
 
     def rank_record(self, loss, compute_s, comm_wait_s, pipeline):
-        param_shards, grad_shards = (self.zero.param_shards, self.zero.grad_shards) if self.zero else ([], [])
+        param_shards = [shard for zero in self.zeros for shard in zero.param_shards]
+        grad_shards = [shard for zero in self.zeros for shard in zero.grad_shards]
         record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
                       grad_bytes=gradient_bytes(self.params) + tensor_bytes(grad_shards),
-                      optim_bytes=optimizer_bytes(self.optimizer), activation_peak_bytes=self.meter.peak,
+                      optim_bytes=sum(map(optimizer_bytes, self.optimizers)), activation_peak_bytes=self.meter.peak,
                       compute_s=compute_s, comm_wait_s=comm_wait_s, pp_bubble=pipeline.bubble(),
                       pp_peak_in_flight=pipeline.peak_in_flight)
         counters = self.comm_counters()  # bytes sent during this step

@@ -108,7 +108,6 @@ def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path):
 REFUSED = [
     (["--zero", "2", "--pp", "2"], "--zero 2 with --pp is not supported"),
     (["--zero", "3", "--pp", "2"], "--zero 3 with --pp is not supported"),
-    (["--zero", "1", *MOE], "--zero with --experts is not supported yet"),
     (["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
     (["--ep", "2"], "--ep spreads the experts of MoE layers: it needs --experts"),
     (["--schedule", "interleaved"], "--schedule interleaved and --virtual-stages need pipeline parallelism"),

@@ -44,7 +44,9 @@ def starved_train_worker(argv):
 BUILD_MODEL = train.build_model
 
 
-@pytest.mark.parametrize("world,flags", [(4, ["--ep", "2"]), (2, [])], ids=["dp2-ep2", "dp2-experts-replicated"])
+@pytest.mark.parametrize("world,flags", [(4, ["--ep", "2"]), (2, []), (4, ["--ep", "2", "--zero", "1"]),
+                                         (4, ["--ep", "2", "--zero", "2"])],
+                         ids=["dp2-ep2", "dp2-experts-replicated", "dp2-ep2-zero1", "dp2-ep2-zero2"])
 def test_an_expert_no_token_reaches_is_left_alone_as_on_one_device(tmp_path, monkeypatch, world, flags):
     """On one device its gradient is None, so AdamW skips it (no weight decay): every rank must agree
     that no rank used it (dp.py's used-mask) and leave it as it was too."""
@@ -167,7 +169,6 @@ def test_capacity_factor_drops_overflow_in_token_order():
     (["--ep", "2", "--experts", "3"], "--experts 3 do not divide over --ep 2 ranks"),
     (["--ep", "2", "--experts", "0"], "--ep spreads the experts of MoE layers: it needs --experts"),
     (["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
-    (["--experts", "4", "--zero", "1"], "--zero with --experts is not supported yet"),
 ])
 def test_refused_expert_flags(flags, message):
     with pytest.raises(train.ConfigError) as refusal:
