@@ -62,9 +62,9 @@ CONFIGS = [
     ("gpu8_tp2_pp1_cp2_ep1", 8, ["--tp", "2", "--cp", "2"], "TP=2, CP=2, DP=2"),
 ]
 FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, rounds=36, k=1,
-            scaling_rounds=3, scaling_steps=25)
+            scaling_rounds=3, scaling_steps=25, attention_lengths=[2048, 4096, 8192, 16384])
 QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, rounds=6, k=1,
-             scaling_rounds=1, scaling_steps=8)
+             scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512])
 
 
 def torchrun_command(n_ranks, *argv, max_restarts=0):
@@ -75,9 +75,9 @@ def torchrun_command(n_ranks, *argv, max_restarts=0):
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # one thread a rank: ranks share the cores
 
 
-def torchrun(n_ranks, *argv, timeout=1800):
+def torchrun(n_ranks, *argv, timeout=1800, env=ENV):
     cmd = torchrun_command(n_ranks, *argv)
-    out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return out.stdout
@@ -453,11 +453,71 @@ WORKERS = {  # name: (ranks, worker)
 }
 
 
+# -- ring attention's memory and time, by sequence length ------------------------------------
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def worker_attention(settings):
+    """One causal attention forward and backward over settings["length"] tokens in float32: ring attention on
+    this launch's ranks with the fused or the explicit blocks, or SDPA of the whole sequence on one rank.
+    The memory is the peak resident memory above what the process held before (Linux: /proc/self/clear_refs
+    resets the peak; every allocation of 64 KiB or more is its own mapping, given back when freed, so the
+    resident memory follows what is allocated), the most over ranks; the time the slowest rank's. Both
+    are the median of a few rounds after one to warm up (first calls set up kernels and buffers)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import cp
+    rank, n = dist.get_rank(), dist.get_world_size()
+    shape = (1, settings["heads"], settings["length"] // n, settings["head_dim"])
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
+    times, peaks = [], []
+    for _ in range(settings["rounds"] + 1):
+        q.grad = k.grad = v.grad = None
+        dist.barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident set starts again from the current one
+        before, start = _status_kib("VmRSS"), time.perf_counter()
+        if settings["kernels"] == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out, _ = cp.ring_attention(q, k, v, None, getattr(cp, settings["kernels"].upper()))
+        out.backward(torch.ones_like(out))
+        measured = torch.tensor([time.perf_counter() - start, (_status_kib("VmHWM") - before) * 1024.0])
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        times.append(measured[0].item())
+        peaks.append(measured[1].item())
+    return dict(seconds=statistics.median(times[1:]), peak_bytes=statistics.median(peaks[1:]))
+
+
+def attention_by_length(lengths, heads=4, head_dim=64, rounds=3):
+    """Ring attention on one rank pair with fused and with explicit blocks, and SDPA of the whole sequence on
+    one rank, at each length in turn (one fresh launch each): memory and time of a forward and backward."""
+    results = []
+    for length in lengths:
+        row = dict(length=length)
+        for kernels, ranks in [("fused", 2), ("explicit", 2), ("sdpa", 1)]:
+            print(f"bench: attention, {length} tokens, {kernels}", flush=True)
+            settings = dict(length=length, kernels=kernels, heads=heads, head_dim=head_dim, rounds=rounds)
+            stdout = torchrun(ranks, "bench.py", "--worker", "attention", "--settings", json.dumps(settings),
+                              env=dict(ENV, MALLOC_MMAP_THRESHOLD_="65536"))
+            row[kernels] = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+        results.append(row)
+    return dict(heads=heads, head_dim=head_dim, dtype="float32", batch=1, rounds=rounds, rows=results)
+
+
+RUN_ALONE = {"attention": worker_attention}  # workers run by their own part of main, not as comparisons
+
+
 def run_worker(name, settings_json):
     import torch.distributed as dist
     settings = json.loads(settings_json)
     dist.init_process_group("gloo")
-    result = WORKERS[name][1](settings)
+    result = RUN_ALONE[name](settings) if name in RUN_ALONE else WORKERS[name][1](settings)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -607,6 +667,13 @@ def main():
         write_json(os.path.join(args.out, "summary.json"), rows)
     else:  # the table was not run again: its earlier summary stands
         rows = read_json(os.path.join(args.out, "summary.json")) or []
+    if not args.only or "attention" in args.only:
+        attention = attention_by_length(settings["attention_lengths"])
+        write_json(os.path.join(args.out, "attention.json"), attention)
+        for row in attention["rows"]:
+            print(f"attention {row['length']:6d} tokens: " + ", ".join(
+                f"{kind} {row[kind]['peak_bytes'] / 2**20:,.0f} MiB {row[kind]['seconds']:.2f} s"
+                for kind in ("fused", "explicit", "sdpa")))
     if not args.only or "recompute" in args.only:
         recomputation = recomputation_check(settings, args.out)
         write_json(os.path.join(args.out, "recomputation.json"), recomputation)

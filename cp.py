@@ -27,6 +27,15 @@ Backward recomputes each block's probabilities from the saved log-sum-exp
 (P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
 K/V block, picking up each rank's contribution, until they are back home.
 
+Each block is computed by a fused attention kernel (PyTorch's flash attention
+for CPUs, which returns the log-sum-exp the merge needs and whose backward
+takes the merged output and log-sum-exp): a block's (s/2N)² scores are never
+materialised, so memory grows linearly with the sequence. The same
+computation written out (`block_attention`, `block_attention_backward`) is
+the readable reference that the self-check runs too; it is also used on
+devices other than the CPU, where the fused kernels' log-sum-exp comes in
+other layouts (not checked here: no GPU).
+
 Grouped-query attention: k and v may have fewer heads than q, each serving a
 group of consecutive query heads. The ring carries them as they are (so its
 traffic is n_kv_heads / n_heads of full multi-head attention's); each block
@@ -106,13 +115,52 @@ def sum_groups(t, heads_per_kv):
     return t.unflatten(1, (-1, heads_per_kv)).sum(2)
 
 
-def block_attention(q, k, v, causal):
-    """(output, log-sum-exp) of q against one block of keys and values, in float32 or better."""
+def _scores(q, k, causal):
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:  # the diagonal block: query i sees keys 0..i
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores
+
+
+def block_attention(q, k, v, causal):
+    """(output, log-sum-exp) of q against one block of keys and values, written out (the reference)."""
+    scores = _scores(q, k, causal)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+def block_attention_backward(grad_out, q, k, v, out, lse, causal):
+    """(dQ, dK, dV) of one block, from the merged output and log-sum-exp of the whole row (the reference).
+
+    P = exp(S - L) recomputed with the final L is this block's share of the softmax; then
+    dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO O)), dQ = dS K / √d, dK = dSᵀ Q / √d.
+    """
+    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
+    ds = p * (torch.matmul(grad_out, v.transpose(-2, -1)) - delta) / math.sqrt(q.shape[-1])
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), grad_out)
+
+
+def fused_block_attention(q, k, v, causal):
+    """block_attention by PyTorch's fused CPU kernel (flash attention): the scores never exist whole."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def fused_block_attention_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by the fused kernel's backward, given the merged output and log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0,
+                                                                               causal)
+
+
+# How each block is computed: written out (the readable reference the self-check compares against), or
+# fused (memory linear in the sequence: the (s/2N)² scores of a block are never materialised).
+EXPLICIT = (block_attention, block_attention_backward)
+FUSED = (fused_block_attention, fused_block_attention_backward)
+
+
+def default_kernels(device):
+    """The fused kernels where PyTorch has them with a log-sum-exp in every dtype (CPU); else the reference."""
+    return FUSED if device.type == "cpu" else EXPLICIT
 
 
 def merge(out, lse, block_out, block_lse):
@@ -166,14 +214,14 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, kernels):
         # Under bf16 autocast the matmuls below would run in bf16 again, and backward (which autocast
         # does not cover) would recompute them in float32 against a bf16 log-sum-exp: keep it off here.
         with torch.autocast(q.device.type, enabled=False):
-            return RingAttention._forward(ctx, q, k, v, group)
+            return RingAttention._forward(ctx, q, k, v, group, kernels)
 
     @staticmethod
-    def _forward(ctx, q, k, v, group):
+    def _forward(ctx, q, k, v, group, kernels):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         ring, heads_per_kv = _Ring(group), q.shape[1] // k.shape[1]  # query heads per key/value head
         dtype = torch.promote_types(q.dtype, torch.float32)
@@ -187,7 +235,7 @@ class RingAttention(torch.autograd.Function):
                 works, next_kv = ring.pass_on(kv)
             kh, vh = (repeat_kv(t.to(dtype), heads_per_kv).chunk(2, dim=2) for t in kv)
             for qi, ki, causal in chunk_pairs(rank, source, n):
-                block_out, block_lse = block_attention(qh[qi], kh[ki], vh[ki], causal)
+                block_out, block_lse = kernels[0](qh[qi], kh[ki], vh[ki], causal)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
                 blocks_computed["forward"] += 1
             if step < n - 1:
@@ -195,7 +243,7 @@ class RingAttention(torch.autograd.Function):
                 kv = next_kv
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.group, ctx.kernels = group, kernels
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -205,9 +253,7 @@ class RingAttention(torch.autograd.Function):
         n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         ring, heads_per_kv = _Ring(ctx.group), q.shape[1] // k.shape[1]
         dtype = out.dtype
-        scale = 1.0 / math.sqrt(q.shape[-1])
         qh, do, oh, lh = (t.to(dtype).chunk(2, dim=2) for t in (q, grad_out, out, lse))
-        delta = [(d * o).sum(-1) for d, o in zip(do, oh)]  # rowsum(dO * O) = sum_j P_ij dP_ij
         dq = [torch.zeros_like(h) for h in qh]
         kv = (k, v)
         pending = None
@@ -218,14 +264,10 @@ class RingAttention(torch.autograd.Function):
             kh, vh = (repeat_kv(t.to(dtype), heads_per_kv).chunk(2, dim=2) for t in kv)
             dk, dv = [torch.zeros_like(h) for h in kh], [torch.zeros_like(h) for h in vh]
             for qi, ki, causal in chunk_pairs(rank, source, n):
-                scores = torch.matmul(qh[qi], kh[ki].transpose(-2, -1)) * scale
-                if causal:
-                    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-                p = torch.exp(scores - lh[qi].unsqueeze(-1))      # recomputed from the saved log-sum-exp
-                dv[ki] += torch.matmul(p.transpose(-2, -1), do[qi])
-                ds = p * (torch.matmul(do[qi], vh[ki].transpose(-2, -1)) - delta[qi].unsqueeze(-1))
-                dq[qi] += torch.matmul(ds, kh[ki]) * scale
-                dk[ki] += torch.matmul(ds.transpose(-2, -1), qh[qi]) * scale
+                block_dq, block_dk, block_dv = ctx.kernels[1](do[qi], qh[qi], kh[ki], vh[ki], oh[qi], lh[qi], causal)
+                dq[qi] += block_dq
+                dk[ki] += block_dk
+                dv[ki] += block_dv
                 blocks_computed["backward"] += 1
             contribution = (sum_groups(torch.cat(dk, dim=2), heads_per_kv),
                             sum_groups(torch.cat(dv, dim=2), heads_per_kv))
@@ -240,12 +282,13 @@ class RingAttention(torch.autograd.Function):
                 kv = next_kv
         _wait(pending[0])
         dk_home, dv_home = pending[1]
-        return torch.cat(dq, dim=2).to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None
+        return torch.cat(dq, dim=2).to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, group):
-    """Causal attention output for this rank's zigzag shard (and its log-sum-exp, second)."""
-    return RingAttention.apply(q, k, v, group)
+def ring_attention(q, k, v, group, kernels=None):
+    """Causal attention output for this rank's zigzag shard (and its log-sum-exp, second).
+    kernels: FUSED or EXPLICIT (default: default_kernels of q's device)."""
+    return RingAttention.apply(q, k, v, group, kernels or default_kernels(q.device))
 
 
 # ---------------------------------------------------------------------------
@@ -288,7 +331,7 @@ def _join_process_group():
     return device
 
 
-def _check_against_full_attention(n_heads, n_kv_heads, rank, n, device):
+def _check_against_full_attention(n_heads, n_kv_heads, rank, n, device, kernels):
     """The largest difference of ring attention from full causal attention (output, dQ, dK, dV) on this rank."""
     g = torch.Generator().manual_seed(0)
     q, grad = (torch.randn(2, n_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
@@ -297,7 +340,7 @@ def _check_against_full_attention(n_heads, n_kv_heads, rank, n, device):
     expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
     expected.backward(grad)
     local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    out, _ = ring_attention(*local, None)
+    out, _ = ring_attention(*local, None, kernels)
     out.backward(shard_sequence(grad, n, rank, dim=2))
     worst = (out - shard_sequence(expected, n, rank, dim=2)).abs().max().item()
     for mine, reference in zip(local, full):
@@ -311,14 +354,15 @@ def _self_check():
     device = _join_process_group()
     backend, rank, n = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     worst = 0.0
-    for n_kv_heads in (4, 1):  # multi-head, and grouped-query attention with one key/value head for four
+    kernel_sets = [("fused", FUSED), ("explicit", EXPLICIT)] if device.type == "cpu" else [("explicit", EXPLICIT)]
+    for (name, kernels), n_kv_heads in [(k, h) for k in kernel_sets for h in (4, 1)]:  # multi-head and GQA
         comm_bytes.clear(), blocks_computed.clear()
-        difference = _check_against_full_attention(4, n_kv_heads, rank, n, device)
+        difference = _check_against_full_attention(4, n_kv_heads, rank, n, device, kernels)
         worst = max(worst, difference)
         if rank == 0:
-            print(f"cp.py self-check on {n} ranks ({backend}), 4 query heads, {n_kv_heads} key/value heads: "
-                  f"largest difference from full causal attention (output, dQ, dK, dV, float64) = {difference:.3g}; "
-                  f"bytes sent per rank {comm_bytes['send_recv']}; blocks per rank: "
+            print(f"cp.py self-check on {n} ranks ({backend}), {name} blocks, 4 query heads, {n_kv_heads} key/value "
+                  f"heads: largest difference from full causal attention (output, dQ, dK, dV, float64) = "
+                  f"{difference:.3g}; bytes sent per rank {comm_bytes['send_recv']}; blocks per rank: "
                   f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
     dist.destroy_process_group()
     if worst > 1e-12:

@@ -23,7 +23,7 @@ def full_causal_attention(q, k, v):
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
-def ring_worker(seq_len, kv_heads):
+def ring_worker(seq_len, kv_heads, kernels):
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     q, grad = (torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -35,7 +35,7 @@ def ring_worker(seq_len, kv_heads):
     cp.comm_bytes.clear(), cp.blocks_computed.clear()
     meter = ActivationMeter()
     with meter:
-        out, lse = cp.ring_attention(*local, None)
+        out, lse = cp.ring_attention(*local, None, getattr(cp, kernels))
     forward_bytes = cp.comm_bytes["send_recv"]
     out.backward(cp.shard_sequence(grad, n, rank, dim=2))
     mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
@@ -47,10 +47,11 @@ def ring_worker(seq_len, kv_heads):
         backward_bytes=cp.comm_bytes["send_recv"] - forward_bytes, saved=meter.peak)
 
 
+@pytest.mark.parametrize("kernels", ["FUSED", "EXPLICIT"])
 @pytest.mark.parametrize("n,kv_heads", [(2, H), (3, H), (4, H), (3, 1)], ids=["2", "3", "4", "3-gqa"])
-def test_ring_attention_matches_full_causal_attention(n, kv_heads):
+def test_ring_attention_matches_full_causal_attention(n, kv_heads, kernels):
     seq_len = 4 * n
-    results = run_on_ranks(n, ring_worker, seq_len, kv_heads)
+    results = run_on_ranks(n, ring_worker, seq_len, kv_heads, kernels)
     # Bytes of this rank's K (or V): with grouped-query attention the ring carries the key/value heads
     # only, kv_heads / H of multi-head attention's traffic.
     local_kv = B * kv_heads * (seq_len // n) * D * 8
@@ -111,5 +112,5 @@ def test_sequence_length_must_split_into_two_chunks_per_rank():
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("cp.py", 4, tmp_path)  # multi-head and grouped-query attention
-    assert len(differences) == 2 and max(differences) < 1e-12
+    differences = self_check_alone("cp.py", 4, tmp_path)  # fused and explicit blocks; multi-head and GQA
+    assert len(differences) == 4 and max(differences) < 1e-12

@@ -172,3 +172,34 @@ def test_zero_with_experts_matches_single_device(tmp_path, world, flags):
     skipped as on one device (which happens in these runs: test_ep checks it on purpose)."""
     for result in run_on_ranks(world, train_worker, [*MOE, *flags, "--out", str(tmp_path)]):
         assert_matches_oracle(result, oracle(MOE))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_experts_shards_each_share_over_its_own_group(tmp_path, stage):
+    """dp=2 x ep=2: the dense share Psi_d is sharded over the 4 ranks with different tokens, each rank's
+    expert share Psi_e (its 2 experts of 4 per layer) over the 2 ranks that hold the same experts. Per
+    step each share is reduce-scattered (once per backward from stage 2) and all-gathered over its own
+    group: (N-1)/N of it, with N = 4 for the dense share and 2 for the experts'."""
+    world, micro_batches = 4, 2
+    argv = [*MOE, "--ep", "2", "--zero", str(stage), "--steps", "2", "--out", str(tmp_path)]
+    run_on_ranks(world, train_worker, argv)
+    log = [json.loads(line) for line in (tmp_path / "gpu4_tp1_pp1_cp1_ep2" / "log.jsonl").open()]
+    model = train.build_model(train.model_config(train.parse_args(MOE), 64), 0, torch.float64, torch.device("cpu"))
+    named = dict(model.named_parameters())
+    dense = sum(p.numel() for name, p in named.items() if ".experts." not in name)
+    experts = sum(p.numel() for name, p in named.items() if ".experts." in name) // 2  # half of them per rank
+    n_expert_tensors = sum(".experts." in name for name in named) // 2
+    shares = [(padded(dense, 4), 4), (padded(experts, 2), 2)]
+    one_pass = sum(size * F64 * (n - 1) // n for size, n in shares)
+    reduce_scatters = 1 if stage == 1 else micro_batches
+    # The global norm (one float64 per instance) and the experts' used-mask (a byte per tensor).
+    all_reduce = sum(2 * (n - 1) * F64 // n for _, n in shares) + 2 * (2 - 1) * n_expert_tensors // 2
+    for entry in log[:-1]:
+        assert entry["comm_dp_reduce_scatter_bytes"] == [reduce_scatters * one_pass] * world
+        assert entry["comm_dp_all_gather_bytes"] == [one_pass] * world
+        assert entry["comm_dp_all_reduce_bytes"] == [all_reduce] * world
+        # Parameters: both shares in full (stages 1, 2); gradients: this rank's shards, and the full
+        # buffers too at stage 1.
+        shards = sum(size // n for size, n in shares) * F64
+        assert entry["param_bytes"] == [sum(size for size, _ in shares) * F64] * world
+        assert entry["grad_bytes"] == [shards + (sum(size for size, _ in shares) * F64 if stage == 1 else 0)] * world
