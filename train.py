@@ -414,18 +414,18 @@ class GradientSync:
         self.syncs = syncs
 
     @contextmanager
-    def no_sync(self):
+    def _each(self, context):
+        """Enter the context manager method `context` of every averager."""
         with ExitStack() as stack:
             for sync in self.syncs:
-                stack.enter_context(sync.no_sync())
+                stack.enter_context(getattr(sync, context)())
             yield
 
-    @contextmanager
+    def no_sync(self):
+        return self._each("no_sync")
+
     def keep_incomplete_buckets(self):
-        with ExitStack() as stack:
-            for sync in self.syncs:
-                stack.enter_context(sync.keep_incomplete_buckets())
-            yield
+        return self._each("keep_incomplete_buckets")
 
     def finish_grad_sync(self):
         for sync in self.syncs:
