@@ -575,7 +575,9 @@ class Trainer:
 
     def load_optimizer_state(self, by_name):
         params = dict(self.model.named_parameters())
-        local = {name: {k: v if k == "step" else self.shard(name, v).to(params[name].device, params[name].dtype)
+        # The step count keeps its dtype, but goes to the parameter's device too (fused AdamW wants it there).
+        local = {name: {k: v.to(params[name].device) if k == "step" else
+                        self.shard(name, v).to(params[name].device, params[name].dtype)
                         for k, v in state.items()} for name, state in by_name.items() if name in params}
         for zero in self.zeros:
             zero.load_full_optimizer_state(local)
