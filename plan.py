@@ -39,18 +39,20 @@ ranks laid out as mesh.py lays them: tp fastest, then cp, ep, pp, dp).
 """
 import argparse
 import bisect
+import functools
+import itertools
 import json
 import math
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 import pp
 import train
-from mesh import DIMS, GROUPS, coordinates, group_ranks
-from model import GPT
+from mesh import DIMS, GROUPS
+from model import GPT, GPTConfig
 
 INT64, BOOL = 8, 1  # bytes of the index and mask tensors some operators save
 
@@ -111,10 +113,11 @@ def layout_of(args, world):
 # Parameters: which ones a rank holds, and how large its share is
 # ---------------------------------------------------------------------------
 
-def model_parameters(config):
+@functools.lru_cache(maxsize=None)
+def model_parameters(config_fields):
     """[(name, shape)] of model.py's GPT in its parameter order, from a model built without memory."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(GPTConfig(**dict(config_fields)))
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
@@ -140,26 +143,32 @@ def stage_of(name, layer_stage, last_stage):
     return layer_stage[int(name.split(".")[1])]
 
 
-def layer_stages(config, layout):
-    """{layer: pipeline rank}: model chunk c of P*V lives on rank c mod P (pp.split_layers)."""
-    chunks = pp.split_layers(config.n_layer, layout.pp * layout.virtual_stages)
-    return {layer: c % layout.pp for c, layers in enumerate(chunks) for layer in layers}
+def layer_stages(config, n_model_chunks, pp_size):
+    """{layer: pipeline rank}: model chunk c lives on rank c mod P (pp.split_layers)."""
+    chunks = pp.split_layers(config.n_layer, n_model_chunks)
+    return {layer: c % pp_size for c, layers in enumerate(chunks) for layer in layers}
 
 
 def rank_parameters(config, layout, stage):
     """(dense, expert): [(name, elements)] this pipeline rank holds, in parameter order (any tp, ep rank:
     they all hold as many)."""
-    stages = layer_stages(config, layout)
-    experts_per_rank = config.n_experts // layout.ep if config.n_experts else 0
-    dense, expert = [], []
-    for name, shape in model_parameters(config):
-        if stage_of(name, stages, layout.pp - 1) != stage:
-            continue
+    return stage_parameters(tuple(asdict(config).items()), layout.tp, layout.pp, layout.virtual_stages,
+                            layout.ep)[stage]
+
+
+@functools.lru_cache(maxsize=None)
+def stage_parameters(config_fields, tp, pp_size, virtual_stages, ep):
+    """rank_parameters of every pipeline stage, in one pass over the model's parameters."""
+    config = GPTConfig(**dict(config_fields))
+    stages = layer_stages(config, pp_size * virtual_stages, pp_size)
+    experts_per_rank = config.n_experts // ep if config.n_experts else 0
+    held = [([], []) for _ in range(pp_size)]
+    for name, shape in model_parameters(config_fields):
         if is_expert(name) and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
-        numel = math.prod(shape) // (layout.tp if tp_sharded(name) else 1)
-        (expert if is_expert(name) else dense).append((name, numel))
-    return dense, expert
+        dense, expert = held[stage_of(name, stages, pp_size - 1)]
+        (expert if is_expert(name) else dense).append((name, math.prod(shape) // (tp if tp_sharded(name) else 1)))
+    return held
 
 
 # ---------------------------------------------------------------------------
@@ -173,15 +182,18 @@ class Bucket:
 
     def pieces(self, rank, n_ranks):
         """How many parameters overlap ZeRO rank `rank`'s shard [r S, (r+1) S) of this bucket."""
-        offsets = [0]
-        for size in self.sizes:
-            offsets.append(offsets[-1] + size)
+        offsets = self.offsets()
         shard = self.padded // n_ranks
         lo, hi = rank * shard, (rank + 1) * shard
         first = bisect.bisect_right(offsets, lo) - 1  # the parameter in which the shard begins
         last = bisect.bisect_left(offsets, hi)        # one past the parameter in which it ends
         return sum(1 for i in range(max(first, 0), min(last, len(self.sizes)))
                    if min(offsets[i + 1], hi) > max(offsets[i], lo))
+
+    def offsets(self):
+        if not hasattr(self, "_offsets"):
+            self._offsets = [0, *itertools.accumulate(self.sizes)]
+        return self._offsets
 
 
 def padded(numel, n_ranks):
@@ -201,7 +213,7 @@ def make_buckets(sizes, bucket_bytes, itemsize, n_ranks):
     return [Bucket(b, padded(sum(b), n_ranks)) for b in buckets]
 
 
-def zero3_buckets(params, config, n_ranks):
+def zero3_buckets(params, n_ranks):
     """ZeRO-3's buckets are its units (dp.gpt_units: embeddings, each block, final norm, head), in reverse."""
     unit_of = lambda name: name.split(".")[0] if not name.startswith("blocks.") else ".".join(name.split(".")[:2])  # noqa: E731
     units = {}
@@ -220,15 +232,16 @@ def ring_bytes(kind, nbytes, n_ranks):
 # Memory of parameters, gradients, optimizer state (article: 16 Psi; ZeRO's 4+12/N, 2+14/N, 16/N)
 # ---------------------------------------------------------------------------
 
-ADAM_STEP_BYTES = 4  # fused AdamW keeps each parameter's step count as a float32 scalar
+ADAM_STEP_BYTES = 4  # fused AdamW keeps each parameter's (or piece's) step count as a float32 scalar
 
 
-def state_memory(params, group, index, layout, unused_check, config):
-    """(param, grad, optim, traffic Counter) bytes of one set of parameters averaged over `group` ranks,
-    of which this rank is number `index`."""
+def state_memory(params, group, layout, unused_check):
+    """Bytes of one set of parameters averaged over `group` ranks: (param, grad, optim, traffic, steps),
+    steps(i) being how many AdamW step counters the group's i-th rank keeps (ZeRO: one per parameter piece
+    in its shard)."""
     w, sizes = layout.weight_bytes, [numel for _, numel in params]
     if not sizes:
-        return 0, 0, 0, Counter()
+        return 0, 0, 0, Counter(), lambda index: 0
     traffic = Counter()
     if not layout.zero:
         buckets = make_buckets(sizes, layout.bucket_bytes, w, group) if layout.dense_group > 1 else []
@@ -239,16 +252,12 @@ def state_memory(params, group, index, layout, unused_check, config):
             grads = sum(b.padded for b in buckets) * w
         else:
             grads = sum(sizes) * w
-        optim = sum(2 * numel * w + ADAM_STEP_BYTES for numel in sizes)
-        return sum(sizes) * w, grads, optim, traffic
-    buckets = (zero3_buckets(params, config, group) if layout.zero == 3 else
-               make_buckets(sizes, layout.bucket_bytes, w, group))
+        return sum(sizes) * w, grads, 2 * sum(sizes) * w, traffic, lambda index: len(sizes)
+    buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(sizes, layout.bucket_bytes, w, group)
     full = sum(b.padded for b in buckets)
     shard = full // group
-    pieces = sum(b.pieces(index, group) for b in buckets)
     param = (shard if layout.zero == 3 else full) * w
     grad = (shard + (full if layout.zero == 1 else 0)) * w  # ZeRO-1 keeps the full gradient as well
-    optim = 2 * shard * w + pieces * ADAM_STEP_BYTES        # each parameter's piece of the shard is stepped
     reductions = 1 if layout.zero == 1 else layout.micro_batches  # ZeRO-2/3 reduce in every backward
     gathers = 2 * layout.micro_batches if layout.zero == 3 else 1  # ZeRO-3: before forward and before backward
     traffic["reduce_scatter"] = reductions * sum(ring_bytes("reduce_scatter", b.padded * w, group) for b in buckets)
@@ -256,7 +265,7 @@ def state_memory(params, group, index, layout, unused_check, config):
     traffic["all_reduce"] = ring_bytes("all_reduce", 8, group)  # the gradient norm's sum of squares, float64
     if unused_check:
         traffic["all_reduce"] += ring_bytes("all_reduce", len(sizes), group)
-    return param, grad, optim, traffic
+    return param, grad, 2 * shard * w, traffic, lambda index: sum(b.pieces(index, group) for b in buckets)
 
 
 # ---------------------------------------------------------------------------
@@ -418,12 +427,13 @@ def mlp_activations(c, rows, t, a, d_ff=None):
 
 
 def moe_activations(c, layout, tokens):
-    """A balanced MoE layer: the router's probabilities and choices per token, then per (token, expert)
-    assignment the expert's input, its MLP and its weighted output; the shared expert on every token."""
+    """An MoE layer as ep.py computes it, balanced: per token the router's input, probabilities, choices and
+    gates; per (token, expert) assignment the indices that sort and return it, the expert's input, its MLP,
+    the output that came back and its weighted copy; the shared expert's MLP on every token."""
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
     h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
-    router = tokens * h * a + tokens * (2 * c.n_experts * wide + c.top_k * (INT64 + wide))
-    experts = assignments * (2 * h * a + wide + INT64) + mlp_activations(c, assignments, t, a)
+    router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64)
+    experts = assignments * (3 * h * a + wide + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)
     shared = 0
     if c.n_shared_experts:
         shared = mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
@@ -437,9 +447,11 @@ def recomputed_block(c, layout, layer):
     if layout.recompute == "full":  # only the block's input, the residual stream
         kept = (tokens // layout.tp if layout.sp else tokens) * c.d_model * layout.weight_bytes
         return kept, full
-    if layout.recompute == "selective":  # the core's log-sum-exp goes; q, k, v and the output stay
-        lse = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4)
-        return full - lse, lse
+    if layout.recompute == "selective":  # the core's log-sum-exp goes, and its output unless proj keeps it
+        core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4)
+        if not c.bias:  # proj (no bias) kept its own copy of the output, so the core's own goes too
+            core += tokens * c.d_model // layout.tp * max(layout.activation_bytes, 4)
+        return full - core, core
     return full, 0
 
 
@@ -489,17 +501,16 @@ def activation_peak(c, layout, stage):
 # The prediction: every rank's figures, under log.jsonl's names
 # ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Role:
-    """What makes ranks differ: the pipeline stage, and (ZeRO) the place in each data-parallel group."""
-    stage: int
-    dense_index: int
-    expert_index: int
+def coordinates(layout, rank):
+    """{dim: index} of a rank in the grid arange(world).view(dp, pp, ep, cp, tp) (mesh.py), tp fastest."""
+    where = {}
+    for dim in reversed(DIMS):
+        rank, where[dim] = divmod(rank, getattr(layout, dim))
+    return where
 
 
-def group_index(layout, group, rank):
-    """The rank's position in its mesh.py group `group` ('dense' or 'expert')."""
-    where = coordinates(mesh_of(layout), rank)
+def group_index(layout, group, where):
+    """A rank's position in its mesh.py group `group` ('dense', 'expert'), from its coordinates."""
     index = 0
     for dim in DIMS:  # row-major over the group's dimensions, as mesh.group_ranks orders them
         if dim in GROUPS[group]:
@@ -507,53 +518,223 @@ def group_index(layout, group, rank):
     return index
 
 
-def mesh_of(layout):
-    return train.mesh_shape(layout.world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
-
-
-def role_of(layout, rank):
-    # ZeRO's shards differ by position in the group; without ZeRO every position holds the same.
-    indices = ((group_index(layout, "dense", rank), group_index(layout, "expert", rank)) if layout.zero
-               else (0, 0))
-    return Role(coordinates(mesh_of(layout), rank)["pp"], *indices)
-
-
-def predict_role(config, layout, role):
-    """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}} for one role."""
-    dense, expert = rank_parameters(config, layout, role.stage)
-    param, grad, optim, dense_traffic = state_memory(dense, layout.dense_group, role.dense_index, layout, False,
-                                                     config)
-    e_param, e_grad, e_optim, expert_traffic = state_memory(expert, layout.expert_group, role.expert_index,
-                                                            layout, True, config)
-    chunks = [c * layout.pp + role.stage for c in range(layout.virtual_stages)]
+def predict_stage(config, layout, stage):
+    """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}, 'steps': {group name: f}}
+    for the ranks of one pipeline stage (f(i): the step counters of the group's i-th rank)."""
+    dense, expert = rank_parameters(config, layout, stage)
+    param, grad, optim, dense_traffic, dense_steps = state_memory(dense, layout.dense_group, layout, False)
+    e_param, e_grad, e_optim, expert_traffic, expert_steps = state_memory(expert, layout.expert_group, layout, True)
+    chunks = [c * layout.pp + stage for c in range(layout.virtual_stages)]
     split = pp.split_layers(config.n_layer, layout.pp * layout.virtual_stages)
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, layout.pp * layout.virtual_stages - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last),
                        "cp": cp_traffic(config, layout, layers), "ep": ep_traffic(config, layout, layers)}
-    traffic = {"dense": dense_traffic, "expert": expert_traffic, "pp": pp_traffic(config, layout, role.stage),
+    traffic = {"dense": dense_traffic, "expert": expert_traffic, "pp": pp_traffic(config, layout, stage),
                **{dim: Counter({k: v * layout.micro_batches for k, v in c.items()})
                   for dim, c in per_micro_batch.items()}}
-    activations, recomputation = activation_peak(config, layout, role.stage)
+    activations, recomputation = activation_peak(config, layout, stage)
     return dict(param_bytes=param + e_param, grad_bytes=grad + e_grad, optim_bytes=optim + e_optim,
-                activation_peak_bytes=activations, recompute_bytes=recomputation, traffic=traffic)
+                activation_peak_bytes=activations, recompute_bytes=recomputation, traffic=traffic,
+                steps={"dense": dense_steps, "expert": expert_steps})
 
 
-def log_fields(role_prediction):
-    """The role's figures under log.jsonl's names (dp: the dense and the expert averaging together)."""
-    fields = {k: v for k, v in role_prediction.items() if k != "traffic"}
-    traffic = role_prediction["traffic"]
-    by_dim = {"dp": traffic["dense"] + traffic["expert"], **{d: traffic[d] for d in ("tp", "pp", "cp", "ep")}}
-    for dim, kinds in train.COMM_KINDS.items():
-        for kind in kinds:
-            fields[f"comm_{dim}_{kind}_bytes"] = by_dim[dim].get(kind, 0)
+def rank_figures(stage_prediction, layout, where):
+    """The stage's figures for the rank at grid coordinates `where`: its optimizer adds its step counters."""
+    fields = {k: v for k, v in stage_prediction.items() if k not in ("traffic", "steps")}
+    steps = stage_prediction["steps"]
+    counters = steps["dense"](group_index(layout, "dense", where)) + steps["expert"](group_index(layout, "expert", where))
+    fields["optim_bytes"] += counters * ADAM_STEP_BYTES
     return fields
 
 
+def comm_fields(traffic):
+    """Traffic under log.jsonl's names, comm_<dim>_<kind>_bytes (dp: dense and expert averaging together)."""
+    by_dim = {"dp": traffic["dense"] + traffic["expert"], **{d: traffic[d] for d in ("tp", "pp", "cp", "ep")}}
+    return {f"comm_{dim}_{kind}_bytes": by_dim[dim].get(kind, 0)
+            for dim, kinds in train.COMM_KINDS.items() for kind in kinds}
+
+
 def predict(args, world):
-    """{field: [value of rank 0, rank 1, ...]} for the run train.py would make of args on `world` ranks."""
+    """{field: [value of rank 0, rank 1, ...]} for the run train.py would make of args on `world` ranks:
+    log.jsonl's memory and traffic fields, and recompute_bytes (see activation_peak)."""
     layout = layout_of(args, world)
     config = train.model_config(args, train.data_vocab_size(args))
-    roles = [role_of(layout, rank) for rank in range(world)]
-    by_role = {role: log_fields(predict_role(config, layout, role)) for role in set(roles)}
-    return {field: [by_role[role][field] for role in roles] for field in next(iter(by_role.values()))}
+    stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
+    ranks = []
+    for rank in range(world):
+        where = coordinates(layout, rank)
+        stage = stages[where["pp"]]
+        ranks.append({**rank_figures(stage, layout, where), **comm_fields(stage["traffic"])})
+    return {field: [r[field] for r in ranks] for field in ranks[0]}
+
+
+# ---------------------------------------------------------------------------
+# Inside a node or across nodes: which groups a rank's traffic travels in
+# ---------------------------------------------------------------------------
+
+TRAFFIC_GROUPS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "tp": ("tp",), "pp": ("pp",),
+                  "cp": ("cp",), "ep": ("ep",)}  # the grid dimensions each kind of traffic spans (mesh.py)
+
+
+def crosses_nodes(layout, where, dims, gpus_per_node):
+    """Whether the group of the rank at `where` spanning `dims` holds ranks of more than one node
+    (a node holds consecutive ranks; the grid is arange(world).view(dp, pp, ep, cp, tp))."""
+    stride, lowest, span = 1, 0, 0
+    rank = 0
+    for dim in reversed(DIMS):
+        if dim in dims:
+            span += (getattr(layout, dim) - 1) * stride
+        else:
+            lowest += where[dim] * stride
+        rank += where[dim] * stride
+        stride *= getattr(layout, dim)
+    return lowest // gpus_per_node != (lowest + span) // gpus_per_node
+
+
+def node_split(layout, stage_prediction, where, gpus_per_node):
+    """(bytes sent per step inside the node, across nodes) by the rank at `where`."""
+    inside = across = 0
+    for group, counter in stage_prediction["traffic"].items():
+        if crosses_nodes(layout, where, TRAFFIC_GROUPS[group], gpus_per_node):
+            across += sum(counter.values())
+        else:
+            inside += sum(counter.values())
+    return inside, across
+
+
+# ---------------------------------------------------------------------------
+# The command line: a table of each distinct rank, --json, --search
+# ---------------------------------------------------------------------------
+
+MEMORY = ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes", "recompute_bytes")
+
+
+def parse_bytes(text):
+    """'80GiB', '80GB', '1.5TiB', '123456' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    number = text.rstrip("KMGTiBb")
+    unit = text[len(number):].upper()
+    if unit not in units:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size like 80GiB or 80GB")
+    return int(float(number) * units[unit])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="Every other flag is train.py's (python train.py --help).")
+    p.add_argument("--world", type=int, required=True, help="ranks (GPUs) of the run")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (inside: fast links)")
+    p.add_argument("--json", action="store_true", help="print the prediction as log.jsonl's fields, per rank")
+    p.add_argument("--search", action="store_true",
+                   help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ep, ZeRO, recomputation)")
+    p.add_argument("--memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per rank, for --search")
+    plan_args, rest = p.parse_known_args(argv)
+    return plan_args, train.parse_args(rest)
+
+
+def describe(layout, args, config):
+    n_params = sum(math.prod(shape) for _, shape in model_parameters(tuple(asdict(config).items())))
+    experts = f", {config.n_experts} experts top-{config.top_k}" if config.n_experts else ""
+    return (f"{args.model} ({args.arch}{experts}, {n_params / 1e9:.2f}B parameters) on {layout.world} ranks: "
+            f"dp={layout.dp} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp} "
+            f"ep={layout.ep}, ZeRO-{layout.zero}, {layout.schedule} x{layout.virtual_stages}, "
+            f"{layout.micro_batches} micro-batches of {layout.micro_batch} x {config.seq_len} tokens, "
+            f"recompute {layout.recompute}, {layout.dtype}")
+
+
+def first_of_stage(layout, stage):
+    """The coordinates of a pipeline stage's first rank (every other coordinate 0)."""
+    return {**{dim: 0 for dim in DIMS}, "pp": stage}
+
+
+def gib(n):
+    return f"{n / 2**30:9.2f}"
+
+
+def print_table(args, plan_args):
+    layout = layout_of(args, plan_args.world)
+    config = train.model_config(args, train.data_vocab_size(args))
+    print(describe(layout, args, config))
+    stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
+    rows = []
+    for stage, prediction in enumerate(stages):  # one row per pipeline stage (its first rank's ZeRO shard)
+        where = first_of_stage(layout, stage)
+        figures = rank_figures(prediction, layout, where)
+        rows.append((sum(figures[f] for f in MEMORY), stage, figures,
+                     node_split(layout, prediction, where, plan_args.gpus_per_node),
+                     {dim: value for dim, value in comm_fields(prediction["traffic"]).items() if value}))
+    rows.sort(key=lambda row: -row[0])
+    print(f"{'GiB per rank':18s} {'params':>9s} {'grads':>9s} {'optim':>9s} {'activ.':>9s} {'recomp.':>9s} "
+          f"{'total':>9s} | sent per step (GiB): in node, across nodes; by dimension and kind")
+    for i, (total, stage, figures, (inside, across), comm) in enumerate(rows):
+        who = f"{'busiest: ' if i == 0 and len(rows) > 1 else ''}stage {stage}"
+        by_kind = ", ".join(f"{name[5:-6]} {value / 2**30:.2f}" for name, value in comm.items())
+        print(f"{who:18s} {''.join(gib(figures[f]) + ' ' for f in MEMORY)}{gib(total)} | "
+              f"{inside / 2**30:.2f}, {across / 2**30:.2f}; {by_kind or 'none'}")
+
+
+def powers_of_two(limit):
+    return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
+
+
+def candidate_layouts(args, world, gpus_per_node):
+    """Every (tp, pp, cp, ep, zero, recompute) train.py accepts for these flags on `world` ranks, tp within
+    a node (its collectives are on every block's critical path) and sequence parallelism on with tp (the
+    same traffic for less memory)."""
+    config = train.model_config(args, train.data_vocab_size(args))
+    for tp in powers_of_two(min(gpus_per_node, config.n_kv_heads, world)):
+        for pp_size in powers_of_two(min(config.n_layer, world // tp)):
+            for cp in powers_of_two(world // (tp * pp_size)):
+                for ep in powers_of_two(min(config.n_experts or 1, world // (tp * pp_size * cp))):
+                    for zero in range(4):
+                        for recompute in ("none", "selective", "full"):
+                            candidate = argparse.Namespace(**{**vars(args), "tp": tp, "pp": pp_size, "cp": cp,
+                                                              "ep": ep, "zero": zero, "recompute": recompute,
+                                                              "sp": tp > 1})
+                            try:
+                                yield candidate, layout_of(candidate, world)
+                            except (train.ConfigError, ValueError):
+                                continue
+
+
+def search(args, plan_args):
+    """The layouts that fit --memory per rank, least traffic across nodes first."""
+    config = train.model_config(args, train.data_vocab_size(args))
+    fits = []
+    for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node):
+        stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
+        worst = max(range(layout.pp), key=lambda s: sum(stages[s][f] for f in MEMORY))
+        where = first_of_stage(layout, worst)
+        memory = sum(rank_figures(stages[worst], layout, where)[f] for f in MEMORY)
+        if memory <= plan_args.memory:
+            inside, across = node_split(layout, stages[worst], where, plan_args.gpus_per_node)
+            fits.append((across, inside, memory, layout))
+    fits.sort(key=lambda fit: fit[:3])
+    print(f"{len(fits)} layouts of {args.model} on {plan_args.world} ranks fit {plan_args.memory / 2**30:.1f} GiB "
+          f"per rank ({args.micro_batches} micro-batches, global batch {args.batch_size}, {args.dtype}, "
+          f"{args.schedule}); least traffic across nodes ({plan_args.gpus_per_node} GPUs each) first:")
+    print(f"{'dp':>5s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'ep':>3s} {'ZeRO':>4s} {'recompute':>9s} "
+          f"{'memory GiB':>10s} {'across GiB':>10s} {'in node GiB':>11s}")
+    for across, inside, memory, lay in fits:
+        print(f"{lay.dp:5d} {lay.tp:3d} {lay.pp:3d} {lay.cp:3d} {lay.ep:3d} {lay.zero:4d} {lay.recompute:>9s} "
+              f"{memory / 2**30:10.2f} {across / 2**30:10.2f} {inside / 2**30:11.2f}")
+    return fits
+
+
+def main(argv=None):
+    plan_args, args = parse_args(argv)
+    try:
+        if plan_args.search:
+            search(args, plan_args)
+        elif plan_args.json:
+            print(json.dumps(predict(args, plan_args.world)))
+        else:
+            print_table(args, plan_args)
+    except train.ConfigError as e:
+        sys.exit(f"plan.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -51,6 +51,13 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     # GPU sizes: GPT-2 small (124M) and medium (350M), with GPT-2's vocabulary padded to 50304.
     "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
+    # Today's shapes, with --arch llama (their key/value heads, SwiGLU width and rotary base are below);
+    # for planning them (plan.py) more than for training them here. Mixtral 8x7B is mixtral with
+    # --experts 8 --top-k 2.
+    "llama3-8b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=8192, vocab_size=128256),
+    "llama3-70b": dict(n_layer=80, n_head=64, d_model=8192, seq_len=8192, vocab_size=128256),
+    "llama3-405b": dict(n_layer=126, n_head=128, d_model=16384, seq_len=8192, vocab_size=128256),
+    "mixtral": dict(n_layer=32, n_head=32, d_model=4096, seq_len=4096, vocab_size=32000),
 }
 # The Llama-style block (--arch llama): rotary positions, grouped-query attention, RMSNorm, SwiGLU, no
 # biases; per size, the key/value heads and a SwiGLU width of about 8/3 d_model (Llama's, rounded up),
@@ -60,7 +67,12 @@ LLAMA_SHAPES = {
     "tiny": dict(n_kv_heads=2, d_ff=96), "small": dict(n_kv_heads=2, d_ff=352),
     "medium": dict(n_kv_heads=2, d_ff=704), "gpt2": dict(n_kv_heads=4, d_ff=2048),
     "gpt2-medium": dict(n_kv_heads=4, d_ff=2816),
+    "llama3-8b": dict(n_kv_heads=8, d_ff=14336, rope_theta=500000.0),
+    "llama3-70b": dict(n_kv_heads=8, d_ff=28672, rope_theta=500000.0),
+    "llama3-405b": dict(n_kv_heads=8, d_ff=53248, rope_theta=500000.0),
+    "mixtral": dict(n_kv_heads=8, d_ff=14336, rope_theta=1000000.0),
 }
+LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")  # shapes that exist only as Llama blocks
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
     "L40S": (362, 91.6), "L4": (121, 30.3), "A10G": (70, 31.2),
@@ -336,6 +348,8 @@ def padded_vocab(vocab_size):
 
 def model_config(args, vocab_size):
     """The model the flags describe (a ConfigError if they describe none)."""
+    if args.model in LLAMA_ONLY and args.arch != "llama":
+        raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=padded_vocab(vocab_size))
     if args.arch == "llama":
         shape.update(LLAMA, **LLAMA_SHAPES[args.model])
