@@ -113,6 +113,11 @@ def layout_of(args, world):
 # Parameters: which ones a rank holds, and how large its share is
 # ---------------------------------------------------------------------------
 
+def config_key(config):
+    """A model config as a hashable key (for the caches below)."""
+    return tuple(asdict(config).items())
+
+
 @functools.lru_cache(maxsize=None)
 def model_parameters(config_fields):
     """[(name, shape)] of model.py's GPT in its parameter order, from a model built without memory."""
@@ -152,7 +157,7 @@ def layer_stages(config, n_model_chunks, pp_size):
 def rank_parameters(config, layout, stage):
     """(dense, expert): [(name, elements)] this pipeline rank holds, in parameter order (any tp, ep rank:
     they all hold as many)."""
-    return stage_parameters(tuple(asdict(config).items()), layout.tp, layout.pp, layout.virtual_stages,
+    return stage_parameters(config_key(config), layout.tp, layout.pp, layout.virtual_stages,
                             layout.ep)[stage]
 
 
@@ -415,10 +420,32 @@ def block_activations(c, layout, layer):
                  + tokens * (h + c.n_head) // t * wide)    # the core's output and log-sum-exp per head
     if c.position == "rope":  # rotated q and k, and the cos and sin tables of q's and k's rotations
         attention += tokens * (h + c.kv_dim) // t * a + 2 * (c.seq_len // layout.cp) * head_dim * wide
-    if not c.bias:  # a linear without bias keeps its own contiguous copy of the heads' outputs
+    if proj_copies_heads(c, layout):
         attention += tokens * h // t * a
     mlp = moe_activations(c, layout, tokens) if c.is_moe(layer) else tokens * h * a + mlp_activations(c, tokens, t, a)
-    return 2 * norm + attention + mlp
+    return 2 * norm + attention + mlp + autocast_weights(c, layout, layer)
+
+
+def autocast_weights(c, layout, layer):
+    """Under bf16 autocast every linear layer keeps the bf16 copy of its weight that it multiplied by, once
+    per forward (autocast caches the cast within one): the block's share of them, 2 bytes each."""
+    if layout.dtype != "bfloat16":
+        return 0
+    n_in = 2 if c.mlp == "swiglu" else 1
+    mlp = (n_in + 1) * c.d_model * c.d_ff // layout.tp
+    weights = c.d_model * (c.d_model + 2 * c.kv_dim + c.d_model) // layout.tp
+    if c.is_moe(layer):
+        weights += c.d_model * c.n_experts + mlp * (c.n_experts // layout.ep + c.n_shared_experts)
+    else:
+        weights += mlp
+    return 2 * weights
+
+
+def proj_copies_heads(c, layout):
+    """Whether the attention's output projection keeps its own contiguous copy of the heads' outputs: a
+    linear without bias does; with bias it reads them in place when they come from PyTorch's fused kernel
+    (laid out token-major), but ring attention returns them head-major."""
+    return not c.bias or layout.cp > 1
 
 
 def mlp_activations(c, rows, t, a, d_ff=None):
@@ -433,6 +460,7 @@ def moe_activations(c, layout, tokens):
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
     h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
     router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64)
+    router += (2 * c.n_experts + 2) * wide  # the layer's token counts per expert, and their sums over ranks
     experts = assignments * (3 * h * a + wide + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)
     shared = 0
     if c.n_shared_experts:
@@ -449,26 +477,53 @@ def recomputed_block(c, layout, layer):
         return kept, full
     if layout.recompute == "selective":  # the core's log-sum-exp goes, and its output unless proj keeps it
         core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4)
-        if not c.bias:  # proj (no bias) kept its own copy of the output, so the core's own goes too
+        if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
             core += tokens * c.d_model // layout.tp * max(layout.activation_bytes, 4)
         return full - core, core
     return full, 0
 
 
 def edge_activations(c, layout, first, last):
-    """The embedding's (token ids, positions) and the head's (final norm, head input, the softmax)."""
+    """The embedding's token ids and positions; the final norm, the head's input, the softmax and targets."""
     t, a, w, tokens = layout.tp, layout.activation_bytes, layout.weight_bytes, tokens_per_rank(c, layout)
     total = 0
     if first:
-        total += tokens * INT64 * (2 if t > 1 else 1) + tokens * BOOL * (t > 1)  # ids (and tp's local ids, mask)
-        if c.position == "learned":
-            total += (c.seq_len // layout.cp // (t if layout.sp else 1)) * INT64
+        if t > 1:  # the vocabulary-parallel embedding's local ids and what lies outside its range
+            total += tokens * (INT64 + BOOL)
+        elif layout.cp > 1:  # the ids: a copy, this rank's zigzag shard (else a view, see shared_activations)
+            total += tokens * INT64
     if last:
         sharded = tokens // t if layout.sp else tokens
         norm = sharded * (c.d_model * w + 2 * w if c.norm == "layer" else 2 * c.d_model * w + w)
-        softmax = tokens * c.vocab_size // t * max(a, 4) + (tokens * (INT64 + BOOL) if t > 1 else 0)
-        total += norm + tokens * c.d_model * a + softmax
+        softmax = tokens * c.vocab_size // t * max(a, 4)
+        # The cross-entropy keeps a flat copy of the targets (tp: local targets, and which are its own).
+        targets = tokens * (INT64 + BOOL if t > 1 else INT64) if not batch_view_targets(layout) else 0
+        loss = max(a, 4) if t == 1 else 0  # cross_entropy's mean keeps a scalar; tp's own mean does not
+        head = 2 * c.vocab_size * c.d_model // t if layout.dtype == "bfloat16" else 0  # see autocast_weights
+        total += norm + tokens * c.d_model * a + softmax + targets + loss + head
     return total
+
+
+def batch_view_targets(layout):
+    """Whether the cross-entropy keeps the targets as a view into the step's batch of tokens rather than a
+    flat copy: a single sequence's (1, s) slice flattens without copying (unless cp copied out a shard, or
+    tp's cross-entropy keeps local targets instead)."""
+    return layout.micro_batch == 1 and layout.cp == 1 and layout.tp == 1
+
+
+def shared_activations(c, layout, stage):
+    """What every micro-batch saves from the same storage, counted once: on the first stage the ids, a view
+    into the step's whole batch of tokens (unless cp copied out a shard, or tp looks up local ids instead),
+    on the last the targets if they are such a view too;
+    the positions, if a learned table looks them up or full recomputation keeps them with each block's input
+    (under sp a view of them all)."""
+    shared = 0
+    last = stage == layout.pp - 1
+    if (stage == 0 and layout.cp == 1 and layout.tp == 1) or (last and batch_view_targets(layout)):
+        shared += layout.batch_size * (c.seq_len + 1) * INT64
+    if (stage == 0 and c.position == "learned") or layout.recompute == "full":
+        shared += c.seq_len // layout.cp * INT64
+    return shared
 
 
 def chunk_activations(c, layout, model_chunk):
@@ -490,7 +545,7 @@ def activation_peak(c, layout, stage):
         actions = [(kind, 0, m) for m in range(layout.micro_batches) for kind in ("forward", "backward")]
     else:
         actions = pp.make_schedule(layout.schedule, layout.micro_batches, layout.pp, stage, n_chunks)
-    live = peak = 0
+    live = peak = shared_activations(c, layout, stage)
     for kind, chunk, _ in actions:
         live += sizes[chunk][0] if kind == "forward" else -sizes[chunk][0]
         peak = max(peak, live)
@@ -630,12 +685,13 @@ def parse_args(argv=None):
     p.add_argument("--search", action="store_true",
                    help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ep, ZeRO, recomputation)")
     p.add_argument("--memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per rank, for --search")
+    p.add_argument("--top", type=int, default=20, help="layouts --search lists (0: all that fit)")
     plan_args, rest = p.parse_known_args(argv)
     return plan_args, train.parse_args(rest)
 
 
 def describe(layout, args, config):
-    n_params = sum(math.prod(shape) for _, shape in model_parameters(tuple(asdict(config).items())))
+    n_params = sum(math.prod(shape) for _, shape in model_parameters(config_key(config)))
     experts = f", {config.n_experts} experts top-{config.top_k}" if config.n_experts else ""
     return (f"{args.model} ({args.arch}{experts}, {n_params / 1e9:.2f}B parameters) on {layout.world} ranks: "
             f"dp={layout.dp} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp} "
@@ -717,7 +773,7 @@ def search(args, plan_args):
           f"{args.schedule}); least traffic across nodes ({plan_args.gpus_per_node} GPUs each) first:")
     print(f"{'dp':>5s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'ep':>3s} {'ZeRO':>4s} {'recompute':>9s} "
           f"{'memory GiB':>10s} {'across GiB':>10s} {'in node GiB':>11s}")
-    for across, inside, memory, lay in fits:
+    for across, inside, memory, lay in fits[:plan_args.top or None]:
         print(f"{lay.dp:5d} {lay.tp:3d} {lay.pp:3d} {lay.cp:3d} {lay.ep:3d} {lay.zero:4d} {lay.recompute:>9s} "
               f"{memory / 2**30:10.2f} {across / 2**30:10.2f} {inside / 2**30:11.2f}")
     return fits

@@ -29,6 +29,7 @@ from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -470,6 +471,8 @@ class Trainer:
         if args.experts:
             ep.apply_expert_parallel(self.model, mesh.groups["ep"], mesh.groups["dense"], args.capacity_factor)
             self.moe_layers = [m for m in self.model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+            for index, layer in enumerate(self.moe_layers):  # (a pipeline stage runs only its own)
+                layer.register_forward_hook(partial(self.count_routing, index))
         # 3. Tensor parallelism: weight matrices split over the tp group (Megatron), optionally the sequence
         #    too; inside the experts just placed as well.
         self.tp_group, self.tp_size, self.tp_layouts = mesh.groups["tp"], mesh.size("tp"), {}
@@ -642,7 +645,6 @@ class Trainer:
                 with self.grad_sync.no_sync() if self.grad_sync and not last else nullcontext():
                     with self.forward_context():
                         _, loss = self.model(inputs, targets, pos=self.positions)
-                    self.count_routing()
                     (loss / args.micro_batches).backward()  # the mean over micro-batches, as on one device
                 losses.append(loss.item())
             contribution = sum(losses) / len(losses)
@@ -664,17 +666,30 @@ class Trainer:
         if not self.zeros and math.isfinite(grad_norm):
             self.optimizers[0].step()
         update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
+        if self.moe_layers and self.pp_size > 1:  # each stage counted its own layers: the log holds them all
+            self.sum_routing_over_stages()
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
         elapsed = time.perf_counter() - start
         comm_wait = grad_wait.seconds() + pipeline.wait_s
         return dict(self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline), grad_norm=grad_norm)
 
-    def count_routing(self):
-        """Add the last forward's tokens per expert (summed over all ranks already) to this step's."""
-        for total, layer in zip(self.routing["tokens_per_expert"], self.moe_layers):
+    def count_routing(self, index, layer, inputs, output):
+        """After MoE layer `index`'s forward: add its tokens per expert (summed over all ranks already) to this
+        step's, if it was a training forward (not evaluation, not a recomputation for backward)."""
+        if torch.is_grad_enabled() and not layer.recomputing:
+            total = self.routing["tokens_per_expert"][index]
             total[:] = [a + b for a, b in zip(total, layer.tokens_per_expert)]
             self.routing["dropped_tokens"] += layer.dropped
+
+    def sum_routing_over_stages(self):
+        counts = torch.tensor([*sum(self.routing["tokens_per_expert"], []), self.routing["dropped_tokens"]],
+                              dtype=torch.long, device=self.device)
+        dist.all_reduce(counts, group=self.pp_group)
+        *counts, dropped = counts.tolist()
+        self.routing = dict(tokens_per_expert=[counts[i:i + self.args.experts]
+                                               for i in range(0, len(counts), self.args.experts)],
+                            dropped_tokens=dropped)
 
     @contextmanager
     def forward_context(self):

@@ -1,4 +1,5 @@
-"""All five dimensions composed: the benchmark table's configurations, 16 and 32 ranks, resharding, refusals."""
+"""All five dimensions composed: the benchmark table's configurations, 16 and 32 ranks, resharding, refusals;
+in each, every logged memory and traffic counter as plan.py predicts it."""
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import torch
 
 from distributed import REPO, run_on_ranks
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
+from planned import assert_matches_plan
 
 # 4 layers (two pipeline stages of two), batch 16 (8 data ranks x 2 micro-batches), two steps.
 BASE = [*EQUIVALENCE, "--layers", "4", "--steps", "2", "--batch-size", "16"]
@@ -27,9 +29,12 @@ def llama(flags, model):
 
 
 def check(tmp_path, world, flags, model=(), timeout=300):
-    results = run_on_ranks(world, train_worker, [*BASE, *model, *flags, "--out", str(tmp_path)], timeout=timeout)
+    """The run equals the single device, and logs the memory and traffic plan.py predicts for it."""
+    argv = [*BASE, *model, *flags]
+    results = run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=timeout)
     for result in results:
         assert_matches_oracle(result, oracle([*BASE, *model]))
+    assert_matches_plan(tmp_path, argv, world)
 
 
 # The ten rows of the benchmark table the article reproduces (gpuN_tpX_ppY_cpZ_epW, dp the rest);
