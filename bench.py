@@ -162,6 +162,34 @@ def recomputation_check(settings, out, modes=("none", "selective", "full")):
     return dict(model=settings["model"], rounds=rounds, steps=steps, modes=result, per_round=per_round)
 
 
+def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch", "llama", "--kv-heads", "8")):
+    """plan.py's strategies (its memory figure) at a size this machine runs: each strategy alone on 8 ranks
+    (or one), for two sequence lengths and the three recomputation modes, one step each. The busiest rank's
+    logged memory beside plan.py's prediction for it (which adds one block's recomputation)."""
+    import plan
+    import train
+    runs, points = os.path.join(out, "planner"), []
+    for label, world, flags in plan.STRATEGIES:
+        model_flags = [*model, *(plan.EXPERTS if label.startswith("EP") else [])]
+        for seq_len in seq_lens:
+            for mode in ("none", "selective", "full"):
+                name = f"{label.split()[0].replace('=', '')}_{seq_len}_{mode}"
+                argv = [*plan.strategy_argv(model_flags, flags, world, seq_len, mode), "--steps", "1"]
+                print(f"bench: planner check, {label}, {seq_len} tokens, recompute {mode}", flush=True)
+                torchrun(world, "train.py", *argv, "--out", runs, "--name", name)
+                record = read_log(os.path.join(runs, name, "log.jsonl"))[0]
+                predicted = plan.predict(train.parse_args(argv), world)
+                parts = dict(param="param_bytes", grad="grad_bytes", optim="optim_bytes",
+                             activations="activation_peak_bytes")
+                measured = [{key: record[field][r] for key, field in parts.items()} for r in range(world)]
+                busiest = max(range(world), key=lambda r: sum(measured[r].values()))
+                guess = {key: predicted[field][busiest] for key, field in parts.items()}
+                guess["activations"] += predicted["recompute_bytes"][busiest]
+                points.append(dict(strategy=label, seq_len=seq_len, recompute=mode, rank=busiest,
+                                   measured=measured[busiest], predicted=guess))
+    return dict(model=" ".join(model), strategies=plan.STRATEGIES, points=points)
+
+
 def tokens_per_s(records):
     """Tokens per second over these steps of a log (the steady ones: start-up left out)."""
     return sum(e["tokens_per_s"] * e["step_s"] for e in records) / sum(e["step_s"] for e in records)
@@ -633,7 +661,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a few minutes")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
-                                             "scaling check, 'recompute' for the recomputation modes); the rest "
+                                             "scaling check, 'recompute' for the recomputation modes, 'planner' for plan.py's "
+                                             "strategies measured); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
@@ -680,6 +709,8 @@ def main():
         for mode, r in recomputation["modes"].items():
             print(f"recompute {mode:9s} activations {r['activation_peak_bytes']:,} bytes, step time x"
                   f"{r['step_time_vs_none']:.2f} of none's (range {r['range'][0]:.2f}-{r['range'][1]:.2f})")
+    if not args.only or "planner" in args.only:
+        write_json(os.path.join(args.out, "planner.json"), planner_check(args.out))
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])
     elif "scaling" in earlier["machine.json"]:

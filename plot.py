@@ -3,7 +3,9 @@
     python plot.py [--results results]
 
 Writes results/throughput.png, loss.png, memory.png, communication.png,
-bubble.png, experts.png and results/results.md (the seed table's columns,
+bubble.png, experts.png, memory_planned.png (plan.py's memory per strategy by
+sequence length), memory_measured.png (bench.py's small runs of the same
+strategies, measured beside predicted) and results/results.md (the seed table's columns,
 plus memory, communication and efficiency, and the comparisons with
 PyTorch's built-ins).
 """
@@ -185,6 +187,85 @@ def table(rows, comparisons, machine, results):
         f.write("\n".join(lines) + "\n")
 
 
+PARTS = [("param", "parameters", "tab:blue"), ("grad", "gradients", "tab:orange"),
+         ("optim", "optimizer state", "tab:green"), ("activations", "activations (+ one block recomputed)", "tab:red")]
+MODES = ("none", "selective", "full")
+
+
+def stack(ax, x, width, memory, label_parts=False, hatch=None):
+    """One stacked bar per x of the four parts (GiB)."""
+    bottom = np.zeros(len(x))
+    for key, label, colour in PARTS:
+        heights = np.array([m[key] for m in memory]) / 2**30
+        ax.bar(x, heights, width, bottom=bottom, color=colour, hatch=hatch, label=label if label_parts else None)
+        bottom += heights
+    return bottom
+
+
+def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**i for i in range(10, 18))):
+    """The playbook's figure from plan.py: per-rank memory of each strategy alone, by sequence length, for an
+    8B shape (EP: Mixtral 8x7B), without, with selective and with full recomputation, in bf16."""
+    import plan  # the planner builds models on the meta device: torch, only here
+    base = ["--model", model, "--arch", "llama", "--dtype", "bfloat16"]
+    moe_base = ["--model", moe, "--arch", "llama", "--dtype", "bfloat16", *plan.EXPERTS]
+    limit, x = 200, np.arange(len(seq_lens))
+    fig, axes = plt.subplots(len(MODES), len(plan.STRATEGIES), figsize=(24, 10), sharey=True)
+    for row, mode in enumerate(MODES):
+        for col, (label, world, flags) in enumerate(plan.STRATEGIES):
+            ax = axes[row, col]
+            model_flags = moe_base if label.startswith("EP") else base
+            memory = [plan.busiest_memory(plan.strategy_argv(model_flags, flags, world, s, mode), world)
+                      for s in seq_lens]
+            totals = stack(ax, x, 0.8, memory, label_parts=row == 0 and col == 0)
+            for xi, total in zip(x, totals):
+                if total > limit:  # off the chart: say how far
+                    ax.text(xi, limit * 0.97, f"{total:.0f}", rotation=90, ha="center", va="top", fontsize=7)
+            ax.axhline(80, color="black", linestyle="--", linewidth=0.8)
+            ax.set_ylim(0, limit)
+            ax.set_xticks(x, [f"{s // 1024}K" for s in seq_lens], rotation=90, fontsize=7)
+            if row == 0:
+                ax.set_title(label + (" (Mixtral 8x7B)" if label.startswith("EP") else ""), fontsize=10)
+            if col == 0:
+                ax.set_ylabel(f"recompute {mode}\nGiB per GPU")
+    fig.legend(loc="upper center", ncol=5, fontsize=9, bbox_to_anchor=(0.5, 0.965))
+    fig.suptitle(f"plan.py: memory per GPU of {model} (Llama-3 8B) by sequence length, each strategy alone "
+                 "(one sequence per rank and micro-batch, bf16 autocast, float32 weights); dashed: 80 GiB", y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(os.path.join(results, "memory_planned.png"), dpi=80)
+    plt.close(fig)
+
+
+def measured_memory(results):
+    """bench.py's small runs of the same strategies: measured (left) beside predicted (right, hatched)."""
+    path = os.path.join(results, "planner.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        planner = json.load(f)
+    points, labels = planner["points"], [label for label, *_ in planner["strategies"]]
+    seq_lens = sorted({p["seq_len"] for p in points})
+    fig, axes = plt.subplots(len(MODES), len(labels), figsize=(24, 9), sharey=True)
+    x = np.arange(len(seq_lens))
+    for row, mode in enumerate(MODES):
+        for col, label in enumerate(labels):
+            ax = axes[row, col]
+            mine = {p["seq_len"]: p for p in points if p["strategy"] == label and p["recompute"] == mode}
+            stack(ax, x - 0.2, 0.38, [mine[s]["measured"] for s in seq_lens], label_parts=row == 0 and col == 0)
+            stack(ax, x + 0.2, 0.38, [mine[s]["predicted"] for s in seq_lens], hatch="//")
+            ax.set_xticks(x, [str(s) for s in seq_lens], fontsize=8)
+            if row == 0:
+                ax.set_title(label, fontsize=10)
+            if col == 0:
+                ax.set_ylabel(f"recompute {mode}\nGiB per rank")
+    fig.legend(loc="upper center", ncol=5, fontsize=9, bbox_to_anchor=(0.5, 0.965))
+    fig.suptitle(f"Measured (plain) and predicted (hatched) memory of the busiest rank, {planner['model']}, by "
+                 "sequence length; predicted activations add one block's recomputation, which the meter does "
+                 "not see", y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(os.path.join(results, "memory_measured.png"), dpi=80)
+    plt.close(fig)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -197,6 +278,8 @@ def main():
     bubble(rows, logs, results)
     experts(rows, logs, results)
     table(rows, comparisons, machine, results)
+    planned_memory(results)
+    measured_memory(results)
     print(f"plot.py: figures and results.md written to {results}")
 
 
