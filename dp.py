@@ -188,6 +188,7 @@ class DataParallel:
         self.end_of_backward_queued = False
         self.arrived = set()  # parameters that got a gradient on this rank this step
         self.reduce_every_backward = False  # ZeRO-2/3 reduce each micro-batch's gradients
+        self.launch_at_unit_boundaries = False  # ZeRO-3 with unused parameters: see ZeRO.__init__
         self.comm_bytes = Counter()  # bytes this rank sent, per collective kind
         if broadcast:
             broadcast_parameters(self.params, group)
@@ -247,7 +248,8 @@ class DataParallel:
             p.grad = view
         if self.sync:
             bucket.ready.add(p)
-            self._launch_ready_buckets()
+            if not self.launch_at_unit_boundaries:
+                self._launch_ready_buckets()
 
     def _grad_view(self, bucket, p):
         return bucket.grad_views[p]
@@ -257,9 +259,10 @@ class DataParallel:
         if self.sync and not self.keep_incomplete:
             self._launch_remaining()
 
-    def _launch_remaining(self):
-        """Launch every bucket not yet launched; this rank's missing gradients count as zero in it."""
-        for bucket in self.buckets[self.next_to_launch:]:
+    def _launch_remaining(self, upto=None):
+        """Launch every bucket not yet launched (before bucket `upto`); this rank's missing gradients count
+        as zero in it."""
+        for bucket in self.buckets[self.next_to_launch:upto]:
             for p in bucket.params:
                 if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
                     self._grad_view(bucket, p).zero_()
@@ -367,6 +370,11 @@ class ZeRO(DataParallel):
         super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters)
         self.rank = dist.get_rank(group)
         self.reduce_every_backward = stage >= 2
+        # ZeRO-3 gathers units during backward, so its reduce-scatters must come at the same place among
+        # those gathers on every rank. When some rank may get no gradient for a unit (an expert no token
+        # reached there), a unit's reduction cannot wait for its gradients: it is launched when backward
+        # reaches the unit before it (and the first unit's at the end of backward), on every rank alike.
+        self.launch_at_unit_boundaries = stage == 3 and find_unused_parameters
         for bucket in self.buckets:
             self._shard(bucket)
         self.optimizer = make_optimizer([piece for b in self.buckets for piece in b.pieces.values()])
@@ -442,9 +450,9 @@ class ZeRO(DataParallel):
 
         Stages 2 and 3 never hold a full gradient between backwards (that is
         their memory saving), so every backward reduce-scatters and the shard
-        accumulates: no_sync changes nothing there. This assumes every
-        backward produces a gradient for every parameter on every rank (so the
-        collectives stay in step), as a dense model's backward does.
+        accumulates: no_sync changes nothing there. A backward through any unit
+        reduces every bucket on every rank (zeros where it brought no gradient),
+        so the collectives stay in step.
         """
         with super().no_sync() if self.stage == 1 else nullcontext():
             yield
@@ -556,6 +564,8 @@ class ZeRO(DataParallel):
         # A backward through a unit reduces this instance's buckets at its end, on every rank, even where
         # none of them got a gradient (experts no token reached here, and reached on another rank).
         self._expect_end_of_backward()
+        if self.launch_at_unit_boundaries:  # the units after this one are done: reduce them (see __init__)
+            self._launch_remaining(upto=len(self.buckets) - 1 - i)
         if self.stage == 3:
             self._gather(i)        # backward needs the weights again,
             self._prefetch(i - 1)  # and the unit before this one comes next

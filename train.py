@@ -188,10 +188,6 @@ def check_args(args, world):
         raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
     if args.experts and args.experts % args.ep:
         raise ConfigError(f"--experts {args.experts} do not divide over --ep {args.ep} ranks")
-    if args.experts and args.zero == 3:
-        raise ConfigError("--zero 3 with --experts is not supported yet: a rank whose experts got no token "
-                          "reduces their gradients at the end of backward, out of order with the gathers of the "
-                          "next layer's experts that ZeRO-3 issues during backward; use --zero 1 or 2")
     if args.capacity_factor < 0 or (args.capacity_factor and not args.experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
     if not args.experts and (args.shared_experts or args.balance != "aux"):

@@ -45,8 +45,8 @@ BUILD_MODEL = train.build_model
 
 
 @pytest.mark.parametrize("world,flags", [(4, ["--ep", "2"]), (2, []), (4, ["--ep", "2", "--zero", "1"]),
-                                         (4, ["--ep", "2", "--zero", "2"])],
-                         ids=["dp2-ep2", "dp2-experts-replicated", "dp2-ep2-zero1", "dp2-ep2-zero2"])
+                                         (4, ["--ep", "2", "--zero", "2"]), (4, ["--ep", "2", "--zero", "3"])],
+                         ids=["dp2-ep2", "dp2-experts-replicated", "dp2-ep2-zero1", "dp2-ep2-zero2", "dp2-ep2-zero3"])
 def test_an_expert_no_token_reaches_is_left_alone_as_on_one_device(tmp_path, monkeypatch, world, flags):
     """On one device its gradient is None, so AdamW skips it (no weight decay): every rank must agree
     that no rank used it (dp.py's used-mask) and leave it as it was too."""

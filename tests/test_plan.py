@@ -50,6 +50,7 @@ def sampled_layouts(n, seed=5):
 
 
 SAMPLE = sampled_layouts(6) + [(4, ["--tp=2", "--sp", "--dtype", "float32", "--arch", "llama"]),
+                               (4, ["--ep=2", "--experts", "4", "--top-k", "4", "--zero", "3", "--micro-batches", "2"]),
                                (4, ["--cp=2", "--pp=2", "--dtype", "bfloat16", "--micro-batches", "2"])]
 
 

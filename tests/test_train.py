@@ -31,7 +31,6 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
     (1, ["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
     (2, ["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
     (1, ["--micro-batches", "0"], "--micro-batches must be at least 1"),
-    (2, ["--experts", "4", "--zero", "3"], "--zero 3 with --experts is not supported yet"),
     (1, ["--kv-heads", "3"], "--model tiny --arch gpt: n_kv_heads=3 must divide n_head=4"),
     (4, ["--arch", "llama", "--tp", "4"], "--tp 4: key/value heads 2 does not divide by the tensor-parallel size 4"),
     (1, ["--balance", "bias"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),

@@ -164,7 +164,9 @@ MOE = [*ARGV, "--experts", "4", "--top-k", "2", "--layers", "4", "--batch-size",
 
 @pytest.mark.parametrize("world,flags", [(2, ["--zero", "1"]), (4, ["--zero", "2", "--ep", "2"]),
                                          (8, ["--zero", "1", "--ep", "2", "--pp", "2"]),
-                                         (8, ["--zero", "2", "--ep", "2", "--tp", "2", "--sp"])],
+                                         (8, ["--zero", "2", "--ep", "2", "--tp", "2", "--sp"]),
+                                         (4, ["--zero", "3", "--ep", "2"]),
+                                         (8, ["--zero", "3", "--ep", "2", "--tp", "2", "--sp"])],
                          ids=lambda f: " ".join(f) if isinstance(f, list) else str(f))
 def test_zero_with_experts_matches_single_device(tmp_path, world, flags):
     """Expert parameters sharded over the ranks that hold the same experts, the rest over every rank with
