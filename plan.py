@@ -45,12 +45,14 @@ import json
 import math
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 import pp
 import train
+from dp import ring_bytes_sent
+from ep import is_expert_parameter
 from mesh import DIMS, GROUPS
 from model import GPT, GPTConfig
 
@@ -126,10 +128,6 @@ def model_parameters(config_fields):
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def is_expert(name):
-    return ".experts." in name  # as ep.is_expert_parameter
-
-
 def tp_sharded(name):
     """Whether tensor parallelism splits this parameter N ways (tp.py): the column-parallel q|k|v, fc (and
     their biases), the row-parallel proj weights, the vocabulary-parallel embedding and head. Norms, the
@@ -169,10 +167,10 @@ def stage_parameters(config_fields, tp, pp_size, virtual_stages, ep):
     experts_per_rank = config.n_experts // ep if config.n_experts else 0
     held = [([], []) for _ in range(pp_size)]
     for name, shape in model_parameters(config_fields):
-        if is_expert(name) and int(name.split(".")[4]) >= experts_per_rank:
+        if is_expert_parameter(name) and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
         dense, expert = held[stage_of(name, stages, pp_size - 1)]
-        (expert if is_expert(name) else dense).append((name, math.prod(shape) // (tp if tp_sharded(name) else 1)))
+        (expert if is_expert_parameter(name) else dense).append((name, math.prod(shape) // (tp if tp_sharded(name) else 1)))
     return held
 
 
@@ -227,12 +225,6 @@ def zero3_buckets(params, n_ranks):
     return [Bucket(sizes, padded(sum(sizes), n_ranks)) for sizes in reversed(list(units.values()))]
 
 
-def ring_bytes(kind, nbytes, n_ranks):
-    """What one rank sends in a ring collective over nbytes (as dp.ring_bytes_sent and tp.py count)."""
-    passes = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[kind]
-    return passes * (n_ranks - 1) * nbytes // n_ranks
-
-
 # ---------------------------------------------------------------------------
 # Memory of parameters, gradients, optimizer state (article: 16 Psi; ZeRO's 4+12/N, 2+14/N, 16/N)
 # ---------------------------------------------------------------------------
@@ -251,9 +243,9 @@ def state_memory(params, group, layout, unused_check):
     if not layout.zero:
         buckets = make_buckets(sizes, layout.bucket_bytes, w, group) if layout.dense_group > 1 else []
         if buckets:  # dp.DataParallel: one all-reduce of each bucket per step (ring: 2 (N-1)/N Psi)
-            traffic["all_reduce"] = sum(ring_bytes("all_reduce", b.padded * w, group) for b in buckets)
+            traffic["all_reduce"] = sum(ring_bytes_sent("all_reduce", b.padded * w, group) for b in buckets)
             if unused_check:  # the used-mask, one byte per parameter
-                traffic["all_reduce"] += ring_bytes("all_reduce", len(sizes), group)
+                traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
             grads = sum(b.padded for b in buckets) * w
         else:
             grads = sum(sizes) * w
@@ -265,11 +257,11 @@ def state_memory(params, group, layout, unused_check):
     grad = (shard + (full if layout.zero == 1 else 0)) * w  # ZeRO-1 keeps the full gradient as well
     reductions = 1 if layout.zero == 1 else layout.micro_batches  # ZeRO-2/3 reduce in every backward
     gathers = 2 * layout.micro_batches if layout.zero == 3 else 1  # ZeRO-3: before forward and before backward
-    traffic["reduce_scatter"] = reductions * sum(ring_bytes("reduce_scatter", b.padded * w, group) for b in buckets)
-    traffic["all_gather"] = gathers * sum(ring_bytes("all_gather", b.padded * w, group) for b in buckets)
-    traffic["all_reduce"] = ring_bytes("all_reduce", 8, group)  # the gradient norm's sum of squares, float64
+    traffic["reduce_scatter"] = reductions * sum(ring_bytes_sent("reduce_scatter", b.padded * w, group) for b in buckets)
+    traffic["all_gather"] = gathers * sum(ring_bytes_sent("all_gather", b.padded * w, group) for b in buckets)
+    traffic["all_reduce"] = ring_bytes_sent("all_reduce", 8, group)  # the gradient norm's sum of squares, float64
     if unused_check:
-        traffic["all_reduce"] += ring_bytes("all_reduce", len(sizes), group)
+        traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
     return param, grad, 2 * shard * w, traffic, lambda index: sum(b.pieces(index, group) for b in buckets)
 
 
@@ -310,7 +302,7 @@ def tp_traffic(config, layout, layers, first, last):
             send("all_reduce", enter, 1)
 
     def send(kind, n_bytes, times):
-        traffic[kind] += times * ring_bytes(kind, n_bytes, t)
+        traffic[kind] += times * ring_bytes_sent(kind, n_bytes, t)
 
     def summed_gradients(numel):  # under sp, norms and row biases sum their gradients over the group
         send("all_reduce", numel * layout.weight_bytes, 1)
@@ -726,8 +718,9 @@ def parse_args(argv=None):
 
 def describe(layout, args, config):
     n_params = sum(math.prod(shape) for _, shape in model_parameters(config_key(config)))
+    size = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
     experts = f", {config.n_experts} experts top-{config.top_k}" if config.n_experts else ""
-    return (f"{args.model} ({args.arch}{experts}, {n_params / 1e9:.2f}B parameters) on {layout.world} ranks: "
+    return (f"{args.model} ({args.arch}{experts}, {size} parameters) on {layout.world} ranks: "
             f"dp={layout.dp} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp} "
             f"ep={layout.ep}, ZeRO-{layout.zero}, {layout.schedule} x{layout.virtual_stages}, "
             f"{layout.micro_batches} micro-batches of {layout.micro_batch} x {config.seq_len} tokens, "
@@ -739,30 +732,29 @@ def first_of_stage(layout, stage):
     return {**{dim: 0 for dim in DIMS}, "pp": stage}
 
 
-def gib(n):
-    return f"{n / 2**30:9.2f}"
-
-
 def print_table(args, plan_args):
+    """One row per pipeline stage (its first rank: others differ at most by ZeRO's step counters), the
+    busiest first."""
     layout = layout_of(args, plan_args.world)
     config = train.model_config(args, train.data_vocab_size(args))
     print(describe(layout, args, config))
-    stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
     rows = []
-    for stage, prediction in enumerate(stages):  # one row per pipeline stage (its first rank's ZeRO shard)
-        where = first_of_stage(layout, stage)
+    for stage in range(layout.pp):
+        prediction, where = predict_stage(config, layout, stage), first_of_stage(layout, stage)
         figures = rank_figures(prediction, layout, where)
         rows.append((sum(figures[f] for f in MEMORY), stage, figures,
                      node_split(layout, prediction, where, plan_args.gpus_per_node),
                      {dim: value for dim, value in comm_fields(prediction["traffic"]).items() if value}))
     rows.sort(key=lambda row: -row[0])
-    print(f"{'GiB per rank':18s} {'params':>9s} {'grads':>9s} {'optim':>9s} {'activ.':>9s} {'recomp.':>9s} "
-          f"{'total':>9s} | sent per step (GiB): in node, across nodes; by dimension and kind")
+    unit, scale = ("GiB", 2**30) if rows[0][0] >= 2**30 else ("MiB", 2**20)
+    print(f"{unit + ' per rank':18s} {'params':>9s} {'grads':>9s} {'optim':>9s} {'activ.':>9s} {'recomp.':>9s} "
+          f"{'total':>9s} | sent per step ({unit}): in node, across nodes; by dimension and kind")
     for i, (total, stage, figures, (inside, across), comm) in enumerate(rows):
         who = f"{'busiest: ' if i == 0 and len(rows) > 1 else ''}stage {stage}"
-        by_kind = ", ".join(f"{name[5:-6]} {value / 2**30:.2f}" for name, value in comm.items())
-        print(f"{who:18s} {''.join(gib(figures[f]) + ' ' for f in MEMORY)}{gib(total)} | "
-              f"{inside / 2**30:.2f}, {across / 2**30:.2f}; {by_kind or 'none'}")
+        memory = "".join(f"{figures[f] / scale:9.2f} " for f in MEMORY)
+        by_kind = ", ".join(f"{name[5:-6]} {value / scale:.2f}" for name, value in comm.items())
+        print(f"{who:18s} {memory}{total / scale:9.2f} | {inside / scale:.2f}, {across / scale:.2f}; "
+              f"{by_kind or 'none'}")
 
 
 def powers_of_two(limit):
