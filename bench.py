@@ -164,10 +164,9 @@ def recomputation_check(settings, out, modes=("none", "selective", "full")):
 
 def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch", "llama", "--kv-heads", "8")):
     """plan.py's strategies (its memory figure) at a size this machine runs: each strategy alone on 8 ranks
-    (or one), for two sequence lengths and the three recomputation modes, one step each. The busiest rank's
-    logged memory beside plan.py's prediction for it (which adds one block's recomputation)."""
+    (or one), for two sequence lengths and the three recomputation modes, one step each: the busiest
+    rank's logged memory (plot.py sets plan.py's prediction for that rank beside it)."""
     import plan
-    import train
     runs, points = os.path.join(out, "planner"), []
     for label, world, flags in plan.STRATEGIES:
         model_flags = [*model, *(plan.EXPERTS if label.startswith("EP") else [])]
@@ -178,15 +177,12 @@ def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch"
                 print(f"bench: planner check, {label}, {seq_len} tokens, recompute {mode}", flush=True)
                 torchrun(world, "train.py", *argv, "--out", runs, "--name", name)
                 record = read_log(os.path.join(runs, name, "log.jsonl"))[0]
-                predicted = plan.predict(train.parse_args(argv), world)
                 parts = dict(param="param_bytes", grad="grad_bytes", optim="optim_bytes",
                              activations="activation_peak_bytes")
                 measured = [{key: record[field][r] for key, field in parts.items()} for r in range(world)]
                 busiest = max(range(world), key=lambda r: sum(measured[r].values()))
-                guess = {key: predicted[field][busiest] for key, field in parts.items()}
-                guess["activations"] += predicted["recompute_bytes"][busiest]
-                points.append(dict(strategy=label, seq_len=seq_len, recompute=mode, rank=busiest,
-                                   measured=measured[busiest], predicted=guess))
+                points.append(dict(strategy=label, seq_len=seq_len, recompute=mode, argv=argv, world=world,
+                                   rank=busiest, measured=measured[busiest]))
     return dict(model=" ".join(model), strategies=plan.STRATEGIES, points=points)
 
 

@@ -65,7 +65,10 @@ class ActivationMeter:
     def _pack(self, tensor):
         if id(tensor) in self.param_ids or id(tensor._base) in self.param_ids:
             return tensor
-        return _Saved(self, tensor)
+        # Detached: the same storage, without the autograd history. Kept with its history, a tensor that
+        # its own graph node saves (an output) would hold that node, which holds it, and a graph kept for a
+        # second backward (retain_graph) would never be freed.
+        return _Saved(self, tensor.detach())
 
     @staticmethod
     def _unpack(packed):

@@ -436,8 +436,9 @@ def autocast_weights(c, layout, layer):
 def proj_copies_heads(c, layout):
     """Whether the attention's output projection keeps its own contiguous copy of the heads' outputs: a
     linear without bias does; with bias it reads them in place when they come from PyTorch's fused kernel
-    (laid out token-major), but ring attention returns them head-major."""
-    return not c.bias or layout.cp > 1
+    (laid out token-major), but ring attention returns them head-major. A rank with one head has them
+    contiguous either way."""
+    return c.n_head // layout.tp > 1 and (not c.bias or layout.cp > 1)
 
 
 def mlp_activations(c, rows, t, a, d_ff=None):
@@ -451,13 +452,17 @@ def moe_activations(c, layout, tokens):
     the output that came back and its weighted copy; the shared expert's MLP on every token."""
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
     h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
-    router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64)
-    router += (2 * c.n_experts + 2) * wide  # the layer's token counts per expert, and their sums over ranks
+    router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64) + balance_statistics(c, layout)
     experts = assignments * (3 * h * a + wide + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)
     shared = 0
     if c.n_shared_experts:
         shared = mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
     return router + experts + shared
+
+
+def balance_statistics(c, layout):
+    """What the load-balancing loss keeps: the layer's fractions per expert, and the counts summed over ranks."""
+    return (2 * c.n_experts + 2) * max(layout.activation_bytes, 4)
 
 
 def recomputed_block(c, layout, layer):
@@ -476,24 +481,25 @@ def recomputed_block(c, layout, layer):
 
 
 def edge_activations(c, layout, first, last):
-    """The embedding's token ids and positions; the final norm, the head's input, the softmax and targets."""
+    """(the embedding's token ids; the final norm and the head's input, the loss's softmax and targets)."""
     t, a, w, tokens = layout.tp, layout.activation_bytes, layout.weight_bytes, tokens_per_rank(c, layout)
-    total = 0
+    embedding = head = loss = 0
     if first:
         if t > 1:  # the vocabulary-parallel embedding's local ids and what lies outside its range
-            total += tokens * (INT64 + BOOL)
+            embedding = tokens * (INT64 + BOOL)
         elif layout.cp > 1:  # the ids: a copy, this rank's zigzag shard (else a view, see shared_activations)
-            total += tokens * INT64
+            embedding = tokens * INT64
     if last:
         sharded = tokens // t if layout.sp else tokens
         norm = sharded * (c.d_model * w + 2 * w if c.norm == "layer" else 2 * c.d_model * w + w)
+        weight_copy = 2 * c.vocab_size * c.d_model // t if layout.dtype == "bfloat16" else 0  # autocast_weights
+        head = norm + tokens * c.d_model * a + weight_copy
         softmax = tokens * c.vocab_size // t * max(a, 4)
         # The cross-entropy keeps a flat copy of the targets (tp: local targets, and which are its own).
         targets = tokens * (INT64 + BOOL if t > 1 else INT64) if not batch_view_targets(layout) else 0
-        loss = max(a, 4) if t == 1 else 0  # cross_entropy's mean keeps a scalar; tp's own mean does not
-        head = 2 * c.vocab_size * c.d_model // t if layout.dtype == "bfloat16" else 0  # see autocast_weights
-        total += norm + tokens * c.d_model * a + softmax + targets + loss + head
-    return total
+        mean = max(a, 4) if t == 1 else 0  # cross_entropy's mean keeps a scalar; tp's own mean does not
+        loss = softmax + targets + mean
+    return embedding + head, loss
 
 
 def batch_view_targets(layout):
@@ -519,29 +525,39 @@ def shared_activations(c, layout, stage):
 
 
 def chunk_activations(c, layout, model_chunk):
-    """(kept until backward, the most held by one recomputation) of one model chunk and micro-batch."""
+    """(kept until the weights' gradients, of which the losses': freed at B by ZB-H1, the most held by one
+    recomputation) of one model chunk and micro-batch. The losses' share is the cross-entropy's and the
+    load-balancing losses' statistics: it lies above every weight's branch."""
     layers = pp.split_layers(c.n_layer, layout.pp * layout.virtual_stages)[model_chunk]
     blocks = [recomputed_block(c, layout, layer) for layer in layers]
     first, last = model_chunk == 0, model_chunk == layout.pp * layout.virtual_stages - 1
-    return sum(kept for kept, _ in blocks) + edge_activations(c, layout, first, last), max(r for _, r in blocks)
+    edges, loss = edge_activations(c, layout, first, last)
+    kept = sum(kept for kept, _ in blocks) + edges + loss
+    if layout.recompute != "full":  # (a recomputed block keeps only its input)
+        loss += sum(balance_statistics(c, layout) for layer in layers if c.is_moe(layer))
+    return kept, loss, max(r for _, r in blocks)
 
 
 def activation_peak(c, layout, stage):
     """(peak, recomputation): the most bytes kept for backward at once, over the micro-batches in flight
     (pp.py's schedule; one at a time without pipelining) times their chunk's activations; and what one
     block's recomputation holds on top of that during backward (which the meter, counting what forwards
-    keep, does not see)."""
+    keep, does not see). Under ZB-H1 a micro-batch is held until its W, but its B already frees what lies
+    above every weight's branch: the loss's softmax and targets (every node of a block leads to a weight)."""
     n_chunks = layout.virtual_stages
     sizes = {chunk: chunk_activations(c, layout, chunk * layout.pp + stage) for chunk in range(n_chunks)}
     if layout.pp == 1:
         actions = [(kind, 0, m) for m in range(layout.micro_batches) for kind in ("forward", "backward")]
     else:
         actions = pp.make_schedule(layout.schedule, layout.micro_batches, layout.pp, stage, n_chunks)
+    split = any(kind == "weight" for kind, _, _ in actions)
     live = peak = shared_activations(c, layout, stage)
     for kind, chunk, _ in actions:
-        live += sizes[chunk][0] if kind == "forward" else -sizes[chunk][0]
+        kept, loss, _ = sizes[chunk]
+        freed = {"forward": -kept, "backward": loss if split else kept, "weight": kept - loss}[kind]
+        live -= freed
         peak = max(peak, live)
-    return peak, max(recomputed for _, recomputed in sizes.values())
+    return peak, max(recomputed for _, _, recomputed in sizes.values())
 
 
 # ---------------------------------------------------------------------------

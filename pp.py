@@ -8,8 +8,8 @@ micro-batches the idle fraction per stage (the bubble) is
 
     bubble = (P - 1) / (M + P - 1)          (article: 3/4 for P=4, M=1; 1/5 for M=12)
 
-Three schedules, each a flat function that lists what this rank does, in
-order, as ("forward" | "backward", chunk, micro_batch) actions:
+Four schedules, each a flat function that lists what this rank does, in
+order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
 
 - GPipe: every forward, then every backward. M micro-batches' activations
   are alive at once.
@@ -18,6 +18,20 @@ order, as ("forward" | "backward", chunk, micro_batch) actions:
 - Interleaved 1F1B (Megatron-LM): each rank holds V non-adjacent chunks
   (rank r: chunks r, r+P, r+2P, ...), so a micro-batch visits every rank V
   times; the bubble shrinks by V for V times the point-to-point messages.
+- ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): a backward
+  has two halves. B, the gradient of the stage's input, is what the previous
+  stage waits for; W, the gradient of the stage's weights, only the
+  optimizer needs. ZB-H1 runs 1F1B with B in place of the backward and
+  defers W: rank r keeps up to r of them back and runs them where 1F1B's
+  last stages sit idle at the end, while B, about half a backward, brings
+  the gradients down the pipeline sooner. The idle time per stage is
+  (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) (the paper's section 3): a third
+  of it when F, B and W take as long. The peak activation memory stays
+  1F1B's: rank 0 holds P micro-batches, and rank r at most P-r unfinished
+  plus r awaiting W. The split is autograd's own: B runs the backward up to
+  the stage's input only, keeping the graph, and records the gradient where
+  each weight's branch leaves that path; W runs those branches alone
+  (`backward_input`, `backward_weight`).
 
 `run_schedule` executes any such list. First it places every rank's actions
 on common time steps (`timeline`): at each step a rank runs its next action
@@ -43,15 +57,21 @@ Self-check: torchrun --nproc_per_node 4 pp.py
 """
 import os
 import time
+from collections import defaultdict, deque
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import GradientEdge
 
 
-def bubble_formula(n_stages, n_micro, n_chunks=1):
-    """The ideal idle fraction (P-1) / (V*M + P-1) of a stage (V = 1 without interleaving)."""
+def bubble_formula(n_stages, n_micro, n_chunks=1, schedule=None):
+    """The ideal idle fraction (P-1) / (V*M + P-1) of a stage (V = 1 without interleaving); for ZB-H1
+    (P-1) / (3M + P-1), its idle (P-1)(F+B-W) over 3M units of work when F, B and W take one each."""
+    if schedule == "zb1":
+        return (n_stages - 1) / (3 * n_micro + n_stages - 1)
     return (n_stages - 1) / (n_chunks * n_micro + n_stages - 1)
 
 
@@ -85,6 +105,26 @@ def one_f_one_b(n_micro, n_stages, rank):
         actions += [("forward", 0, warmup + m), ("backward", 0, m)]
     actions += [("backward", 0, m) for m in range(n_micro - warmup, n_micro)]  # cool-down
     return actions
+
+
+def zero_bubble_h1(n_micro, n_stages, rank):
+    """ZB-H1: 1F1B's order with B as the backward; each W deferred while this rank holds fewer than `rank`
+    others back, the rest after the last B (where 1F1B's stage `rank` would wait for the earlier stages)."""
+    warmup = min(n_stages - rank - 1, n_micro)
+    actions, deferred = [("forward", 0, m) for m in range(warmup)], []
+
+    def input_backward(m):
+        actions.append(("backward", 0, m))
+        deferred.append(("weight", 0, m))
+        if len(deferred) > rank:
+            actions.append(deferred.pop(0))
+
+    for m in range(n_micro - warmup):
+        actions.append(("forward", 0, warmup + m))
+        input_backward(m)
+    for m in range(n_micro - warmup, n_micro):
+        input_backward(m)
+    return actions + deferred
 
 
 def virtual_step(k, n_stages, n_chunks, forward=True):
@@ -122,7 +162,7 @@ def forward_only(n_micro, n_stages, rank, n_chunks=1):
     return [("forward", *virtual_step(k, n_stages, n_chunks)) for k in range(n_micro * n_chunks)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1}
 
 
 def make_schedule(name, n_micro, n_stages, rank, n_chunks=1):
@@ -222,6 +262,86 @@ def exchanges(steps, rank, n_chunks=1):
 
 
 # ---------------------------------------------------------------------------
+# A backward in two halves (ZB-H1): B, the input's gradient now; W, the weights' later
+# ---------------------------------------------------------------------------
+
+def backward_graph(roots):
+    """The nodes of the backward graph below `roots` (autograd Nodes), and each node's parents."""
+    parents, seen, queue = defaultdict(list), set(roots), deque(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+    return seen, parents
+
+
+def above(node, parents, stop=lambda node: False):
+    """The nodes above `node` (those whose gradient flows into it), climbing no further than where `stop`
+    holds; returns (every node climbed, those where it stopped or that have no parent)."""
+    climbed, ends, queue = {node}, set(), deque([node])
+    while queue:
+        current = queue.popleft()
+        if current is not node and stop(current) or not parents[current]:
+            ends.add(current)
+            continue
+        for parent in parents[current]:
+            if parent not in climbed:
+                climbed.add(parent)
+                queue.append(parent)
+    return climbed, ends
+
+
+def backward_input(roots, grads, x):
+    """B: the gradient of the stage input x from (roots, grads), keeping what W needs.
+
+    Autograd computes only what leads to the tensors asked for: a backward to x alone runs the nodes on
+    x's path (the input path) and none of the branches that lead off it to weights only. Each weight's
+    branch leaves the input path at the first input-path nodes above the weight; a hook there records
+    the gradient flowing through. W later runs each branch from those nodes with those gradients. Returns
+    (x's gradient, the work W has to do); on the first stage (token ids, no gradient) W does it all.
+    """
+    grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]  # a loss's gradient is 1
+    nodes, parents = backward_graph([r.grad_fn for r in roots])
+    accumulators = [n for n in nodes if hasattr(n, "variable")]  # a leaf's node: where its .grad is summed
+    x_node = next((n for n in accumulators if n.variable is x), None)
+    if x_node is None:
+        return None, [(roots, grads, [n.variable for n in accumulators])]
+    input_path, _ = above(x_node, parents)
+    branches = defaultdict(list)  # the nodes a weight's branch leaves the input path at -> those weights
+    for node in accumulators:
+        if node is not x_node:
+            _, leaves_at = above(node, parents, stop=lambda n: n in input_path)
+            branches[frozenset(leaves_at)].append(node.variable)
+    recorded = {(r.grad_fn, r.output_nr): g for r, g in zip(roots, grads)}  # roots off the input path
+
+    def record(node, grad_outputs):
+        recorded.update({(node, i): g for i, g in enumerate(grad_outputs) if g is not None})
+
+    hooks = [node.register_prehook(partial(record, node)) for node in set().union(*branches) if node in input_path]
+    try:
+        torch.autograd.backward(roots, grads, inputs=[x], retain_graph=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    work = []
+    for leaves_at, weights in branches.items():
+        edges = [(GradientEdge(node, i), g) for (node, i), g in recorded.items() if node in leaves_at]
+        work.append(([e for e, _ in edges], [g for _, g in edges], weights))
+    return x.grad, work
+
+
+def backward_weight(work):
+    """W: each weight's branch, from where it leaves the input path, with the gradient B recorded there.
+    One backward per group of weights that leave at the same nodes, so no branch is run twice."""
+    for outputs, grads, weights in work:
+        torch.autograd.backward(outputs, grads, inputs=weights, retain_graph=True)
+
+
+# ---------------------------------------------------------------------------
 # Running a schedule
 # ---------------------------------------------------------------------------
 
@@ -248,20 +368,36 @@ class Stopwatch:
     def add(self, start, end):
         self.intervals.append((start, end))
 
-    def seconds(self):
+    def elapsed(self, start, end):
+        """Seconds from one mark of now() to another (on CUDA, once the events have happened)."""
         if not self.cuda:
-            return sum(end - start for start, end in self.intervals)
+            return end - start
         torch.cuda.synchronize()
-        return sum(start.elapsed_time(end) for start, end in self.intervals) / 1000
+        return start.elapsed_time(end) / 1000
+
+    def seconds(self):
+        return sum(self.elapsed(start, end) for start, end in self.intervals)
 
 
 class PipelineStats:
     """What one rank measured while running schedules: for the bubble and the memory claims."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", record=False):
         self.compute, self.wait, self.total = Stopwatch(device), Stopwatch(device), Stopwatch(device)
         self.peak_in_flight = 0   # micro-batches whose activations were alive at once, at most
         self.bytes_sent = 0
+        self.actions = [] if record else None  # with record: every action's times, for `timeline`
+        self.origin = None
+
+    def record(self, action, wait, start, end):
+        if self.actions is not None:
+            self.actions.append((action, wait, start, end))
+
+    def timeline(self):
+        """[(kind, chunk, micro-batch, waiting from, computing from, until)] in seconds since the schedule
+        started (after a barrier of the stages, so every rank's times are on one axis)."""
+        since = lambda mark: self.total.elapsed(self.origin, mark)  # noqa: E731
+        return [(*action, since(wait), since(start), since(end)) for action, wait, start, end in self.actions]
 
     @property
     def wait_s(self):
@@ -356,9 +492,12 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
     stats = stats or PipelineStats(device)
     actions = schedules[rank]
-    last_backward = {chunk: max(m for kind, c, m in actions if kind == "backward" and c == chunk)
-                     for chunk in {c for kind, c, _ in actions if kind == "backward"}}
-    final_backward = next((a for a in reversed(actions) if a[0] == "backward"), None)
+    # The action that sums the weights' gradients (the data-parallel reduction follows its last): the
+    # backward, or the weight pass where a schedule splits it off (ZB-H1).
+    summing = "weight" if any(kind == "weight" for kind, _, _ in actions) else "backward"
+    last_summing = {chunk: max(m for kind, c, m in actions if kind == summing and c == chunk)
+                    for chunk in {c for kind, c, _ in actions if kind == summing}}
+    final_summing = next((a for a in reversed(actions) if a[0] == summing), None)
     saved, losses, side_losses = {}, [], []
 
     def forward(c, m, x):
@@ -383,24 +522,41 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
             stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
         return y
 
+    def reduction(c, m):
+        """Around the gradient sums of chunk c, micro-batch m: the data-parallel reduction starts in the last
+        of the chunk, and what is left after the rank's final one."""
+        if grad_sync is None or (summing, c, m) == final_summing:
+            return nullcontext()
+        if m == last_summing[c]:
+            return grad_sync.keep_incomplete_buckets()
+        return grad_sync.no_sync()
+
     def backward(c, m, grad):
-        """Backward of chunk c on micro-batch m from the gradient of its output; returns its input's."""
+        """Backward of chunk c on micro-batch m from the gradient of its output; returns its input's. Where
+        weight passes follow, only B: the rest waits in `saved` for W."""
         x, y, roots = saved.pop((c, m))
         grads = [None] * len(roots)
         if grad is not None:
             roots, grads = [y, *roots], [grad, *grads]
-        if grad_sync is None or ("backward", c, m) == final_backward:
-            reduction = nullcontext()
-        elif m == last_backward[c]:
-            reduction = grad_sync.keep_incomplete_buckets()
-        else:
-            reduction = grad_sync.no_sync()
-        with reduction:
+        if summing == "weight":
+            with grad_sync.no_sync() if grad_sync else nullcontext():  # no weight's gradient is summed here
+                x_grad, saved[c, m] = backward_input(roots, grads, x)
+            return x_grad
+        with reduction(c, m):
             torch.autograd.backward(roots, grads)
         return x.grad
 
+    def weight(c, m):
+        *firsts, last = saved.pop((c, m))
+        with reduction(c, m):
+            with grad_sync.keep_incomplete_buckets() if grad_sync else nullcontext():
+                backward_weight(firsts)  # a W is several backwards: the end of the last is the end of W
+            backward_weight([last])
+
     steps, received = timeline(schedules, n_chunks), {}
-    start = stats.total.now()
+    if stats.actions is not None:  # a timeline is recorded: the stages start it together
+        dist.barrier(group=group)
+    start = stats.origin = stats.total.now()
     for row, (sends, receives) in zip(steps, exchanges(steps, rank, n_chunks)):
         output, action = None, row[rank]
         if action:
@@ -412,9 +568,12 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
             stats.wait.add(wait, compute)
             if kind == "forward":
                 output = forward(c, m, micro_batches[m][0] if incoming is None else incoming)
-            else:
+            elif kind == "backward":
                 output = backward(c, m, incoming)
+            else:
+                weight(c, m)
             stats.compute.add(compute, stats.compute.now())
+            stats.record(action, wait, compute, stats.compute.intervals[-1][1])
         received.update(p2p.post([(peer, message, output) for peer, message in sends], receives))
     p2p.flush()
     stats.total.add(start, stats.total.now())
@@ -506,7 +665,7 @@ def _self_check():
         ref_loss += loss.item() / n_micro
     ref_grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
 
-    for name, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)][:3 if n_stages > 1 else 2]:
+    for name, n_chunks in [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2)][:4 if n_stages > 1 else 3]:
         for p in (p for layer in layers for p in layer.parameters()):
             p.grad = None
         ranges = split_layers(n_layers, n_stages * n_chunks)

@@ -252,6 +252,9 @@ def check_pipeline(args):
         if args.schedule == "interleaved" or args.virtual_stages > 1:
             raise ConfigError("--schedule interleaved and --virtual-stages need pipeline parallelism (--pp > 1)")
         return
+    if args.schedule == "zb1" and args.recompute != "none":
+        raise ConfigError("--schedule zb1 with --recompute is not supported: ZB-H1 splits every backward in two "
+                          "(B, then W later), and a recomputed block would run its forward again in each half")
     if args.zero >= 2:
         raise ConfigError(f"--zero {args.zero} with --pp is not supported: ZeRO-2/3 reduce gradients in every "
                           f"backward, which a pipeline runs once per micro-batch and stage (M times the traffic, "
@@ -891,7 +894,7 @@ def log_entry(args, step, record, wall, trainer):
     if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
         entry.update(trainer.routing)
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
-        entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages)
+        entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages, args.schedule)
     return entry
 
 

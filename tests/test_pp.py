@@ -23,9 +23,20 @@ def read_log(run_dir):
 
 
 CASES = [(stages, schedule, 2 if schedule == "interleaved" else 1, micro) for stages in (2, 4)
-         for schedule in ("gpipe", "1f1b", "interleaved") for micro in (stages, 2 * stages)]  # m = p and m > p
+         for schedule in ("gpipe", "1f1b", "interleaved", "zb1") for micro in (stages, 2 * stages)]  # m = p, m > p
 # Three stages and three virtual stages: the 8 layers split unevenly (3+3+2, 2+2+1+1+1+1).
-CASES += [(3, "gpipe", 1, 3), (3, "1f1b", 1, 6), (3, "interleaved", 2, 6), (2, "interleaved", 3, 4)]
+CASES += [(3, "gpipe", 1, 3), (3, "1f1b", 1, 6), (3, "interleaved", 2, 6), (2, "interleaved", 3, 4), (3, "zb1", 1, 6)]
+
+
+def in_flight(actions):
+    """The most micro-batches whose activations an action list keeps at once: from a forward to the pass
+    that sums the weights' gradients (the backward, or ZB-H1's weight pass)."""
+    summing = "weight" if any(kind == "weight" for kind, _, _ in actions) else "backward"
+    live = peak = 0
+    for kind, _, _ in actions:
+        live += (kind == "forward") - (kind == summing)
+        peak = max(peak, live)
+    return peak
 
 
 @pytest.mark.parametrize("stages,schedule,chunks,micro", CASES, ids=lambda v: str(v))
@@ -49,8 +60,11 @@ def test_pipeline_matches_single_device(tmp_path, stages, schedule, chunks, micr
                 assert peak == micro
             elif schedule == "1f1b":
                 assert peak == min(stages - rank, micro) <= stages
+            elif schedule == "zb1":  # W deferred: more on later stages, never more than 1F1B's first stage
+                assert peak == in_flight(pp.make_schedule("zb1", micro, stages, rank)) <= min(stages, micro)
             assert 0 <= entry["pp_bubble"][rank] <= 1
-        assert entry["pp_bubble_formula"] == pytest.approx((stages - 1) / (chunks * micro + stages - 1))
+        work = 3 * micro if schedule == "zb1" else chunks * micro  # ZB-H1: F, B and W of a unit each
+        assert entry["pp_bubble_formula"] == pytest.approx((stages - 1) / (work + stages - 1))
 
 
 def test_pipeline_with_data_parallel(tmp_path):
@@ -73,6 +87,18 @@ def test_pipeline_with_tensor_and_sequence_parallel(tmp_path):
         assert_matches_oracle(result, oracle([*BASE, "--micro-batches", "4"]))
 
 
+@pytest.mark.parametrize("flags,model", [
+    (["--zero", "1"], []), (["--tp", "2", "--sp"], []), (["--cp", "2"], []),
+    (["--ep", "2"], ["--experts", "4", "--shared-experts", "1", "--balance", "both"]),
+    (["--tp", "2"], ["--arch", "llama", "--experts", "4"])], ids=["dp2-zero1", "tp2-sp", "cp2", "ep2", "tp2-moe-llama"])
+def test_zero_bubble_with_other_dimensions(tmp_path, flags, model):
+    """ZB-H1's weight passes sum what data parallelism reduces (after the last of each chunk), run tp's
+    collectives of the norms' and biases' gradients, and leave an MoE's all-to-all and the ring in B."""
+    argv = [*BASE, *model, "--micro-batches", "4", "--pp", "2", "--schedule", "zb1", *flags, "--out", str(tmp_path)]
+    for result in run_on_ranks(4, train_worker, argv, timeout=180):
+        assert_matches_oracle(result, oracle([*BASE, *model, "--micro-batches", "4"]))
+
+
 # -- the schedules themselves, without processes ---------------------------------------
 
 def simulate(schedule, n_micro, n_stages, n_chunks):
@@ -91,8 +117,9 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
                 continue
             kind, c, m = lists[r][position[r]]
             k = c * n_stages + r
-            needs = ([("forward", k - 1, m)] if k > 0 else []) if kind == "forward" else \
-                [("forward", k, m)] + ([("backward", k + 1, m)] if k < n_model - 1 else [])
+            needs = {"forward": [("forward", k - 1, m)] if k > 0 else [],
+                     "backward": [("forward", k, m)] + ([("backward", k + 1, m)] if k < n_model - 1 else []),
+                     "weight": [("backward", k, m)]}[kind]
             if all(need in done for need in needs):
                 done.add((kind, k, m))
                 position[r] += 1
@@ -101,22 +128,30 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
     return lists
 
 
-@pytest.mark.parametrize("schedule,n_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("schedule,n_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
+                                              ("zb1", 1)])
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_stages, groups):
     n_micro = groups * n_stages
+    kinds = ("forward", "backward", "weight") if schedule == "zb1" else ("forward", "backward")
     for rank, actions in enumerate(simulate(schedule, n_micro, n_stages, n_chunks)):
-        expected = {(kind, c, m) for kind in ("forward", "backward") for c in range(n_chunks) for m in range(n_micro)}
+        expected = {(kind, c, m) for kind in kinds for c in range(n_chunks) for m in range(n_micro)}
         assert sorted(actions) == sorted(expected)
-        if schedule == "1f1b":  # warm-up of P-1-rank forwards before the first backward
+        if schedule in ("1f1b", "zb1"):  # warm-up of P-1-rank forwards before the first backward
             assert [kind for kind, _, _ in actions].index("backward") == min(n_stages - rank - 1, n_micro) + 1
+        if schedule == "zb1":  # rank r holds at most r weight passes back; B and F keep 1F1B's order
+            one_f_one_b = pp.make_schedule("1f1b", n_micro, n_stages, rank)
+            assert [a for a in actions if a[0] != "weight"] == one_f_one_b
+            held = [sum(k == "backward" for k, _, _ in actions[:i]) - sum(k == "weight" for k, _, _ in actions[:i])
+                    for i in range(len(actions)) if actions[i][0] == "forward"]
+            assert max(held, default=0) <= rank
 
 
 # -- NCCL's rules: messages match by posting order, batches run one after the other ----------
 
 PLANS = [(schedule, n_chunks, n_stages, groups * n_stages)
-         for schedule, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
+         for schedule, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb1", 1)]
          for n_stages in (2, 3, 4) for groups in (1, 2, 3)]
 
 
@@ -225,6 +260,7 @@ def test_split_layers_is_as_even_as_possible():
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3"], "multiple of the pipeline size"),
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"], "2 layers cannot fill 4 pipeline chunks"),
     (["--schedule", "interleaved"], "need pipeline parallelism (--pp > 1)"),
+    (["--pp", "2", "--schedule", "zb1", "--recompute", "full"], "--schedule zb1 with --recompute is not supported"),
 ])
 def test_refused_pipeline_flags(flags, message):
     with pytest.raises(train.ConfigError, match=re.escape(message)):
@@ -232,5 +268,5 @@ def test_refused_pipeline_flags(flags, message):
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("pp.py", 4, tmp_path)  # GPipe, 1F1B, interleaved
-    assert len(differences) == 3 and max(differences) < 1e-12
+    differences = self_check_alone("pp.py", 4, tmp_path)  # GPipe, 1F1B, ZB-H1, interleaved
+    assert len(differences) == 4 and max(differences) < 1e-12
