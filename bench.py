@@ -186,6 +186,38 @@ def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch"
     return dict(model=" ".join(model), strategies=plan.STRATEGIES, points=points)
 
 
+def pipeline_schedules(out, rounds=3, steps=4, schedules=("gpipe", "1f1b", "interleaved", "zb1"),
+                       model=("--model", "medium", "--pp", "2", "--micro-batches", "8", "--batch-size", "32")):
+    """The four schedules on the same model, P and M, in turn in each round (the order rotated, so the
+    machine's drift cancels): each run's measured bubble (the mean over its ranks and steps after the first)
+    and step time, ZB-H1's bubble over 1F1B's per round, and the last round's timelines (train.py logs the
+    last step's)."""
+    runs, per_round = os.path.join(out, "pipeline"), []
+    for r in range(rounds):
+        order = schedules[r % len(schedules):] + schedules[:r % len(schedules)]
+        measured = {}
+        for schedule in order:
+            print(f"bench: pipeline schedules, round {r + 1} of {rounds}: {schedule}", flush=True)
+            name = f"{schedule}{r}"
+            torchrun(2, "train.py", *model, "--schedule", schedule, "--steps", str(steps), "--eval-interval",
+                     str(steps), "--out", runs, "--name", name)
+            log = read_log(os.path.join(runs, name, "log.jsonl"))
+            measured[schedule] = dict(bubble=statistics.mean(b for e in log[1:] for b in e["pp_bubble"]),
+                                      step_s=statistics.mean(e["step_s"] for e in log[1:]),
+                                      formula=log[-1]["pp_bubble_formula"], timeline=log[-1]["pp_timeline"])
+        per_round.append(measured)
+    ratios = [m["zb1"]["bubble"] / m["1f1b"]["bubble"] for m in per_round]
+    summary = {s: dict(bubble=statistics.median(m[s]["bubble"] for m in per_round),
+                       bubble_range=[min(m[s]["bubble"] for m in per_round), max(m[s]["bubble"] for m in per_round)],
+                       step_s=statistics.median(m[s]["step_s"] for m in per_round),
+                       formula=per_round[0][s]["formula"], timeline=per_round[-1][s]["timeline"])
+               for s in schedules}
+    return dict(flags=list(model), rounds=rounds, steps=steps, schedules=summary,
+                zb1_over_1f1b=dict(bubble_ratio=statistics.median(ratios), range=[min(ratios), max(ratios)]),
+                per_round=[{s: {k: v for k, v in m[s].items() if k != "timeline"} for s in schedules}
+                           for m in per_round])
+
+
 def tokens_per_s(records):
     """Tokens per second over these steps of a log (the steady ones: start-up left out)."""
     return sum(e["tokens_per_s"] * e["step_s"] for e in records) / sum(e["step_s"] for e in records)
@@ -414,7 +446,8 @@ def worker_pp(settings, schedule):
     """pp.py's schedule against torch.distributed.pipelining's, on the same two-stage split."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
     import pp
     rank, world = dist.get_rank(), dist.get_world_size()
     n_micro = settings["micro_batches"]
@@ -433,7 +466,10 @@ def worker_pp(settings, schedule):
             return their_chunk(x)
 
     stage = PipelineStage(Stage(), rank, world, torch.device("cpu"))
-    builtin = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, n_micro, loss_fn=theirs.loss_fn)
+    if schedule == "zb1":  # PyTorch's zero-bubble schedule for one stage per rank: ZB-H1's (a list of stages)
+        builtin = ScheduleInterleavedZeroBubble([stage], n_micro, loss_fn=theirs.loss_fn)
+    else:
+        builtin = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, n_micro, loss_fn=theirs.loss_fn)
     schedules = [pp.make_schedule(schedule, n_micro, world, r) for r in range(world)]
     micro = settings["batch_size"] // n_micro
     shape = (micro, args.seq_len, ours.config.d_model)
@@ -474,6 +510,7 @@ WORKERS = {  # name: (ranks, worker)
     "tp": (2, worker_tp),
     "pp_1f1b": (2, lambda settings: worker_pp(settings, "1f1b")),
     "pp_gpipe": (2, lambda settings: worker_pp(settings, "gpipe")),
+    "pp_zb1": (2, lambda settings: worker_pp(settings, "zb1")),
 }
 
 
@@ -658,7 +695,8 @@ def main():
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
                                              "scaling check, 'recompute' for the recomputation modes, 'planner' for plan.py's "
-                                             "strategies measured); the rest "
+                                             "strategies measured, 'pipeline' for the four schedules' "
+                                             "timelines); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
@@ -705,6 +743,12 @@ def main():
         for mode, r in recomputation["modes"].items():
             print(f"recompute {mode:9s} activations {r['activation_peak_bytes']:,} bytes, step time x"
                   f"{r['step_time_vs_none']:.2f} of none's (range {r['range'][0]:.2f}-{r['range'][1]:.2f})")
+    if not args.only or "pipeline" in args.only:
+        pipeline = pipeline_schedules(args.out)
+        write_json(os.path.join(args.out, "pipeline.json"), pipeline)
+        for name, p in pipeline["schedules"].items():
+            print(f"pipeline {name:11s} bubble {p['bubble']:.3f} (formula {p['formula']:.3f}), "
+                  f"step {p['step_s']:.2f} s")
     if not args.only or "planner" in args.only:
         write_json(os.path.join(args.out, "planner.json"), planner_check(args.out))
     if not args.only or "scaling" in args.only:

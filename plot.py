@@ -1,11 +1,13 @@
 """Figures and the results table from what bench.py wrote to results/.
 
     python plot.py [--results results]
+    python plot.py --timeline runs/<name>/log.jsonl   # a pipeline run's measured timeline
 
 Writes results/throughput.png, loss.png, memory.png, communication.png,
 bubble.png, experts.png, memory_planned.png (plan.py's memory per strategy by
 sequence length), memory_measured.png (bench.py's small runs of the same
-strategies, measured beside predicted) and results/results.md (the seed table's columns,
+strategies, measured beside predicted), timelines.png (the pipeline
+schedules as measured) and results/results.md (the seed table's columns,
 plus memory, communication and efficiency, and the comparisons with
 PyTorch's built-ins).
 """
@@ -173,7 +175,8 @@ def table(rows, comparisons, machine, results):
                  "fsdp": ("dp.py ZeRO-3", "FSDP2 fully_shard"),
                  "tp": ("tp.py column/row-parallel blocks", "DTensor parallelize_module (Colwise/Rowwise)"),
                  "pp_1f1b": ("pp.py 1F1B", "torch.distributed.pipelining Schedule1F1B"),
-                 "pp_gpipe": ("pp.py GPipe", "torch.distributed.pipelining ScheduleGPipe")}
+                 "pp_gpipe": ("pp.py GPipe", "torch.distributed.pipelining ScheduleGPipe"),
+                 "pp_zb1": ("pp.py ZB-H1", "torch.distributed.pipelining ScheduleInterleavedZeroBubble (one stage a rank)")}
         for key, c in comparisons.items():
             ours, theirs = names.get(key, (key, "built-in"))
             lines.append(f"| {ours} | {theirs} | {c['ours_step_s']:.4f} | {c['builtin_step_s']:.4f} | {c['ratio']:.2f} "
@@ -275,10 +278,79 @@ def measured_memory(results):
     plt.close(fig)
 
 
+ACTIONS = {"forward": ("F", "tab:blue"), "backward": ("B", "tab:orange"), "weight": ("W", "tab:green")}
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B (2 chunks a rank)", "zb1": "ZB-H1"}
+
+
+def draw_timeline(ax, timeline, title):
+    """One measured pipeline step: a row per stage, a box per action (forward, input-backward, weight-backward)
+    from when it started computing to when it ended, grey where it waited for its input."""
+    for stage, actions in enumerate(timeline):
+        for kind, chunk, micro, waited, start, end in actions:
+            ax.barh(stage, start - waited, left=waited, color="lightgrey", height=0.8)
+            letter, colour = ACTIONS[kind]
+            ax.barh(stage, end - start, left=start, color=colour, alpha=1.0 if chunk == 0 else 0.6,
+                    edgecolor="black", linewidth=0.3, height=0.8)
+            ax.text((start + end) / 2, stage, f"{letter}{micro}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(timeline)), [f"stage {s}" for s in range(len(timeline))])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=10)
+
+
+def timeline_legend(fig):
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in ACTIONS.values()] + [
+        plt.Rectangle((0, 0), 1, 1, color="lightgrey")]
+    fig.legend(handles, ["forward", "backward (ZB-H1: input gradient, B)", "weight gradient (W)",
+                         "waiting for its input"], loc="upper center", ncol=4, fontsize=9, bbox_to_anchor=(0.5, 0.97))
+
+
+def timelines(results):
+    """bench.py's four schedules on the same model, P and M, one above the other, as measured."""
+    path = os.path.join(results, "pipeline.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        pipeline = json.load(f)
+    schedules = pipeline["schedules"]
+    fig, axes = plt.subplots(len(schedules), 1, figsize=(14, 2.2 * len(schedules)), sharex=True)
+    for ax, (name, run) in zip(axes, schedules.items()):
+        draw_timeline(ax, run["timeline"], f"{TITLES[name]}: measured bubble {run['bubble']:.3f}, formula "
+                                           f"{run['formula']:.3f}, step {run['step_s']:.2f} s")
+    axes[-1].set_xlabel("seconds since the step's pipeline started (the last step of the last round)")
+    timeline_legend(fig)
+    fig.suptitle(f"Measured pipeline timelines ({' '.join(pipeline['flags'])}); a lighter box: the second chunk",
+                 y=0.995, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(os.path.join(results, "timelines.png"), dpi=90)
+    plt.close(fig)
+
+
+def run_timeline(log_path):
+    """The timeline train.py logged (the last step of a pipeline run), drawn beside its log."""
+    with open(log_path) as f:
+        entry = [json.loads(line) for line in f][-1]
+    fig, ax = plt.subplots(figsize=(14, 1 + 0.5 * len(entry["pp_timeline"])))
+    draw_timeline(ax, entry["pp_timeline"], f"step {entry['step']}: measured bubble per stage "
+                  f"{', '.join(f'{b:.3f}' for b in entry['pp_bubble'])}, formula {entry['pp_bubble_formula']:.3f}")
+    ax.set_xlabel("seconds since the step's pipeline started")
+    timeline_legend(fig)
+    fig.tight_layout(rect=(0, 0, 1, 0.85))
+    out = os.path.join(os.path.dirname(log_path), "timeline.png")
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    results = p.parse_args().results
+    p.add_argument("--timeline", metavar="LOG", help="only draw the pipeline timeline a run logged (its "
+                                                     "log.jsonl): timeline.png beside it")
+    options = p.parse_args()
+    if options.timeline:
+        print(f"plot.py: {run_timeline(options.timeline)}")
+        return
+    results = options.results
     rows, logs, floor, comparisons, machine = load(results)
     throughput(rows, results)
     losses(rows, logs, floor, results)
@@ -289,6 +361,7 @@ def main():
     table(rows, comparisons, machine, results)
     planned_memory(results)
     measured_memory(results)
+    timelines(results)
     print(f"plot.py: figures and results.md written to {results}")
 
 

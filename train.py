@@ -617,7 +617,7 @@ class Trainer:
         shard = lambda t: cp.shard_sequence(t, self.cp_size, self.mesh.index("cp"))  # noqa: E731
         return [(shard(inputs), shard(targets)) for inputs, targets in batches]
 
-    def train_step(self, step):
+    def train_step(self, step, timeline=False):
         """One optimizer step over the global batch; returns this rank's log values."""
         args = self.args
         tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
@@ -629,7 +629,8 @@ class Trainer:
             # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
             self.optimizers[0].zero_grad(set_to_none=True)
         self.routing = dict(tokens_per_expert=[[0] * args.experts for _ in self.moe_layers], dropped_tokens=0)
-        pipeline = pp.PipelineStats(self.device)  # stays empty without pipeline parallelism
+        # Stays empty without pipeline parallelism; with `timeline`, records when each action waited and ran.
+        pipeline = pp.PipelineStats(self.device, record=timeline)
         if self.chunks:
             schedules = [pp.make_schedule(args.schedule, args.micro_batches, self.pp_size, r, args.virtual_stages)
                          for r in range(self.pp_size)]
@@ -671,6 +672,7 @@ class Trainer:
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
         elapsed = time.perf_counter() - start
         comm_wait = grad_wait.seconds() + pipeline.wait_s
+        self.timeline = pipeline.timeline() if timeline else None
         return dict(self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline), grad_norm=grad_norm)
 
     def count_routing(self, index, layer, inputs, output):
@@ -831,10 +833,15 @@ def train(args):
     last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
     with Preemption() as preemption:
         for step in range(trainer.start_step, end):
-            record = gather_records(dict(trainer.train_step(step), stop_requested=preemption.requested))
+            # The pipeline's timeline, of one step: the last.
+            timeline = args.pp > 1 and step == end - 1
+            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested))
             if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
                 end, stopped = step + 1, True
             entry = log_entry(args, step, record, wall, trainer)
+            if timeline:  # per rank: [kind, chunk, micro-batch, waiting from, computing from, until] (seconds)
+                entry["pp_timeline"] = [None] * world
+                dist.all_gather_object(entry["pp_timeline"], trainer.timeline)
             if peak:
                 entry["mfu"] = flops_per_token * entry["tokens_per_s"] / (world * peak)
             wall, last = entry["time_s"], step == end - 1

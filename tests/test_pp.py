@@ -65,6 +65,12 @@ def test_pipeline_matches_single_device(tmp_path, stages, schedule, chunks, micr
             assert 0 <= entry["pp_bubble"][rank] <= 1
         work = 3 * micro if schedule == "zb1" else chunks * micro  # ZB-H1: F, B and W of a unit each
         assert entry["pp_bubble_formula"] == pytest.approx((stages - 1) / (work + stages - 1))
+    # The last step's timeline: every rank's actions in its schedule's order, each waiting, then computing,
+    # one after the other.
+    for rank, actions in enumerate(entry["pp_timeline"]):
+        assert [tuple(a[:3]) for a in actions] == pp.make_schedule(schedule, micro, stages, rank, chunks)
+        times = [t for a in actions for t in a[3:]]
+        assert times == sorted(times) and times[0] >= 0
 
 
 def test_pipeline_with_data_parallel(tmp_path):
