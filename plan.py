@@ -170,7 +170,8 @@ def stage_parameters(config_fields, tp, pp_size, virtual_stages, ep):
         if is_expert_parameter(name) and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
         dense, expert = held[stage_of(name, stages, pp_size - 1)]
-        (expert if is_expert_parameter(name) else dense).append((name, math.prod(shape) // (tp if tp_sharded(name) else 1)))
+        numel = math.prod(shape) // (tp if tp_sharded(name) else 1)
+        (expert if is_expert_parameter(name) else dense).append((name, numel))
     return held
 
 
@@ -183,20 +184,17 @@ class Bucket:
     sizes: list   # elements of each parameter, in bucket order
     padded: int   # elements, a multiple of the group's size
 
+    def __post_init__(self):
+        self.offsets = [0, *itertools.accumulate(self.sizes)]  # where each parameter begins, and the end
+
     def pieces(self, rank, n_ranks):
         """How many parameters overlap ZeRO rank `rank`'s shard [r S, (r+1) S) of this bucket."""
-        offsets = self.offsets()
         shard = self.padded // n_ranks
         lo, hi = rank * shard, (rank + 1) * shard
-        first = bisect.bisect_right(offsets, lo) - 1  # the parameter in which the shard begins
-        last = bisect.bisect_left(offsets, hi)        # one past the parameter in which it ends
+        first = bisect.bisect_right(self.offsets, lo) - 1  # the parameter in which the shard begins
+        last = bisect.bisect_left(self.offsets, hi)        # one past the parameter in which it ends
         return sum(1 for i in range(max(first, 0), min(last, len(self.sizes)))
-                   if min(offsets[i + 1], hi) > max(offsets[i], lo))
-
-    def offsets(self):
-        if not hasattr(self, "_offsets"):
-            self._offsets = [0, *itertools.accumulate(self.sizes)]
-        return self._offsets
+                   if min(self.offsets[i + 1], hi) > max(self.offsets[i], lo))
 
 
 def padded(numel, n_ranks):
@@ -216,9 +214,14 @@ def make_buckets(sizes, bucket_bytes, itemsize, n_ranks):
     return [Bucket(b, padded(sum(b), n_ranks)) for b in buckets]
 
 
+def unit_of(name):
+    """The ZeRO-3 unit (dp.gpt_units) a parameter belongs to: 'blocks.3', or 'tok_emb', 'norm', ..."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
 def zero3_buckets(params, n_ranks):
-    """ZeRO-3's buckets are its units (dp.gpt_units: embeddings, each block, final norm, head), in reverse."""
-    unit_of = lambda name: name.split(".")[0] if not name.startswith("blocks.") else ".".join(name.split(".")[:2])  # noqa: E731
+    """ZeRO-3's buckets are its units (embeddings, each block, final norm, head), in reverse."""
     units = {}
     for name, numel in params:
         units.setdefault(unit_of(name), []).append(numel)
@@ -257,8 +260,10 @@ def state_memory(params, group, layout, unused_check):
     grad = (shard + (full if layout.zero == 1 else 0)) * w  # ZeRO-1 keeps the full gradient as well
     reductions = 1 if layout.zero == 1 else layout.micro_batches  # ZeRO-2/3 reduce in every backward
     gathers = 2 * layout.micro_batches if layout.zero == 3 else 1  # ZeRO-3: before forward and before backward
-    traffic["reduce_scatter"] = reductions * sum(ring_bytes_sent("reduce_scatter", b.padded * w, group) for b in buckets)
-    traffic["all_gather"] = gathers * sum(ring_bytes_sent("all_gather", b.padded * w, group) for b in buckets)
+    one_pass = {kind: sum(ring_bytes_sent(kind, b.padded * w, group) for b in buckets)  # (N-1)/N of each bucket
+                for kind in ("reduce_scatter", "all_gather")}
+    traffic["reduce_scatter"] = reductions * one_pass["reduce_scatter"]
+    traffic["all_gather"] = gathers * one_pass["all_gather"]
     traffic["all_reduce"] = ring_bytes_sent("all_reduce", 8, group)  # the gradient norm's sum of squares, float64
     if unused_check:
         traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
@@ -606,7 +611,7 @@ def rank_figures(stage_prediction, layout, where):
     """The stage's figures for the rank at grid coordinates `where`: its optimizer adds its step counters."""
     fields = {k: v for k, v in stage_prediction.items() if k not in ("traffic", "steps")}
     steps = stage_prediction["steps"]
-    counters = steps["dense"](group_index(layout, "dense", where)) + steps["expert"](group_index(layout, "expert", where))
+    counters = sum(steps[group](group_index(layout, group, where)) for group in ("dense", "expert"))
     fields["optim_bytes"] += counters * ADAM_STEP_BYTES
     return fields
 

@@ -176,7 +176,8 @@ def table(rows, comparisons, machine, results):
                  "tp": ("tp.py column/row-parallel blocks", "DTensor parallelize_module (Colwise/Rowwise)"),
                  "pp_1f1b": ("pp.py 1F1B", "torch.distributed.pipelining Schedule1F1B"),
                  "pp_gpipe": ("pp.py GPipe", "torch.distributed.pipelining ScheduleGPipe"),
-                 "pp_zb1": ("pp.py ZB-H1", "torch.distributed.pipelining ScheduleInterleavedZeroBubble (one stage a rank)")}
+                 "pp_zb1": ("pp.py ZB-H1",
+                            "torch.distributed.pipelining ScheduleInterleavedZeroBubble (one stage a rank)")}
         for key, c in comparisons.items():
             ours, theirs = names.get(key, (key, "built-in"))
             lines.append(f"| {ours} | {theirs} | {c['ours_step_s']:.4f} | {c['builtin_step_s']:.4f} | {c['ratio']:.2f} "
@@ -242,7 +243,8 @@ def predicted(point):
     """plan.py's prediction (as it is now) for the rank a bench.py point measured; activations with the
     block being recomputed, which the meter does not see."""
     import plan
-    figures = {k: v[point["rank"]] for k, v in plan.predict(plan.train.parse_args(point["argv"]), point["world"]).items()}
+    prediction = plan.predict(plan.train.parse_args(point["argv"]), point["world"])
+    figures = {field: values[point["rank"]] for field, values in prediction.items()}
     return dict(param=figures["param_bytes"], grad=figures["grad_bytes"], optim=figures["optim_bytes"],
                 activations=figures["activation_peak_bytes"] + figures["recompute_bytes"])
 

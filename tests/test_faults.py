@@ -128,14 +128,14 @@ def poisoned_train_worker(argv, poisoned_step, poisoned_rank):
     after it): that rank's loss, then every rank's gradient, is not finite at that step alone."""
     train_step = train.Trainer.train_step
 
-    def poisoned(trainer, step):
+    def poisoned(trainer, step, *options):
         if (step, dist.get_rank()) != (poisoned_step, poisoned_rank):
-            return train_step(trainer, step)
+            return train_step(trainer, step, *options)
         weight = trainer.params[0].detach()
         kept = weight.clone()
         weight.view(-1)[0] = float("nan")
         try:
-            return train_step(trainer, step)
+            return train_step(trainer, step, *options)
         finally:
             weight.copy_(kept)
 
