@@ -30,13 +30,19 @@ def load(results):
             logs[r["name"]] = [json.loads(line) for line in f]
     with open(os.path.join(results, "runs", rows[0]["name"], "config.json")) as f:
         floor = json.load(f)["entropy_floor"]
-    comparisons = {}
-    if os.path.exists(os.path.join(results, "comparisons.json")):
-        with open(os.path.join(results, "comparisons.json")) as f:
-            comparisons = json.load(f)
+    comparisons = optional_result(results, "comparisons.json") or {}
     with open(os.path.join(results, "machine.json")) as f:
         machine = json.load(f)
     return rows, logs, floor, comparisons, machine
+
+
+def optional_result(results, name):
+    """A JSON result bench.py writes only when asked (--only ...), or None."""
+    path = os.path.join(results, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def short(name):
@@ -251,11 +257,9 @@ def predicted(point):
 
 def measured_memory(results):
     """bench.py's small runs of the same strategies: measured (left) beside predicted (right, hatched)."""
-    path = os.path.join(results, "planner.json")
-    if not os.path.exists(path):
+    planner = optional_result(results, "planner.json")
+    if planner is None:
         return
-    with open(path) as f:
-        planner = json.load(f)
     points, labels = planner["points"], [label for label, *_ in planner["strategies"]]
     seq_lens = sorted({p["seq_len"] for p in points})
     fig, axes = plt.subplots(len(MODES), len(labels), figsize=(24, 9), sharey=True)
@@ -308,11 +312,9 @@ def timeline_legend(fig):
 
 def timelines(results):
     """bench.py's four schedules on the same model, P and M, one above the other, as measured."""
-    path = os.path.join(results, "pipeline.json")
-    if not os.path.exists(path):
+    pipeline = optional_result(results, "pipeline.json")
+    if pipeline is None:
         return
-    with open(path) as f:
-        pipeline = json.load(f)
     schedules = pipeline["schedules"]
     fig, axes = plt.subplots(len(schedules), 1, figsize=(14, 2.2 * len(schedules)), sharex=True)
     for ax, (name, run) in zip(axes, schedules.items()):
