@@ -482,8 +482,8 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     micro_batches: (inputs, targets) per micro-batch; the first stage reads inputs, the last targets.
     loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
     grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): gradients are
-    reduced only during the last backward of each chunk, once per step, and only the rank's last
-    backward launches what is left (the other chunks' last backwards leave it to a later one).
+    reduced only during the last backward (ZB-H1: weight pass) of each chunk, once per step, and only
+    the rank's last one launches what is left (the other chunks' last ones leave it to a later one).
     Without backward actions this is an inference pass.
     forward_context: entered around every forward (autocast, activation counting).
     """
