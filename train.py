@@ -684,6 +684,8 @@ class Trainer:
             self.routing["dropped_tokens"] += layer.dropped
 
     def sum_routing_over_stages(self):
+        """Every MoE layer's tokens per expert in this step's log: each pipeline stage counted only its own
+        layers (the others' lists stay zero), so one sum over the stages gives them all."""
         counts = torch.tensor([*sum(self.routing["tokens_per_expert"], []), self.routing["dropped_tokens"]],
                               dtype=torch.long, device=self.device)
         dist.all_reduce(counts, group=self.pp_group)
