@@ -398,12 +398,12 @@ def worker_fsdp(settings):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from dp import ZeRO, gpt_units
+    from dp import ZeRO3, gpt_units
     rank, world = dist.get_rank(), dist.get_world_size()
     ours, args = _gpt(settings)
     theirs = copy.deepcopy(ours)
     data = list(_batches(settings, args, n_batches(settings), rank, world))
-    zero = ZeRO(ours, None, 3, lambda shards: torch.optim.AdamW(shards, lr=1e-3), units=gpt_units(ours))
+    zero = ZeRO3(ours, None, lambda shards: torch.optim.AdamW(shards, lr=1e-3), units=gpt_units(ours))
     mesh = init_device_mesh("cpu", (world,))
     for block in theirs.blocks:
         fully_shard(block, mesh=mesh)

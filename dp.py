@@ -1,49 +1,56 @@
-"""Data parallelism, written out: bucketed gradient all-reduce, then ZeRO-1, 2 and 3.
+"""Data parallelism, in the article's order: average the gradients; bucket them and overlap the
+averaging with backward; then ZeRO-1, 2 and 3, sharding what every rank would otherwise repeat.
+
+The article's section "Data Parallelism — Hire More Chefs" ("5D Parallelism from Scratch"); the
+bucketed, overlapped all-reduce is PyTorch's DDP (Li et al., 2020, "PyTorch Distributed: Experiences
+on Accelerating Data Parallel Training"); the three stages are ZeRO's (Rajbhandari et al., 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", its section 5).
 
 Every rank holds a full replica of the parameters and computes gradients on
-its own slice of the batch. Averaging them (the article's g_avg = 1/N sum g_i)
-keeps the replicas identical after each optimizer step.
+its own slice of the batch. Averaging them (the article's equation
+g_avg = 1/N sum_i g_i) keeps the replicas identical after each optimizer step.
 
-Part 1, `DataParallel`: what `torch.nn.parallel.DistributedDataParallel` does.
+1. `AllReduceEveryGradient`: the equation as it stands. A hook on each
+   parameter all-reduces its gradient the moment backward has it, and
+   divides by N; backward waits for every one of them.
 
-1. Gradients live in a few flat buckets (param.grad is a view into one), laid
-   out in reverse parameter order, the order backward produces them.
-2. A hook on each parameter fires when its gradient has been accumulated.
-   When the last gradient of a bucket arrives, that bucket's all-reduce is
-   launched asynchronously, while backward goes on computing the gradients
-   of earlier layers: communication overlaps computation.
-3. At the end of backward (an autograd callback, as DDP's), the buckets it
-   left incomplete are launched too: a parameter that got no gradient on
-   this rank counts as zero there. So any collective may follow backward().
-4. `finish_grad_sync()` waits for the in-flight all-reduces and divides by N.
+2. `DataParallel`: the same average, the way DistributedDataParallel does it.
+   Gradients live in a few flat buckets (param.grad is a view into one), laid
+   out in reverse parameter order, the order backward produces them. When
+   the last gradient of a bucket arrives, that bucket's all-reduce is
+   launched asynchronously while backward goes on computing the gradients of
+   earlier layers: communication overlaps computation. At the end of backward
+   (an autograd callback, as DDP's) the buckets it left incomplete are
+   launched too: a parameter that got no gradient on this rank counts as
+   zero there, so any collective may follow backward(). `finish_grad_sync()`
+   waits and divides by N. Buckets launch strictly in order, on every rank,
+   so the collectives match across ranks even if gradients arrive in another
+   order (or not at all, as for an expert that received no token).
+   `no_sync()` skips the all-reduce for gradient accumulation: gradients of
+   several micro-batches add up locally and are averaged once, after the last.
+   With `find_unused_parameters=True` (as DDP's), a parameter that no rank of
+   the group gave a gradient this step (an expert no token reached) keeps
+   `grad = None`, as in a single process, so the optimizer skips it (no weight
+   decay, no momentum): one small all-reduce (MAX) of a used-mask per step.
 
-Buckets are launched strictly in order, on every rank, so the collectives
-match across ranks even if gradients arrive in a different order (or not at
-all, as for an expert that received no token). `no_sync()` skips the
-all-reduce for gradient accumulation: gradients of several micro-batches add
-up locally and are averaged once, after the last.
+3. ZeRO. Data parallelism does not reduce memory: every rank keeps 16 bytes
+   per parameter in the article's mixed-precision accounting (2 for the
+   weights, 2 for the gradients, 12 for Adam's state). ZeRO stops keeping
+   what another rank already has. Each bucket is padded to a multiple of N
+   and rank r owns the r-th contiguous 1/N of it (a `Shard`); AdamW runs on
+   owned elements only. One class per row of the paper's Figure 1 (the
+   (2 + 2 + K) Psi bytes of mixed-precision Adam, K = 12, divided as below),
+   each adding its row to the class before it:
 
-Unused parameters (`find_unused_parameters=True`, as in DDP): a parameter
-that no rank of the group gave a gradient this step (an expert no token
-reached) keeps `grad = None`, as in a single process, so the optimizer skips
-it (no weight decay, no momentum). Which ones they are takes one small
-all-reduce (MAX) of a used-mask per step, over the group.
+       ZeRO1  optimizer state sharded            4 + 12/N  bytes per parameter
+       ZeRO2  ... and gradients                  2 + 14/N
+       ZeRO3  ... and the parameters themselves       16/N  (what PyTorch calls FSDP)
 
-Part 2, `ZeRO`: data parallelism does not reduce memory; every rank keeps
-16 bytes per parameter in the article's mixed-precision accounting (2 for the
-weights, 2 for the gradients, 12 for Adam's state). ZeRO stops keeping
-what another rank already has. Each bucket is padded to a multiple of N and
-rank r owns the r-th contiguous 1/N of it; AdamW runs on owned slices only.
-
-    stage 1  optimizer state sharded            4 + 12/N  bytes per parameter
-    stage 2  ... and gradients                  2 + 14/N
-    stage 3  ... and the parameters themselves       16/N  (what PyTorch calls FSDP)
-
-A ring all-reduce is a reduce-scatter followed by an all-gather, so stages 1
-and 2 communicate what plain data parallelism does (2 Psi per step: the
-gradients reduce-scattered, the updated parameters all-gathered); stage 3
-gathers each unit's parameters twice (before forward, again before
-backward), 3 Psi in all.
+   A ring all-reduce is a reduce-scatter followed by an all-gather, so stages
+   1 and 2 communicate what plain data parallelism does (2 Psi per step: the
+   gradients reduce-scattered, the updated parameters all-gathered); stage 3
+   gathers each unit's parameters twice (before forward, again before
+   backward), 3 Psi in all (the paper's section 7).
 
 Nothing here knows the model: the classes take parameters (or a module and
 its units) and a process group, so one instance can average dense gradients
@@ -69,7 +76,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the flat collectives; older releases only know the old names.
+# torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy
+# of cp.py's and ep.py's shims: each dimension file stands alone.)
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -92,18 +100,60 @@ def ring_bytes_sent(kind, nbytes, n_ranks):
     return passes * (n_ranks - 1) * nbytes // n_ranks
 
 
-def free_storage(t):
-    """Release t's memory but keep the tensor (and every view of it) for later."""
-    t.untyped_storage().resize_(0)
+def _weakly(method):
+    """A hook that calls method without keeping its object alive.
+
+    A parameter holds its hooks, and autograd's C++ side holds the parameter,
+    where Python's garbage collector cannot see: a hook holding the
+    DataParallel strongly would keep it, and its process group with gloo's
+    threads, alive after destroy_process_group, until the interpreter's exit
+    (where one of those threads releasing a finished collective can abort
+    the process: "terminate called without an active exception").
+    """
+    method = weakref.WeakMethod(method)
+    return lambda *args: method()(*args)
 
 
-def allocate_storage(t):
-    t.untyped_storage().resize_(t.numel() * t.element_size())
+# ---------------------------------------------------------------------------
+# 1. The article's equation: g_avg = 1/N sum_i g_i, for every gradient as it comes
+# ---------------------------------------------------------------------------
+
+class AllReduceEveryGradient:
+    """Average each gradient over `group` the moment backward has produced it.
+
+    One blocking all-reduce per parameter: backward waits for each, and a
+    model of many small tensors pays the collective's latency many times.
+    DataParallel below computes the same average without either cost.
+    """
+
+    def __init__(self, params, group=None):
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.n_ranks, self.sync = group, dist.get_world_size(group), True
+        broadcast_parameters(self.params, group)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(_weakly(self._average))
+
+    def _average(self, p):
+        if self.sync:
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad.div_(self.n_ranks)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next backward outside this block averages the sum."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def finish_grad_sync(self):
+        """Nothing to wait for: every average was taken inside backward."""
 
 
-def is_allocated(t):
-    return t.untyped_storage().nbytes() > 0
-
+# ---------------------------------------------------------------------------
+# 2. Buckets, reduced while backward goes on (DistributedDataParallel's design)
+# ---------------------------------------------------------------------------
 
 class Bucket:
     """A few parameters whose gradients travel together, in one flat buffer.
@@ -135,20 +185,6 @@ class Bucket:
         return self.padded * self.grad.element_size()
 
 
-def _weakly(method):
-    """A hook that calls method without keeping its object alive.
-
-    A parameter holds its hooks, and autograd's C++ side holds the parameter,
-    where Python's garbage collector cannot see: a hook holding the
-    DataParallel strongly would keep it, and its process group with gloo's
-    threads, alive after destroy_process_group, until the interpreter's exit
-    (where one of those threads releasing a finished collective can abort
-    the process: "terminate called without an active exception").
-    """
-    method = weakref.WeakMethod(method)
-    return lambda *args: method()(*args)
-
-
 def make_buckets(params, bucket_bytes, n_ranks):
     """Group params (already in gradient-arrival order) into buckets of about bucket_bytes."""
     buckets, current, size = [], [], 0
@@ -164,7 +200,7 @@ def make_buckets(params, bucket_bytes, n_ranks):
 
 
 class DataParallel:
-    """Average the gradients of `params` over `group`, overlapped with backward.
+    """Average the gradients of `params` over `group`, bucket by bucket, overlapped with backward.
 
     Usage per step:
         for micro_batch in micro_batches[:-1]:
@@ -183,13 +219,10 @@ class DataParallel:
         # Gradients are summed over the group, then divided by the number of ranks the loss is averaged
         # over: the group's size, unless (experts) the group is only a part of them.
         self.divide_by = divide_by or self.n_ranks
-        self.sync = True
-        self.keep_incomplete = False  # see keep_incomplete_buckets
-        self.end_of_backward_queued = False
-        self.arrived = set()  # parameters that got a gradient on this rank this step
-        self.reduce_every_backward = False  # ZeRO-2/3 reduce each micro-batch's gradients
-        self.launch_at_unit_boundaries = False  # ZeRO-3 with unused parameters: see ZeRO.__init__
-        self.comm_bytes = Counter()  # bytes this rank sent, per collective kind
+        self.sync = True                     # False inside no_sync
+        self.end_of_backward_queued = False  # the running backward's end will launch what it left
+        self.arrived = set()                 # parameters that got a gradient on this rank this step
+        self.comm_bytes = Counter()          # bytes this rank sent, per collective kind
         if broadcast:
             broadcast_parameters(self.params, group)
         self.buckets = self._make_buckets(bucket_bytes)
@@ -214,26 +247,7 @@ class DataParallel:
         finally:
             self.sync = True
 
-    @contextmanager
-    def keep_incomplete_buckets(self):
-        """A backward in this block launches the buckets it completes and leaves the others for a later
-        backward of the same step (a pipeline rank's model chunks: each has its own last backward)."""
-        self.keep_incomplete = True
-        try:
-            yield
-        finally:
-            self.keep_incomplete = False
-
-    def _expect_end_of_backward(self):
-        """At a backward's first gradient (or, under ZeRO, unit): queue for its end the launch of what it
-        leaves incomplete (see _end_of_backward). ZeRO-2/3 reduce every backward: the previous one's
-        reduction is finished first, on every rank alike, whether or not this one brings gradients."""
-        if self.end_of_backward_queued:
-            return
-        if self.reduce_every_backward and self.next_to_launch:
-            self._wait_all()
-        torch.autograd.Variable._execution_engine.queue_callback(_weakly(self._end_of_backward))
-        self.end_of_backward_queued = True
+    # -- during backward: each bucket launches when its last gradient arrives --------
 
     def _on_grad_ready(self, p):
         self._expect_end_of_backward()
@@ -248,27 +262,13 @@ class DataParallel:
             p.grad = view
         if self.sync:
             bucket.ready.add(p)
-            if not self.launch_at_unit_boundaries:
-                self._launch_ready_buckets()
+            self._launch_ready_buckets()
 
     def _grad_view(self, bucket, p):
         return bucket.grad_views[p]
 
-    def _end_of_backward(self):
-        self.end_of_backward_queued = False
-        if self.sync and not self.keep_incomplete:
-            self._launch_remaining()
-
-    def _launch_remaining(self, upto=None):
-        """Launch every bucket not yet launched (before bucket `upto`); this rank's missing gradients count
-        as zero in it."""
-        for bucket in self.buckets[self.next_to_launch:upto]:
-            for p in bucket.params:
-                if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
-                    self._grad_view(bucket, p).zero_()
-            self._launch(bucket)
-
     def _launch_ready_buckets(self):
+        """Launch, in order, the buckets whose gradients have all arrived (on every rank the same order)."""
         while self.next_to_launch < len(self.buckets):
             bucket = self.buckets[self.next_to_launch]
             if len(bucket.ready) < len(bucket.params):
@@ -284,14 +284,34 @@ class DataParallel:
         bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", bucket.nbytes, self.n_ranks)
 
-    def _complete(self, bucket):
-        bucket.grad.div_(self.divide_by)
+    # -- at the end of backward: the buckets it left incomplete ------------------------
 
-    def _wait(self, bucket):
-        if bucket.work is not None:
-            bucket.work.wait()
-            bucket.work = None
-            self._complete(bucket)
+    def _expect_end_of_backward(self):
+        """At a backward's first gradient: queue for its end the launch of what it leaves incomplete."""
+        if self.end_of_backward_queued:
+            return
+        self._begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(_weakly(self._end_of_backward))
+        self.end_of_backward_queued = True
+
+    def _begin_backward(self):
+        """What a backward does first (ZeRO-2 finishes the previous one's reduction here)."""
+
+    def _end_of_backward(self):
+        self.end_of_backward_queued = False
+        if self.sync and not self.keep_incomplete:
+            self._launch_remaining()
+
+    def _launch_remaining(self, upto=None):
+        """Launch every bucket not yet launched (before bucket `upto`); this rank's missing gradients count
+        as zero in it."""
+        for bucket in self.buckets[self.next_to_launch:upto]:
+            for p in bucket.params:
+                if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
+                    self._grad_view(bucket, p).zero_()
+            self._launch(bucket)
+
+    # -- before the optimizer step: wait, average -----------------------------------
 
     def finish_grad_sync(self):
         """Launch what backward did not (a backward that had no gradient for these parameters at all),
@@ -306,6 +326,17 @@ class DataParallel:
             self._wait(bucket)
             bucket.ready, bucket.launched = set(), False
         self.next_to_launch = 0
+
+    def _wait(self, bucket):
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+            self._complete(bucket)
+
+    def _complete(self, bucket):
+        bucket.grad.div_(self.divide_by)
+
+    # -- experts: parameters no rank used keep no gradient ------------------------------
 
     def _keep_used_grads(self, used_somewhere):
         for p in self.params:
@@ -322,33 +353,92 @@ class DataParallel:
         used = dict(zip(self.params, mask.tolist()))
         return lambda p: used[p]
 
-    def zero_grad(self):
-        for bucket in self.buckets:
-            bucket.grad.zero_()
+    # -- pipelines: a rank's model chunks each run a backward of their own --------------
+
+    keep_incomplete = False  # inside keep_incomplete_buckets
+
+    @contextmanager
+    def keep_incomplete_buckets(self):
+        """A backward in this block launches the buckets it completes and leaves the others for a later
+        backward of the same step (a pipeline rank's model chunks: each has its own last backward)."""
+        self.keep_incomplete = True
+        try:
+            yield
+        finally:
+            self.keep_incomplete = False
 
 
-class ZeRO(DataParallel):
-    """ZeRO stage 1, 2 or 3 over `group`: this rank keeps and updates only its shards.
+# ---------------------------------------------------------------------------
+# 3. ZeRO: each rank keeps 1/N of what data parallelism repeats on every rank
+# ---------------------------------------------------------------------------
+
+def free_storage(t):
+    """Release t's memory but keep the tensor (and every view of it) for later."""
+    t.untyped_storage().resize_(0)
+
+
+def allocate_storage(t):
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def is_allocated(t):
+    return t.untyped_storage().nbytes() > 0
+
+
+class Shard:
+    """This rank's elements [r S, (r+1) S) of a bucket (S = padded size / N), and what ZeRO keeps of them.
+
+    The bucket's parameters become views of one flat buffer, `full_params`, so one all-gather brings
+    them all up to date. The optimizer steps this rank's piece of each parameter inside the shard
+    (`pieces`, views of `params`), so that, as on one device, each parameter has its own step count,
+    and one that no rank gave a gradient (an expert no token reached) is skipped: its piece's grad is
+    then None.
+    """
+
+    def __init__(self, bucket, rank, n_ranks, own_copy):
+        self.size = bucket.padded // n_ranks
+        self.start = rank * self.size
+        self.full_params = torch.zeros_like(bucket.grad)
+        for p in bucket.params:
+            view = bucket.view(self.full_params, p)
+            view.copy_(p.detach())
+            p.data = view  # the parameter now lives inside the flat buffer
+        mine = self.full_params[self.start:self.start + self.size]
+        # Stages 1 and 2 keep the full parameters, so the shard is a view of them; stage 3 keeps a copy
+        # of its own, and the full buffer comes and goes.
+        self.params = mine.clone() if own_copy else mine
+        self.grad = torch.zeros_like(mine)  # this rank's part of the averaged gradient
+        self.reduced = None  # the output of the reduce-scatter in flight
+        self.gathering = None  # ZeRO-3: the all-gather of full_params in flight
+        self.ranges = {}  # parameter: (start, end) of its piece within the shard, for those that have one
+        for p in bucket.params:
+            lo, hi = max(bucket.offsets[p], self.start), min(bucket.offsets[p] + p.numel(), self.start + self.size)
+            if lo < hi:
+                self.ranges[p] = (lo - self.start, hi - self.start)
+        self.pieces = {p: self.params[lo:hi] for p, (lo, hi) in self.ranges.items()}
+        self.grad_pieces = {p: self.grad[lo:hi] for p, (lo, hi) in self.ranges.items()}
+        for p, piece in self.pieces.items():
+            piece.grad = self.grad_pieces[p]
+
+
+class ZeRO1(DataParallel):
+    """ZeRO stage 1 over `group`: the optimizer state sharded; this rank updates only its shards.
 
     make_optimizer(shards) builds the optimizer (say AdamW) over this rank's
-    flat parameter shards; it is `self.optimizer`, and `step()` runs it and
-    brings every rank's parameters up to date. Stage 3 needs `units`: the
-    submodules whose parameters are gathered together, in forward order
-    (for a transformer: embedding, each block, final norm, head); together
-    they must hold every parameter this instance shards. At any stage, a
-    backward through a unit also ends with this instance's reduction, on a
-    rank whose parameters got no gradient in it too, so the ranks reduce
-    alike (stages 2 and 3 reduce in every backward).
+    parameter pieces; it is `self.optimizer`, and `step()` runs it and brings
+    every rank's parameters up to date. `units`: submodules holding this
+    instance's parameters (for a transformer: embedding, each block, final
+    norm, head), in forward order; ZeRO-3 gathers each unit's parameters
+    together, and needs them to hold every parameter it shards. A backward
+    through a unit ends with this instance's reduction, on a rank whose
+    parameters got no gradient in it too, so the ranks reduce alike.
 
     `params` (default: all of module's) picks the parameters this instance
     shards, so that a mixture of experts can have two: the dense parameters
     over the group of every rank holding different tokens, the experts' over
-    the ranks holding the same experts (with divide_by, as in
-    DataParallel). Stage 3's units then hold this instance's parameters
-    among others: a unit gathers only those (the experts' units are the MoE
-    layers, whose forward runs every expert).
+    the ranks holding the same experts (with divide_by, as in DataParallel).
 
-    Usage per step (stage 2 and 3 need no no_sync: see `no_sync`):
+    Usage per step:
         loss.backward()          # reduce-scatters launch from here
         zero.finish_grad_sync()  # this rank's shard of the averaged gradient
         zero.clip_grad_norm_(1.0)
@@ -356,149 +446,66 @@ class ZeRO(DataParallel):
         zero.zero_grad()
     """
 
-    def __init__(self, module, group, stage, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
+    own_copy = False  # of its shard of the parameters (ZeRO-3)
+
+    def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
                  params=None, divide_by=None, find_unused_parameters=False):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        if stage == 3 and not units:
-            raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
         params = list(module.parameters() if params is None else params)
         mine = set(map(id, params))
-        self.stage = stage
         self.units = [unit for unit in units if any(id(p) in mine for p in unit.parameters())]
         self.names = {p: name for name, p in module.named_parameters()}
         super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters)
         self.rank = dist.get_rank(group)
-        self.reduce_every_backward = stage >= 2
-        # ZeRO-3 gathers units during backward, so its reduce-scatters must come at the same place among
-        # those gathers on every rank. When some rank may get no gradient for a unit (an expert no token
-        # reached there), a unit's reduction cannot wait for its gradients: it is launched when backward
-        # reaches the unit before it (and the first unit's at the end of backward), on every rank alike.
-        self.launch_at_unit_boundaries = stage == 3 and find_unused_parameters
-        for bucket in self.buckets:
-            self._shard(bucket)
-        self.optimizer = make_optimizer([piece for b in self.buckets for piece in b.pieces.values()])
-        if stage >= 2:  # no full gradient is kept between backwards
-            for bucket in self.buckets:
-                free_storage(bucket.grad)
-            for p in self.params:
-                p.grad = None
+        self.shards = {bucket: Shard(bucket, self.rank, self.n_ranks, self.own_copy) for bucket in self.buckets}
+        self.optimizer = make_optimizer([piece for shard in self.shards.values() for piece in shard.pieces.values()])
         for i, unit in enumerate(self.units):
             unit.register_forward_hook(partial(self._after_forward, i))
-        if stage == 3:
-            self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
-            for i, unit in enumerate(self.units):
-                unit.register_forward_pre_hook(partial(self._before_forward, i))
-                free_storage(self.unit_buckets[i].param_full)
-
-    def _make_buckets(self, bucket_bytes):
-        if self.stage < 3:
-            return super()._make_buckets(bucket_bytes)
-        mine = set(map(id, self.params))
-        params = [[p for p in unit.parameters() if id(p) in mine] for unit in self.units]
-        covered = [p for unit_params in params for p in unit_params]
-        if sorted(map(id, covered)) != sorted(mine):
-            raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
-        return [Bucket(unit_params, self.n_ranks) for unit_params in reversed(params)]
-
-    def _shard(self, bucket):
-        """Flatten the bucket's parameters; this rank keeps elements [r*S, (r+1)*S) of it."""
-        bucket.param_full = torch.zeros_like(bucket.grad)
-        for p in bucket.params:
-            view = bucket.view(bucket.param_full, p)
-            view.copy_(p.detach())
-            p.data = view  # the parameter now lives inside the flat buffer
-        size = bucket.padded // self.n_ranks
-        mine = bucket.param_full[self.rank * size:(self.rank + 1) * size]
-        # Stages 1 and 2 keep full parameters, so the shard is a view of them;
-        # stage 3 keeps only the shard, and the full buffer comes and goes.
-        bucket.param_shard = mine.clone() if self.stage == 3 else mine
-        bucket.grad_shard = torch.zeros_like(mine)
-        bucket.gathered, bucket.gather_work = self.stage < 3, None
-        # The optimizer steps this rank's piece of each parameter in its shard (views of the shards), so
-        # that, as on one device, each parameter has its own step count and one that no rank gave a
-        # gradient (an expert no token reached) is skipped: its piece's grad is then None.
-        bucket.pieces, bucket.grad_pieces = {}, {}
-        for p, (lo, hi) in self._piece_ranges(bucket).items():
-            bucket.pieces[p] = bucket.param_shard[lo:hi]
-            bucket.pieces[p].grad = bucket.grad_pieces[p] = bucket.grad_shard[lo:hi]
-
-    def _piece_ranges(self, bucket):
-        """{parameter: (start, end) of its piece within this rank's shard}, for the parameters that have one."""
-        size = bucket.padded // self.n_ranks
-        first = self.rank * size
-        ranges = {}
-        for p in bucket.params:
-            lo, hi = max(bucket.offsets[p], first), min(bucket.offsets[p] + p.numel(), first + size)
-            if lo < hi:
-                ranges[p] = (lo - first, hi - first)
-        return ranges
 
     @property
     def param_shards(self):
-        return [b.param_shard for b in self.buckets]
+        return [shard.params for shard in self.shards.values()]
 
     @property
     def grad_shards(self):
-        return [b.grad_shard for b in self.buckets]
+        return [shard.grad for shard in self.shards.values()]
 
-    # -- gradients: reduce-scatter instead of all-reduce ---------------------
-
-    @contextmanager
-    def no_sync(self):
-        """Stage 1: accumulate full gradients locally, reduce once after the last micro-batch.
-
-        Stages 2 and 3 never hold a full gradient between backwards (that is
-        their memory saving), so every backward reduce-scatters and the shard
-        accumulates: no_sync changes nothing there. A backward through any unit
-        reduces every bucket on every rank (zeros where it brought no gradient),
-        so the collectives stay in step.
-        """
-        with super().no_sync() if self.stage == 1 else nullcontext():
-            yield
-
-    def _keep_used_grads(self, used_somewhere):
-        if self.stage == 1:  # stages 2 and 3 keep no full gradient: the shards hold them
-            super()._keep_used_grads(used_somewhere)
-        for bucket in self.buckets:
-            for p, piece in bucket.pieces.items():
-                piece.grad = bucket.grad_pieces[p] if used_somewhere(p) else None
-
-    def _grad_view(self, bucket, p):
-        if not is_allocated(bucket.grad):  # stages 2 and 3 free it after each reduce-scatter
-            allocate_storage(bucket.grad)
-            bucket.grad.zero_()
-        return bucket.grad_views[p]
+    # -- gradients: reduce-scatter instead of all-reduce (a ring all-reduce's first half) ----------
 
     def _reduce(self, bucket):
-        if self.stage >= 2:  # finish the previous bucket first: one full gradient bucket in flight at a time
-            for earlier in self.buckets[:self.next_to_launch]:
-                self._wait(earlier)
-        bucket.reduced = torch.empty_like(bucket.grad_shard)
-        bucket.work = reduce_scatter_flat(bucket.reduced, bucket.grad, group=self.group, async_op=True)
+        shard = self.shards[bucket]
+        shard.reduced = torch.empty_like(shard.grad)
+        bucket.work = reduce_scatter_flat(shard.reduced, bucket.grad, group=self.group, async_op=True)
         self.comm_bytes["reduce_scatter"] += ring_bytes_sent("reduce_scatter", bucket.nbytes, self.n_ranks)
-        if self.stage >= 2:  # the next backward must not accumulate into a buffer that is being reduced
-            for p in bucket.params:
-                p.grad = None
-        if self.stage == 3:
-            self._free_params(bucket)  # all its gradients have arrived: its backward is over
 
     def _complete(self, bucket):
-        bucket.reduced.div_(self.divide_by)
-        if self.stage == 1:
-            bucket.grad_shard.copy_(bucket.reduced)  # the full gradients already summed the micro-batches
-        else:
-            bucket.grad_shard.add_(bucket.reduced)   # accumulate over micro-batches in the shard
-            free_storage(bucket.grad)
-        bucket.reduced = None
+        shard = self.shards[bucket]
+        shard.grad.copy_(shard.reduced.div_(self.divide_by))  # the full gradients summed the micro-batches
+        shard.reduced = None
+
+    def _keep_used_grads(self, used_somewhere):
+        super()._keep_used_grads(used_somewhere)
+        self._keep_used_pieces(used_somewhere)
+
+    def _keep_used_pieces(self, used_somewhere):
+        for shard in self.shards.values():
+            for p in shard.pieces:
+                shard.pieces[p].grad = shard.grad_pieces[p] if used_somewhere(p) else None
 
     def zero_grad(self):
-        for bucket in self.buckets:
-            bucket.grad_shard.zero_()
-            if self.stage == 1:
-                bucket.grad.zero_()
+        for bucket, shard in self.shards.items():
+            shard.grad.zero_()
+            bucket.grad.zero_()
 
-    # -- optimizer step on the shards -----------------------------------------
+    def _after_forward(self, i, module, args, output):
+        if torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(lambda grad: self._before_backward(i))
+
+    def _before_backward(self, i):
+        # A backward through a unit reduces this instance's buckets at its end, on every rank, even where
+        # none of them got a gradient (experts no token reached here, and reached on another rank).
+        self._expect_end_of_backward()
+
+    # -- optimizer step on the shards, then the parameters all-gathered (the all-reduce's second half) --
 
     def clip_grad_norm_(self, max_norm, weights=None, other_groups=()):
         """Clip by the global gradient norm: the shards are disjoint, so each element counts once.
@@ -522,90 +529,37 @@ class ZeRO(DataParallel):
     def squared_norm(self, weights=None):
         """The sum of the squares of this instance's gradient elements over its group (weighted, see
         clip_grad_norm_): one scalar all-reduce, the shards being disjoint."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_shard.device)
-        for bucket in self.buckets:
-            square = bucket.grad_shard.to(torch.float64).square()
+        squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
+        for bucket, shard in self.shards.items():
+            square = shard.grad.to(torch.float64).square()
             if weights:  # per-element weights of this rank's shard, from the parameters' weights
                 flat = torch.zeros(bucket.padded, dtype=torch.float64, device=square.device)
                 for p in bucket.params:
                     bucket.view(flat, p).fill_(weights.get(p, 1.0))
-                size = bucket.padded // self.n_ranks
-                square = square * flat[self.rank * size:(self.rank + 1) * size]
+                square = square * flat[shard.start:shard.start + shard.size]
             squares += square.sum()
         dist.all_reduce(squares, group=self.group)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), self.n_ranks)
         return squares
 
     def step(self):
-        """Update this rank's shards, then (stages 1, 2) all-gather the new parameters."""
+        """Update this rank's shards, then all-gather the new parameters."""
         self.optimizer.step()
-        if self.stage < 3:  # stage 3 gathers just in time, at the next forward
-            works = [self._all_gather(b) for b in self.buckets]
-            for work in works:
-                work.wait()
+        works = [self._all_gather(bucket) for bucket in self.buckets]
+        for work in works:
+            work.wait()
 
     def _all_gather(self, bucket):
+        shard = self.shards[bucket]
         self.comm_bytes["all_gather"] += ring_bytes_sent("all_gather", bucket.nbytes, self.n_ranks)
-        return all_gather_flat(bucket.param_full, bucket.param_shard, group=self.group, async_op=True)
-
-    # -- stage 3: parameters exist in full only while a unit computes -----------
-
-    def _before_forward(self, i, module, args):
-        self._gather(i)
-        self._prefetch(i + 1)  # the next unit's gather overlaps this unit's compute
-
-    def _after_forward(self, i, module, args, output):
-        if self.stage == 3:
-            self._free_params(self.unit_buckets[i])
-        if torch.is_tensor(output) and output.requires_grad:
-            output.register_hook(lambda grad: self._before_backward(i))
-
-    def _before_backward(self, i):
-        # A backward through a unit reduces this instance's buckets at its end, on every rank, even where
-        # none of them got a gradient (experts no token reached here, and reached on another rank).
-        self._expect_end_of_backward()
-        if self.launch_at_unit_boundaries:  # the units after this one are done: reduce them (see __init__)
-            self._launch_remaining(upto=len(self.buckets) - 1 - i)
-        if self.stage == 3:
-            self._gather(i)        # backward needs the weights again,
-            self._prefetch(i - 1)  # and the unit before this one comes next
-
-    def _prefetch(self, i):
-        if not 0 <= i < len(self.unit_buckets) or self.unit_buckets[i].gathered:
-            return
-        bucket = self.unit_buckets[i]
-        allocate_storage(bucket.param_full)
-        bucket.gather_work = self._all_gather(bucket)
-        bucket.gathered = True
-
-    def _gather(self, i):
-        self._prefetch(i)
-        bucket = self.unit_buckets[i]
-        if bucket.gather_work is not None:
-            bucket.gather_work.wait()
-            bucket.gather_work = None
-
-    def _free_params(self, bucket):
-        if bucket.gather_work is not None:
-            bucket.gather_work.wait()
-            bucket.gather_work = None
-        free_storage(bucket.param_full)
-        bucket.gathered = False
+        return all_gather_flat(shard.full_params, shard.params, group=self.group, async_op=True)
 
     @contextmanager
     def full_parameters(self):
-        """Every parameter gathered for the duration (stage 3), e.g. to save a checkpoint."""
-        if self.stage == 3:
-            for i in range(len(self.unit_buckets)):
-                self._gather(i)
-        try:
-            yield
-        finally:
-            if self.stage == 3:
-                for bucket in self.buckets:
-                    self._free_params(bucket)
+        """Every parameter in full for the duration (stages 1 and 2 always hold them)."""
+        yield
 
-    # -- consolidated optimizer state, keyed by parameter name -----------------
+    # -- consolidated optimizer state, keyed by parameter name ------------------------------------
 
     def full_optimizer_state(self):
         """{parameter name: {'step', 'exp_avg', ...}} as a single device's optimizer would hold it: each
@@ -613,12 +567,12 @@ class ZeRO(DataParallel):
         parameter that no rank has stepped yet (step 0) has no state, as on one device."""
         keys = self._state_keys()
         full_state = {}
-        for bucket in self.buckets:
+        for bucket, shard in self.shards.items():
             flats = {}
             for key in keys:
-                local = torch.zeros_like(bucket.grad_shard)
-                for p, (lo, hi) in self._piece_ranges(bucket).items():
-                    value = self.optimizer.state.get(bucket.pieces[p], {}).get(key)
+                local = torch.zeros_like(shard.grad)
+                for p, (lo, hi) in shard.ranges.items():
+                    value = self.optimizer.state.get(shard.pieces[p], {}).get(key)
                     if value is not None:
                         local[lo:hi] = value  # a step count fills its piece
                 flats[key] = torch.empty_like(bucket.grad)
@@ -640,16 +594,167 @@ class ZeRO(DataParallel):
 
     def load_full_optimizer_state(self, full_state):
         """The inverse of full_optimizer_state: take this rank's piece of every state tensor."""
-        for bucket in self.buckets:
-            first = self.rank * (bucket.padded // self.n_ranks)
-            for p, (lo, hi) in self._piece_ranges(bucket).items():
+        for bucket, shard in self.shards.items():
+            for p, (lo, hi) in shard.ranges.items():
                 saved = full_state.get(self.names[p])
                 if saved is None:
                     continue
-                start = first + lo - bucket.offsets[p]  # where the piece begins inside the parameter
-                self.optimizer.state[bucket.pieces[p]] = {
+                start = shard.start + lo - bucket.offsets[p]  # where the piece begins inside the parameter
+                self.optimizer.state[shard.pieces[p]] = {
                     key: value.flatten()[start:start + hi - lo].clone() if value.shape == p.shape else value.clone()
                     for key, value in saved.items()}
+
+
+class ZeRO2(ZeRO1):
+    """ZeRO stage 2: ZeRO-1, and the gradients sharded too.
+
+    No full gradient is kept between backwards: each backward reduce-scatters
+    its buckets (one in flight at a time) and frees them, and the shard
+    accumulates the micro-batches. So `no_sync` changes nothing here (the
+    memory saving costs M reductions for M micro-batches), and a backward
+    through any unit reduces every bucket on every rank (zeros where it
+    brought no gradient), so the collectives stay in step.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for bucket in self.buckets:
+            free_storage(bucket.grad)
+        for p in self.params:
+            p.grad = None
+
+    @contextmanager
+    def no_sync(self):
+        yield
+
+    def _begin_backward(self):
+        if self.next_to_launch:  # the previous backward's reduction, finished on every rank alike
+            self._wait_all()
+
+    def _grad_view(self, bucket, p):
+        if not is_allocated(bucket.grad):  # freed after the previous reduce-scatter
+            allocate_storage(bucket.grad)
+            bucket.grad.zero_()
+        return bucket.grad_views[p]
+
+    def _reduce(self, bucket):
+        for earlier in self.buckets[:self.next_to_launch]:  # one full gradient bucket in flight at a time
+            self._wait(earlier)
+        super()._reduce(bucket)
+        for p in bucket.params:  # the next backward must not accumulate into a buffer being reduced
+            p.grad = None
+
+    def _complete(self, bucket):
+        shard = self.shards[bucket]
+        shard.grad.add_(shard.reduced.div_(self.divide_by))  # accumulate the micro-batches in the shard
+        shard.reduced = None
+        free_storage(bucket.grad)
+
+    def _keep_used_grads(self, used_somewhere):
+        self._keep_used_pieces(used_somewhere)  # no full gradient: the shards hold them
+
+    def zero_grad(self):
+        for shard in self.shards.values():
+            shard.grad.zero_()
+
+
+class ZeRO3(ZeRO2):
+    """ZeRO stage 3 (FSDP): ZeRO-2, and the parameters sharded too.
+
+    A unit's parameters exist in full only while it computes: all-gathered
+    before its forward (the next unit's gather prefetched, overlapping this
+    one's compute), freed after it, gathered again before its backward, and
+    freed once its gradients are reduce-scattered. Each unit is one bucket.
+    """
+
+    own_copy = True
+
+    def __init__(self, module, group, make_optimizer, units=(), **options):
+        if not units:
+            raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
+        super().__init__(module, group, make_optimizer, units, **options)
+        self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
+        for i, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(partial(self._before_forward, i))
+            free_storage(self.shards[self.unit_buckets[i]].full_params)
+
+    def _make_buckets(self, bucket_bytes):
+        mine = set(map(id, self.params))
+        params = [[p for p in unit.parameters() if id(p) in mine] for unit in self.units]
+        covered = [p for unit_params in params for p in unit_params]
+        if sorted(map(id, covered)) != sorted(mine):
+            raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
+        return [Bucket(unit_params, self.n_ranks) for unit_params in reversed(params)]
+
+    def _before_forward(self, i, module, args):
+        self._gather(i)
+        self._prefetch(i + 1)  # the next unit's gather overlaps this unit's compute
+
+    def _after_forward(self, i, module, args, output):
+        self._free_params(self.unit_buckets[i])
+        super()._after_forward(i, module, args, output)
+
+    def _before_backward(self, i):
+        super()._before_backward(i)
+        if self.find_unused_parameters:  # the units after this one are done: reduce them (see below)
+            self._launch_remaining(upto=len(self.buckets) - 1 - i)
+        self._gather(i)        # backward needs the weights again,
+        self._prefetch(i - 1)  # and the unit before this one comes next
+
+    def _launch_ready_buckets(self):
+        # ZeRO-3 gathers units during backward, so its reduce-scatters must come at the same place among
+        # those gathers on every rank. When some rank may get no gradient for a unit (an expert no token
+        # reached there), a unit's reduction cannot wait for its gradients: it is launched when backward
+        # reaches the unit before it (and the first unit's at the end of backward), on every rank alike.
+        if not self.find_unused_parameters:
+            super()._launch_ready_buckets()
+
+    def _reduce(self, bucket):
+        super()._reduce(bucket)
+        self._free_params(bucket)  # all its gradients have arrived: its backward is over
+
+    def step(self):
+        """Update this rank's shards; the parameters are gathered just in time, at the next forward."""
+        self.optimizer.step()
+
+    def _prefetch(self, i):
+        if not 0 <= i < len(self.unit_buckets):
+            return
+        bucket = self.unit_buckets[i]
+        shard = self.shards[bucket]
+        if is_allocated(shard.full_params):  # gathered, or being gathered
+            return
+        allocate_storage(shard.full_params)
+        shard.gathering = self._all_gather(bucket)
+
+    def _gather(self, i):
+        self._prefetch(i)
+        self._wait_for_gather(self.shards[self.unit_buckets[i]])
+
+    def _free_params(self, bucket):
+        shard = self.shards[bucket]
+        self._wait_for_gather(shard)
+        free_storage(shard.full_params)
+
+    @staticmethod
+    def _wait_for_gather(shard):
+        if shard.gathering is not None:
+            shard.gathering.wait()
+            shard.gathering = None
+
+    @contextmanager
+    def full_parameters(self):
+        """Every parameter gathered for the duration, e.g. to save a checkpoint."""
+        for i in range(len(self.unit_buckets)):
+            self._gather(i)
+        try:
+            yield
+        finally:
+            for bucket in self.buckets:
+                self._free_params(bucket)
+
+
+ZERO_STAGES = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 
 
 def gpt_units(model):
@@ -663,7 +768,8 @@ def gpt_units(model):
 # ---------------------------------------------------------------------------
 
 def _join_process_group():
-    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo.
+    (A deliberate copy in each dimension file: each stands alone.)"""
     if not torch.cuda.is_available():
         dist.init_process_group("gloo")
         return torch.device("cpu")
@@ -671,6 +777,33 @@ def _join_process_group():
     torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     return device
+
+
+class _Replicated:
+    """The self-check's optimizer beside plain data parallelism: AdamW on the full replica, as ZeRO's
+    interface (finish, clip, step, zero) so that one loop drives every kind alike."""
+
+    def __init__(self, sync, model):
+        self.sync, self.model = sync, model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def no_sync(self):
+        return self.sync.no_sync()
+
+    def finish_grad_sync(self):
+        self.sync.finish_grad_sync()
+
+    def clip_grad_norm_(self, max_norm):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def full_parameters(self):
+        return nullcontext()
 
 
 def _self_check():
@@ -700,42 +833,42 @@ def _self_check():
         ref_opt.step()
         ref_opt.zero_grad()
 
+    def replicated(averager):
+        return lambda model: _Replicated(averager(model.parameters()), model)
+
+    def sharded(zero):
+        units = lambda model: [m for m in model if any(True for _ in m.parameters())]  # noqa: E731
+        return lambda model: zero(model, None, lambda shards: torch.optim.AdamW(shards, lr=1e-2),
+                                  units=units(model), bucket_bytes=4096)
+
+    kinds = {  # several buckets of 4 KB: their ordering and overlap are exercised
+        "all-reduce every grad": replicated(AllReduceEveryGradient),
+        "bucketed, overlapped": replicated(partial(DataParallel, bucket_bytes=4096)),
+        "ZeRO-1": sharded(ZeRO1), "ZeRO-2": sharded(ZeRO2), "ZeRO-3": sharded(ZeRO3),
+    }
     report = []
-    for stage in (0, 1, 2, 3):
+    for name, make in kinds.items():
         model = copy.deepcopy(reference)
-        if stage == 0:
-            sync = DataParallel(model.parameters(), bucket_bytes=4096)  # several buckets: overlap exercised
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        else:
-            units = [m for m in model if any(True for _ in m.parameters())]
-            sync = ZeRO(model, None, stage, lambda shards: torch.optim.AdamW(shards, lr=1e-2),
-                        units=units, bucket_bytes=4096)
-            opt = sync.optimizer
+        sync = make(model)
         for x in batches:
             for m in range(micro_batches):  # this rank's slice; reduce after the last micro-batch
                 with sync.no_sync() if m < micro_batches - 1 else nullcontext():
                     loss_fn(model, x[m, rank]).backward()
             sync.finish_grad_sync()
-            if stage == 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                opt.step()
-                opt.zero_grad()
-            else:
-                sync.clip_grad_norm_(max_norm)
-                sync.step()
-                sync.zero_grad()
-        with sync.full_parameters() if stage else nullcontext():
+            sync.clip_grad_norm_(max_norm)
+            sync.step()
+            sync.zero_grad()
+        with sync.full_parameters():
             worst = max((a - b).abs().max().item() for a, b in zip(ref_model.parameters(), model.parameters()))
-        report.append((stage, worst))
+        report.append((name, worst))
     if rank == 0:
-        for stage, worst in report:
-            name = "plain data parallel" if stage == 0 else f"ZeRO-{stage}"
-            print(f"dp.py self-check, {name:19s} on {world} ranks ({backend}): largest difference from one "
+        for name, worst in report:
+            print(f"dp.py self-check, {name:21s} on {world} ranks ({backend}): largest difference from one "
                   f"device (parameters after {steps} AdamW steps with clipping, float64) = {worst:.3g}")
     dist.destroy_process_group()
-    failed = [stage for stage, worst in report if worst > 1e-12]
+    failed = [name for name, worst in report if worst > 1e-12]
     if failed:
-        raise SystemExit(f"rank {rank}: stages {failed} differ from the single device")
+        raise SystemExit(f"rank {rank}: {', '.join(failed)} differ from the single device")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import cp
 import ep
 import pp
 import tp
-from dp import DataParallel, ZeRO, gpt_units
+from dp import ZERO_STAGES, DataParallel, gpt_units
 from mesh import Mesh, mesh_shape
 from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
 from model import GPT, GPTConfig, apply_recomputation, update_route_biases
@@ -505,7 +505,7 @@ class Trainer:
         self.zeros = []  # ZeRO: one instance for the dense parameters, one for the experts' (DeepSeek-V3's layout)
         if args.zero:
             def shard(params, units, group, **options):
-                return ZeRO(self.model, group, args.zero, lambda shards: make_optimizer(shards, args),
+                return ZERO_STAGES[args.zero](self.model, group, lambda shards: make_optimizer(shards, args),
                             units=units, bucket_bytes=bucket_bytes, params=params, **options)
             self.zeros.append(shard(dense, gpt_units(self.model), group))
             if experts:

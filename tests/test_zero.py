@@ -14,7 +14,7 @@ import torch
 
 import train
 from distributed import run_on_ranks
-from dp import ZeRO, gpt_units
+from dp import ZeRO3, gpt_units
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
 ARGV = EQUIVALENCE
@@ -141,7 +141,7 @@ def zero3_timeline_worker():
     for unit in units:
         unit.all_units = units
     model = torch.nn.Sequential(*units)
-    zero = ZeRO(model, None, 3, lambda shards: torch.optim.SGD(shards, lr=0.1), units=units)
+    zero = ZeRO3(model, None, lambda shards: torch.optim.SGD(shards, lr=0.1), units=units)
     freed_before = [u.linear.weight.untyped_storage().nbytes() for u in units]
     model(torch.randn(2, 6, dtype=torch.float64)).sum().backward()
     zero.finish_grad_sync()
