@@ -1,5 +1,10 @@
 """Context parallelism: the sequence split over ranks, exact attention by ring attention.
 
+The article's section "Sequence Parallelism, Flavor 2: Ring Attention" ("5D Parallelism from Scratch");
+ring attention is Liu et al.'s (2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context"), the block merge the online softmax of FlashAttention (Dao et al., 2022, its Algorithm 1;
+Milakov and Gimelshein, 2018), the zigzag split Llama 3's (Llama Team, 2024, section 3.3.2).
+
 Every layer except attention treats tokens independently, so a rank can hold
 1/N of the sequence and run norms, MLPs and the loss on it alone. Attention
 needs every earlier key and value: ring attention passes the K/V blocks

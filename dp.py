@@ -1,7 +1,7 @@
 """Data parallelism, in the article's order: average the gradients; bucket them and overlap the
 averaging with backward; then ZeRO-1, 2 and 3, sharding what every rank would otherwise repeat.
 
-The article's section "Data Parallelism — Hire More Chefs" ("5D Parallelism from Scratch"); the
+The article's section "Data Parallelism", then "ZeRO" ("5D Parallelism from Scratch"); the
 bucketed, overlapped all-reduce is PyTorch's DDP (Li et al., 2020, "PyTorch Distributed: Experiences
 on Accelerating Data Parallel Training"); the three stages are ZeRO's (Rajbhandari et al., 2020,
 "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", its section 5).

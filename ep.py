@@ -1,5 +1,11 @@
 """Expert parallelism: the experts of a mixture-of-experts layer spread over ranks.
 
+The article's section "Expert Parallelism" ("5D Parallelism from Scratch"); expert parallelism with
+all-to-all dispatch is GShard's (Lepikhin et al., 2020, "GShard: Scaling Giant Models with Conditional
+Computation and Automatic Sharding"), top-k routing and the load-balancing loss Switch
+Transformer's (Fedus et al., 2022, its equation 4), the shared expert DeepSeek-MoE's (Dai et al.,
+2024) and the auxiliary-loss-free routing bias DeepSeek-V3's (DeepSeek-AI, 2024, section 2.1.2).
+
 A mixture-of-experts layer replaces the MLP by E expert MLPs and a router;
 each token goes to its top-k experts and comes back as the gate-weighted
 sum of their outputs (article: y = sum_i g_i(x) E_i(x), gates renormalised

@@ -1,5 +1,11 @@
 """Tensor parallelism (Megatron-LM), with Megatron-style sequence parallelism.
 
+The article's sections "Tensor Parallelism" and "Sequence Parallelism, Flavor 1" ("5D Parallelism
+from Scratch"); the layer splits and the f and g operators are Megatron-LM's (Shoeybi et al., 2019,
+"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", its
+section 3 and Figure 3), sequence parallelism Korthikanti et al.'s (2022, "Reducing Activation
+Recomputation in Large Transformer Models", section 4.2.2, its operators g and g-bar).
+
 Split the weight matrices themselves across a tensor-parallel group of N ranks.
 
 - Column-parallel linear: W = [W_1 | ... | W_N] split by output features;
