@@ -326,7 +326,8 @@ def apply_context_parallel(model, group):
 # ---------------------------------------------------------------------------
 
 def _join_process_group():
-    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo.
+    (A deliberate copy in each dimension file: each stands alone.)"""
     if not torch.cuda.is_available():
         dist.init_process_group("gloo")
         return torch.device("cpu")

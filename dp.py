@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy
-# of cp.py's and ep.py's shims: each dimension file stands alone.)
+# of tp.py's: each dimension file stands alone.)
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -72,7 +72,7 @@ comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
 
 def route(router_logits, top_k, bias=None):
     """(gates, experts, probs): top-k of the softmax (shifted by a balancing bias for the choice only),
-    gates renormalised to sum to one."""
+    gates renormalised to sum to one. (A deliberate copy of model.py's `route`: this file stands alone.)"""
     probs = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).softmax(-1)
     experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
     top_probs = probs.gather(-1, experts)
@@ -237,7 +237,8 @@ class _ToyMoE(nn.Module):
 
 
 def _join_process_group():
-    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo.
+    (A deliberate copy in each dimension file: each stands alone.)"""
     if not torch.cuda.is_available():
         dist.init_process_group("gloo")
         return torch.device("cpu")

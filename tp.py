@@ -70,7 +70,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-# torch 2.13 renamed the flat collectives; older releases only know the old names.
+# torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy
+# of dp.py's: each dimension file stands alone.)
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -508,7 +509,8 @@ def _split_toy(model, group, sp):
 
 
 def _join_process_group():
-    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo.
+    (A deliberate copy in each dimension file: each stands alone.)"""
     if not torch.cuda.is_available():
         dist.init_process_group("gloo")
         return torch.device("cpu")
