@@ -1,5 +1,13 @@
 """Pipeline parallelism: layers split into stages, micro-batches scheduled through them.
 
+The article's section "Pipeline Parallelism" ("5D Parallelism from Scratch"); the schedules are GPipe's
+(Huang et al., 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism"),
+1F1B PipeDream's (Narayanan et al., 2019, "PipeDream: Generalized Pipeline Parallelism for DNN
+Training") with a flush at the end of each step as in PipeDream-Flush (Narayanan et al., 2021,
+"Memory-Efficient Pipeline-Parallel DNN Training"), interleaved 1F1B Megatron-LM's (Narayanan et al.,
+2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
+2.2.2), and ZB-H1 Zero Bubble's (Qi et al., 2023, "Zero Bubble Pipeline Parallelism").
+
 The article's assembly line. P ranks each hold a contiguous slice of the
 layers; rank 0 also the embedding, rank P-1 the final norm, the head and the
 loss. A micro-batch's activations flow forward stage to stage, its gradients
@@ -7,6 +15,10 @@ flow back. With one micro-batch only one stage works at a time; with M
 micro-batches the idle fraction per stage (the bubble) is
 
     bubble = (P - 1) / (M + P - 1)          (article: 3/4 for P=4, M=1; 1/5 for M=12)
+
+GPipe's bubble overhead, (K-1)/(M+K-1) for K partitions; Megatron-LM's "bubble time fraction"
+(p-1)/m (its section 2.2.1) is the same idle time over the ideal time instead of the total
+(`bubble_formula`).
 
 Four schedules, each a flat function that lists what this rank does, in
 order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
@@ -17,7 +29,8 @@ order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
   turn, then the remaining backwards. At most P micro-batches are alive.
 - Interleaved 1F1B (Megatron-LM): each rank holds V non-adjacent chunks
   (rank r: chunks r, r+P, r+2P, ...), so a micro-batch visits every rank V
-  times; the bubble shrinks by V for V times the point-to-point messages.
+  times; the bubble shrinks by V for V times the point-to-point messages
+  (Megatron-LM's (1/v)(p-1)/m, its section 2.2.2: here (P-1)/(V*M+P-1)).
 - ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): a backward
   has two halves. B, the gradient of the stage's input, is what the previous
   stage waits for; W, the gradient of the stage's weights, only the
@@ -25,7 +38,7 @@ order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
   defers W: rank r keeps up to r of them back and runs them where 1F1B's
   last stages sit idle at the end, while B, about half a backward, brings
   the gradients down the pipeline sooner. The idle time per stage is
-  (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) (the paper's section 3): a third
+  (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) (the paper's section 2): a third
   of it when F, B and W take as long. The peak activation memory stays
   1F1B's: rank 0 holds P micro-batches, and rank r at most P-r unfinished
   plus r awaiting W. The split is autograd's own: B runs the backward up to
@@ -68,8 +81,9 @@ from torch.autograd.graph import GradientEdge
 
 
 def bubble_formula(n_stages, n_micro, n_chunks=1, schedule=None):
-    """The ideal idle fraction (P-1) / (V*M + P-1) of a stage (V = 1 without interleaving); for ZB-H1
-    (P-1) / (3M + P-1), its idle (P-1)(F+B-W) over 3M units of work when F, B and W take one each."""
+    """The ideal idle fraction (P-1) / (V*M + P-1) of a stage (V = 1 without interleaving: GPipe's bubble
+    overhead; with V: Megatron-LM's (1/v)(p-1)/m over the total time); for ZB-H1 (P-1) / (3M + P-1), its
+    idle (P-1)(F+B-W) (Qi et al.) over 3M units of work when F, B and W take one each."""
     if schedule == "zb1":
         return (n_stages - 1) / (3 * n_micro + n_stages - 1)
     return (n_stages - 1) / (n_chunks * n_micro + n_stages - 1)
@@ -390,6 +404,9 @@ class PipelineStats:
         self.origin = None
 
     def record(self, action, wait, start, end):
+        """One action's marks: it waited for its input message from `wait`, then computed from `start` to `end`."""
+        self.wait.add(wait, start)
+        self.compute.add(start, end)
         if self.actions is not None:
             self.actions.append((action, wait, start, end))
 
@@ -468,6 +485,142 @@ class _P2P:
             print(f"[pp stage {dist.get_rank(self.group)}] {message}", flush=True)
 
 
+class _NoGradSync:
+    """Stands in for grad_sync=None (no data parallelism): there is nothing to reduce, so its contexts do nothing."""
+
+    def no_sync(self):
+        return nullcontext()
+
+    def keep_incomplete_buckets(self):
+        return nullcontext()
+
+
+class _ReductionPlan:
+    """Under which context of grad_sync each of this rank's gradient sums runs: the data-parallel reduction plan.
+
+    The weights' gradients are summed by the actions of kind `summing` (the backward, or ZB-H1's weight pass).
+    A chunk's gradients are complete after its last such action, so the reduction runs during that one, once
+    per step; but a rank holds several chunks (interleaving), and only its final action may launch what is
+    still incomplete, or it would launch buckets of chunks whose gradients have yet to come:
+
+        not the chunk's last                      grad_sync.no_sync()                   accumulate only
+        the chunk's last, not the rank's final    grad_sync.keep_incomplete_buckets()   launch the full buckets
+        the rank's final                          (none)                                launch everything left
+    """
+
+    def __init__(self, actions, summing, grad_sync):
+        sums = [action for action in actions if action[0] == summing]
+        self.chunk_last = {c: max(m for _, chunk, m in sums if chunk == c) for c in {c for _, c, _ in sums}}
+        self.final = sums[-1] if sums else None
+        self.grad_sync = grad_sync
+
+    def context(self, action):
+        """The context around the gradient sums of `action` (one of kind `summing`)."""
+        _, c, m = action
+        if action == self.final:
+            return nullcontext()
+        if m == self.chunk_last[c]:
+            return self.grad_sync.keep_incomplete_buckets()
+        return self.grad_sync.no_sync()
+
+
+class _Stage:
+    """This rank's model chunks, running its actions. A subclass says how a backward runs: whole, or split.
+
+    `saved` holds, per (chunk, micro-batch), what its backward needs, from its forward on; with a split
+    backward, then what its weight pass has left to do. Its size is the activation memory in micro-batches.
+    """
+
+    summing = None  # the kind of action that sums the weights' gradients (each subclass names it)
+
+    def __init__(self, chunks, micro_batches, loss_fn, forward_context, reduction, group, stats):
+        self.chunks, self.micro_batches, self.loss_fn = chunks, micro_batches, loss_fn
+        self.forward_context, self.reduction, self.stats = forward_context, reduction, stats
+        self.n_stages, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.n_model_chunks = len(chunks) * self.n_stages
+        self.saved, self.losses, self.side_losses = {}, [], []
+
+    def run(self, action, incoming):
+        """Compute `action` from the message it received (None if it needs none); returns what it sends, or None."""
+        kind, c, m = action
+        if kind == "forward":
+            return self.forward(c, m, incoming)
+        if kind == "backward":
+            return self.backward(c, m, incoming)
+        return self.weight(c, m)
+
+    def forward(self, c, m, activation):
+        """Chunk c on micro-batch m, from the previous chunk's activation (the first chunk reads the inputs);
+        returns its output, and keeps what its backward needs."""
+        last = c * self.n_stages + self.rank == self.n_model_chunks - 1
+        x = self.micro_batches[m][0] if activation is None else activation.requires_grad_()
+        with self.forward_context():  # the losses too (autocast)
+            y = self.chunks[c](x)
+            y, side = y if isinstance(y, tuple) else (y, None)
+            roots = self._loss_roots(m, side, y if last else None)
+        if torch.is_grad_enabled():  # not an inference pass
+            self.saved[c, m] = (x, None if last else y, roots)
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.saved))
+        return y
+
+    def _loss_roots(self, m, side, last_output):
+        """The losses backward starts from, each micro-batch's share of them (the mean over micro-batches, as
+        gradient accumulation does): a side loss on any stage, the loss of the last chunk's output."""
+        roots = []
+        if side is not None:
+            self.side_losses.append(side.detach())
+            roots.append(side / len(self.micro_batches))
+        if last_output is not None:
+            loss = self.loss_fn(last_output, self.micro_batches[m][1])
+            self.losses.append(loss.detach())
+            roots.append(loss / len(self.micro_batches))
+        return roots
+
+    def _backward_start(self, c, m, grad):
+        """(input, roots, their gradients) for the backward of chunk c on micro-batch m: its losses (gradient
+        None, autograd's 1) and, below the last chunk, its output with the gradient the next chunk sent."""
+        x, y, roots = self.saved.pop((c, m))
+        grads = [None] * len(roots)
+        if grad is not None:
+            roots, grads = [y, *roots], [grad, *grads]
+        return x, roots, grads
+
+
+class _WholeBackward(_Stage):
+    """A backward action computes the input's and the weights' gradients in one pass, summing the latter."""
+
+    summing = "backward"
+
+    def backward(self, c, m, grad):
+        """Returns the gradient of the chunk's input."""
+        x, roots, grads = self._backward_start(c, m, grad)
+        with self.reduction.context(("backward", c, m)):
+            torch.autograd.backward(roots, grads)
+        return x.grad
+
+
+class _SplitBackward(_Stage):
+    """ZB-H1's backward in two actions: the backward runs B (`backward_input`), the input's gradient only, and
+    keeps in `saved` what is left; the weight action later runs W (`backward_weight`), which sums the weights'."""
+
+    summing = "weight"
+
+    def backward(self, c, m, grad):
+        """B; returns the gradient of the chunk's input."""
+        x, roots, grads = self._backward_start(c, m, grad)
+        with self.reduction.grad_sync.no_sync():  # no weight's gradient is summed here
+            x_grad, self.saved[c, m] = backward_input(roots, grads, x)
+        return x_grad
+
+    def weight(self, c, m):
+        """W."""
+        *firsts, last = self.saved.pop((c, m))
+        with self.reduction.context(("weight", c, m)):
+            with self.reduction.grad_sync.keep_incomplete_buckets():
+                backward_weight(firsts)  # a W is several backwards: the end of the last is the end of W
+            backward_weight([last])
+
+
 def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device,
                  grad_sync=None, stats=None, debug=False, forward_context=nullcontext):
     """Execute this rank's actions; returns (losses, side_losses) as floats.
@@ -487,98 +640,42 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     Without backward actions this is an inference pass.
     forward_context: entered around every forward (autocast, activation counting).
     """
-    n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
-    n_chunks, n_model_chunks = len(chunks), len(chunks) * n_stages
+    n_stages, rank, n_chunks = dist.get_world_size(group), dist.get_rank(group), len(chunks)
+    actions, stats = schedules[rank], stats or PipelineStats(device)
+    # Chosen once: a schedule with weight actions (ZB-H1) splits each backward into B and W.
+    Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in actions) else _WholeBackward
+    reduction = _ReductionPlan(actions, Stage.summing, _NoGradSync() if grad_sync is None else grad_sync)
+    stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, group, stats)
     p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
-    stats = stats or PipelineStats(device)
-    actions = schedules[rank]
-    # The action that sums the weights' gradients (the data-parallel reduction follows its last): the
-    # backward, or the weight pass where a schedule splits it off (ZB-H1).
-    summing = "weight" if any(kind == "weight" for kind, _, _ in actions) else "backward"
-    last_summing = {chunk: max(m for kind, c, m in actions if kind == summing and c == chunk)
-                    for chunk in {c for kind, c, _ in actions if kind == summing}}
-    final_summing = next((a for a in reversed(actions) if a[0] == summing), None)
-    saved, losses, side_losses = {}, [], []
-
-    def forward(c, m, x):
-        """Chunk c on micro-batch m; returns its output, and keeps what its backward needs."""
-        last = c * n_stages + rank == n_model_chunks - 1
-        x = x if c * n_stages + rank == 0 else x.requires_grad_()
-        with forward_context():
-            y = chunks[c](x)
-            y, side = y if isinstance(y, tuple) else (y, None)
-            # What backward starts from: this micro-batch's share of the loss (the mean over micro-batches,
-            # as gradient accumulation does) on the last stage, the output elsewhere, plus any side loss.
-            roots = []
-            if side is not None:
-                side_losses.append(side.detach())
-                roots.append(side / len(micro_batches))
-            if last:
-                loss = loss_fn(y, micro_batches[m][1])
-                losses.append(loss.detach())
-                roots.append(loss / len(micro_batches))
-        if torch.is_grad_enabled():
-            saved[c, m] = (x, None if last else y, roots)
-            stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
-        return y
-
-    def reduction(c, m):
-        """Around the gradient sums of chunk c, micro-batch m: the data-parallel reduction starts in the last
-        of the chunk, and what is left after the rank's final one."""
-        if grad_sync is None or (summing, c, m) == final_summing:
-            return nullcontext()
-        if m == last_summing[c]:
-            return grad_sync.keep_incomplete_buckets()
-        return grad_sync.no_sync()
-
-    def backward(c, m, grad):
-        """Backward of chunk c on micro-batch m from the gradient of its output; returns its input's. Where
-        weight passes follow, only B: the rest waits in `saved` for W."""
-        x, y, roots = saved.pop((c, m))
-        grads = [None] * len(roots)
-        if grad is not None:
-            roots, grads = [y, *roots], [grad, *grads]
-        if summing == "weight":
-            with grad_sync.no_sync() if grad_sync else nullcontext():  # no weight's gradient is summed here
-                x_grad, saved[c, m] = backward_input(roots, grads, x)
-            return x_grad
-        with reduction(c, m):
-            torch.autograd.backward(roots, grads)
-        return x.grad
-
-    def weight(c, m):
-        *firsts, last = saved.pop((c, m))
-        with reduction(c, m):
-            with grad_sync.keep_incomplete_buckets() if grad_sync else nullcontext():
-                backward_weight(firsts)  # a W is several backwards: the end of the last is the end of W
-            backward_weight([last])
-
     steps, received = timeline(schedules, n_chunks), {}
     if stats.actions is not None:  # a timeline is recorded: the stages start it together
         dist.barrier(group=group)
     start = stats.origin = stats.total.now()
+    # Every rank walks the same steps. Both ends of each message are posted in the batch of the same
+    # step (`exchanges`), so on both sides messages are posted in step order and match by that order
+    # alone, as NCCL requires (it ignores tags); and nothing deadlocks, even where a communicator runs
+    # its batches one after the other (NCCL's stream): batch t needs only every rank to have finished
+    # step t, and step t waits only for batches before t.
     for row, (sends, receives) in zip(steps, exchanges(steps, rank, n_chunks)):
-        output, action = None, row[rank]
+        action, output = row[rank], None  # None: this rank idles this step (but still posts its receives)
         if action:
-            kind, c, m = action
-            need = message_needed(action, rank, n_stages, n_model_chunks)
-            wait = stats.wait.now()
-            incoming = received.pop(need)() if need else None  # a forward's activation, a backward's gradient
-            compute = stats.compute.now()
-            stats.wait.add(wait, compute)
-            if kind == "forward":
-                output = forward(c, m, micro_batches[m][0] if incoming is None else incoming)
-            elif kind == "backward":
-                output = backward(c, m, incoming)
-            else:
-                weight(c, m)
-            stats.compute.add(compute, stats.compute.now())
-            stats.record(action, wait, compute, stats.compute.intervals[-1][1])
+            # (1) wait for the input message: a forward's activation, a backward's gradient (if any)
+            need = message_needed(action, rank, n_stages, stage.n_model_chunks)
+            waiting = stats.wait.now()
+            incoming = received.pop(need)() if need else None
+            # (2) compute
+            computing = stats.compute.now()
+            output = stage.run(action, incoming)
+            done = stats.compute.now()
+        # (3) post this step's sends (this action's output) and receives (what the neighbours' actions send)
         received.update(p2p.post([(peer, message, output) for peer, message in sends], receives))
+        # (4) record timing
+        if action:
+            stats.record(action, waiting, computing, done)
     p2p.flush()
     stats.total.add(start, stats.total.now())
     stats.bytes_sent += p2p.bytes_sent
-    return [loss.item() for loss in losses], [side.item() for side in side_losses]
+    return [loss.item() for loss in stage.losses], [side.item() for side in stage.side_losses]
 
 
 # ---------------------------------------------------------------------------
@@ -634,7 +731,8 @@ def apply_pipeline_parallel(model, group, n_chunks=1, positions=None):
 # ---------------------------------------------------------------------------
 
 def _join_process_group():
-    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo."""
+    """torchrun's group: on GPUs NCCL for CUDA tensors and gloo for CPU ones, one GPU per rank; else gloo.
+    (A deliberate copy in each dimension file: each stands alone.)"""
     if not torch.cuda.is_available():
         dist.init_process_group("gloo")
         return torch.device("cpu")
