@@ -141,11 +141,11 @@ class AllReduceEveryGradient:
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages the sum."""
-        self.sync = False
+        previous, self.sync = self.sync, False
         try:
             yield
         finally:
-            self.sync = True
+            self.sync = previous  # an enclosing no_sync still holds
 
     def finish_grad_sync(self):
         """Nothing to wait for: every average was taken inside backward."""
@@ -241,11 +241,11 @@ class DataParallel:
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages them."""
-        self.sync = False
+        previous, self.sync = self.sync, False
         try:
             yield
         finally:
-            self.sync = True
+            self.sync = previous  # an enclosing no_sync still holds
 
     # -- during backward: each bucket launches when its last gradient arrives --------
 
@@ -361,11 +361,11 @@ class DataParallel:
     def keep_incomplete_buckets(self):
         """A backward in this block launches the buckets it completes and leaves the others for a later
         backward of the same step (a pipeline rank's model chunks: each has its own last backward)."""
-        self.keep_incomplete = True
+        previous, self.keep_incomplete = self.keep_incomplete, True
         try:
             yield
         finally:
-            self.keep_incomplete = False
+            self.keep_incomplete = previous  # an enclosing keep_incomplete_buckets still holds
 
 
 # ---------------------------------------------------------------------------

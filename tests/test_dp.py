@@ -114,6 +114,31 @@ def test_a_parameter_no_rank_used_keeps_no_gradient():
         assert comm == 2 * (3 * 4 * 8 + 3)
 
 
+def nested_contexts_worker():
+    """no_sync and keep_incomplete_buckets entered inside themselves: leaving the inner one keeps the outer."""
+    a, b = (torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(2))
+    dp = DataParallel([a, b], bucket_bytes=1)  # one bucket per parameter: b's first (backward order), then a's
+    with dp.no_sync():
+        with dp.no_sync():
+            pass
+        (a.sum() + b.sum()).backward()
+        launched_in_no_sync = [bucket.launched for bucket in dp.buckets]
+    with dp.keep_incomplete_buckets():
+        with dp.keep_incomplete_buckets():
+            pass
+        (b * 2).sum().backward()  # completes b's bucket only; a's must wait for a later backward
+        launched_keeping_incomplete = [bucket.launched for bucket in dp.buckets]
+    dp.finish_grad_sync()
+    return launched_in_no_sync, launched_keeping_incomplete, a.grad.tolist(), b.grad.tolist()
+
+
+def test_nested_contexts_keep_the_outer_one():
+    for in_no_sync, keeping_incomplete, a_grad, b_grad in run_on_ranks(2, nested_contexts_worker):
+        assert in_no_sync == [False, False]
+        assert keeping_incomplete == [True, False]
+        assert a_grad == [1.0] * 3 and b_grad == [3.0] * 3  # accumulated over both backwards, averaged
+
+
 def double_backward_worker():
     p = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
     dp = DataParallel([p])
