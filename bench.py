@@ -284,16 +284,18 @@ def summarise(out, settings, cores):
 
 def _gpt(settings, seed=0):
     import torch
+    import cli
     import train
-    args = train.parse_args(["--model", settings["model"]])
-    config = train.model_config(args, train.PRESETS[settings["model"]]["vocab_size"])
+    args = cli.parse_args(["--model", settings["model"]])
+    config = cli.model_config(args, cli.PRESETS[settings["model"]]["vocab_size"])
     return train.build_model(config, seed, torch.float32, torch.device("cpu")), args
 
 
 def _batches(settings, args, n, rank, world):
     from data import MarkovLanguage
+    import cli
     import train
-    data = MarkovLanguage(train.PRESETS[settings["model"]]["vocab_size"])
+    data = MarkovLanguage(cli.PRESETS[settings["model"]]["vocab_size"])
     for step in range(n):
         tokens = data.batch("train", step, settings["batch_size"], args.seq_len)
         yield next(train.local_micro_batches(tokens, 1, world, rank))

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import cli
 import pp
 import train
 from dp import ring_bytes_sent
@@ -103,8 +104,8 @@ class Layout:
 
 
 def layout_of(args, world):
-    """The Layout train.py would build from these flags on `world` ranks (a train.ConfigError if none)."""
-    shape = train.check_args(args, world)
+    """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
+    shape = cli.check_args(args, world)
     return Layout(world=world, dp=shape.dp, tp=shape.tp, pp=shape.pp, cp=shape.cp, ep=shape.ep, zero=args.zero,
                   sp=args.sp, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
@@ -627,7 +628,7 @@ def predict(args, world):
     """{field: [value of rank 0, rank 1, ...]} for the run train.py would make of args on `world` ranks:
     log.jsonl's memory and traffic fields, and recompute_bytes (see activation_peak)."""
     layout = layout_of(args, world)
-    config = train.model_config(args, train.data_vocab_size(args))
+    config = cli.model_config(args, cli.data_vocab_size(args))
     stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
     ranks = []
     for rank in range(world):
@@ -653,16 +654,16 @@ EXPERTS = ["--experts", "8", "--top-k", "2"]
 def strategy_argv(model_flags, flags, world, seq_len, recompute):
     """train.py's flags for one strategy: one sequence per data rank and micro-batch."""
     argv = [*model_flags, *flags, "--seq-len", str(seq_len), "--recompute", recompute]
-    args = train.parse_args(argv)
+    args = cli.parse_args(argv)
     data_ranks = world // (args.tp * args.pp * args.cp)
     return [*argv, "--batch-size", str(args.micro_batches * data_ranks)]
 
 
 def busiest_memory(argv, world):
     """{param, grad, optim, activations (with one block's recomputation)}: bytes of the rank that needs most."""
-    args = train.parse_args(argv)
+    args = cli.parse_args(argv)
     layout = layout_of(args, world)
-    config = train.model_config(args, train.data_vocab_size(args))
+    config = cli.model_config(args, cli.data_vocab_size(args))
     ranks = []
     for stage in range(layout.pp):
         figures = rank_figures(predict_stage(config, layout, stage), layout, first_of_stage(layout, stage))
@@ -734,7 +735,7 @@ def parse_args(argv=None):
     p.add_argument("--memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per rank, for --search")
     p.add_argument("--top", type=int, default=20, help="layouts --search lists (0: all that fit)")
     plan_args, rest = p.parse_known_args(argv)
-    return plan_args, train.parse_args(rest)
+    return plan_args, cli.parse_args(rest)
 
 
 def describe(layout, args, config):
@@ -757,7 +758,7 @@ def print_table(args, plan_args):
     """One row per pipeline stage (its first rank: others differ at most by ZeRO's step counters), the
     busiest first."""
     layout = layout_of(args, plan_args.world)
-    config = train.model_config(args, train.data_vocab_size(args))
+    config = cli.model_config(args, cli.data_vocab_size(args))
     print(describe(layout, args, config))
     rows = []
     for stage in range(layout.pp):
@@ -786,7 +787,7 @@ def candidate_layouts(args, world, gpus_per_node):
     """Every (tp, pp, cp, ep, zero, recompute) train.py accepts for these flags on `world` ranks, tp within
     a node (its collectives are on every block's critical path) and sequence parallelism on with tp (the
     same traffic for less memory)."""
-    config = train.model_config(args, train.data_vocab_size(args))
+    config = cli.model_config(args, cli.data_vocab_size(args))
     for tp in powers_of_two(min(gpus_per_node, config.n_kv_heads, world)):
         for pp_size in powers_of_two(min(config.n_layer, world // tp)):
             for cp in powers_of_two(world // (tp * pp_size)):
@@ -798,13 +799,13 @@ def candidate_layouts(args, world, gpus_per_node):
                                                               "sp": tp > 1})
                             try:
                                 yield candidate, layout_of(candidate, world)
-                            except (train.ConfigError, ValueError):
+                            except (cli.ConfigError, ValueError):
                                 continue
 
 
 def search(args, plan_args):
     """The layouts that fit --memory per rank, least traffic across nodes first."""
-    config = train.model_config(args, train.data_vocab_size(args))
+    config = cli.model_config(args, cli.data_vocab_size(args))
     fits = []
     for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node):
         stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
@@ -835,7 +836,7 @@ def main(argv=None):
             print(json.dumps(predict(args, plan_args.world)))
         else:
             print_table(args, plan_args)
-    except train.ConfigError as e:
+    except cli.ConfigError as e:
         sys.exit(f"plan.py: error: {e}")
 
 

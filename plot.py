@@ -249,7 +249,7 @@ def predicted(point):
     """plan.py's prediction (as it is now) for the rank a bench.py point measured; activations with the
     block being recomputed, which the meter does not see."""
     import plan
-    prediction = plan.predict(plan.train.parse_args(point["argv"]), point["world"])
+    prediction = plan.predict(plan.cli.parse_args(point["argv"]), point["world"])
     figures = {field: values[point["rank"]] for field, values in prediction.items()}
     return dict(param=figures["param_bytes"], grad=figures["grad_bytes"], optim=figures["optim_bytes"],
                 activations=figures["activation_peak_bytes"] + figures["recompute_bytes"])

@@ -8,6 +8,7 @@ in both.
 """
 import torch
 
+import cli
 import model as model_lib
 import train
 
@@ -21,7 +22,7 @@ _oracles = {}
 
 def train_worker(argv):
     """train.py's training on this rank (a function for distributed.run_on_ranks)."""
-    return train.train(train.parse_args(argv))
+    return train.train(cli.parse_args(argv))
 
 
 def oracle(argv):
@@ -29,7 +30,7 @@ def oracle(argv):
     key = tuple(argv)
     if key not in _oracles:
         _oracles[key] = reference_run(argv)
-        clip = train.parse_args(argv).grad_clip
+        clip = cli.parse_args(argv).grad_clip
         assert min(_oracles[key]["grad_norms"]) > clip, "clipping must be active for the comparison to mean anything"
     return _oracles[key]
 
@@ -37,9 +38,9 @@ def oracle(argv):
 def reference_run(argv, skipped_steps=()):
     """Train on one device; returns per-step losses, gradient norms before clipping, final state dict.
     The steps in skipped_steps make no update (as train.py skips a step whose gradient is not finite)."""
-    args = train.parse_args([*argv, "--dtype", "float64"])
+    args = cli.parse_args([*argv, "--dtype", "float64"])
     data = train.load_training_data(args)
-    model = train.build_model(train.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
+    model = train.build_model(cli.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
     optimizer = train.make_optimizer(model.parameters(), args)
     losses, grad_norms = [], []
     for step in range(args.steps):

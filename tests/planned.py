@@ -2,8 +2,8 @@
 import json
 import os
 
+import cli
 import plan
-import train
 
 # Activations are modelled term by term from what model.py's operators save (plan.block_activations), and
 # equal the meter's count exactly in float32 and float64. Under bf16 autocast the casts are modelled only in
@@ -33,7 +33,7 @@ def imbalance(record):
 def assert_matches_plan(out_dir, argv, world):
     """Every logged memory and traffic counter equals plan.py's prediction; activations within
     ACTIVATION_MARGIN; with routing by top-k < experts, the routed counters within the step's imbalance."""
-    args = train.parse_args(argv)
+    args = cli.parse_args(argv)
     predicted = plan.predict(args, world)
     routed = args.experts and args.top_k < args.experts
     for record in logged_records(out_dir):

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cli
 import cp
-import train
 from distributed import run_on_ranks, self_check_alone
 from meter import ActivationMeter
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
@@ -107,8 +107,8 @@ def test_context_parallel_matches_single_device(tmp_path, world, flags):
 
 
 def test_sequence_length_must_split_into_two_chunks_per_rank():
-    with pytest.raises(train.ConfigError, match="--seq-len 12 must divide into 2 x 4 chunks"):
-        train.check_args(train.parse_args([*ARGV, "--cp", "4", "--seq-len", "12"]), 4)
+    with pytest.raises(cli.ConfigError, match="--seq-len 12 must divide into 2 x 4 chunks"):
+        cli.check_args(cli.parse_args([*ARGV, "--cp", "4", "--seq-len", "12"]), 4)
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cli
 import ep
 import train
 from distributed import run_on_ranks, self_check_alone
@@ -52,7 +53,7 @@ def test_an_expert_no_token_reaches_is_left_alone_as_on_one_device(tmp_path, mon
     that no rank used it (dp.py's used-mask) and leave it as it was too."""
     monkeypatch.setattr(train, "build_model", build_with_a_starved_expert)
     expected = reference_run(STARVED)
-    initial = build_with_a_starved_expert(train.model_config(train.parse_args(STARVED), 64), 0, torch.float64, "cpu")
+    initial = build_with_a_starved_expert(cli.model_config(cli.parse_args(STARVED), 64), 0, torch.float64, "cpu")
     for name, p in initial.named_parameters():
         if ".experts.3." in name:
             assert torch.equal(expected["state_dict"][name], p), name  # untouched on one device
@@ -171,8 +172,8 @@ def test_capacity_factor_drops_overflow_in_token_order():
     (["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --experts 4"),
 ])
 def test_refused_expert_flags(flags, message):
-    with pytest.raises(train.ConfigError) as refusal:
-        train.check_args(train.parse_args([*BASE, *flags]), 2)
+    with pytest.raises(cli.ConfigError) as refusal:
+        cli.check_args(cli.parse_args([*BASE, *flags]), 2)
     assert message in str(refusal.value)
 
 

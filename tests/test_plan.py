@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import cli
 import plan
 import train
 from distributed import REPO, run_on_ranks
@@ -42,8 +43,8 @@ def sampled_layouts(n, seed=5):
         if sizes["ep"] > 1 or rng.random() < 0.3:
             flags += ["--experts", "4", "--top-k", "4", "--shared-experts", str(rng.choice([0, 1]))]
         try:
-            train.check_args(train.parse_args([*BASE, *flags]), world)
-        except train.ConfigError:
+            cli.check_args(cli.parse_args([*BASE, *flags]), world)
+        except cli.ConfigError:
             continue
         layouts.append((world, flags))
     return layouts
@@ -84,9 +85,9 @@ ARTICLE_LAYOUT = ["--tp", "8", "--sp", "--pp", "16", "--zero", "1"]  # with dp =
 def test_article_example_405b_weights_per_rank():
     """The article's 405B layout: a rank holds 1/(tp*pp) of the blocks' weights (a stage of 8 of the 126
     layers, 1/8 of each), besides the replicated norms, in float32 with ZeRO-1's padding to 128 ranks."""
-    args = train.parse_args([a for a in LLAMA_405B if a not in ("--world", "16384")] + ARTICLE_LAYOUT)
+    args = cli.parse_args([a for a in LLAMA_405B if a not in ("--world", "16384")] + ARTICLE_LAYOUT)
     predicted = plan.predict(args, 16384)
-    c = train.model_config(args, train.data_vocab_size(args))
+    c = cli.model_config(args, cli.data_vocab_size(args))
     h, kv, ff = c.d_model, c.kv_dim, c.d_ff
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * ff  # q|k|v, proj; SwiGLU's gate, up, down
     first_stage = c.vocab_size * h // 8 + 8 * (per_layer // 8 + 2 * h)  # 126 = 14 stages of 8, 2 of 7
@@ -116,7 +117,7 @@ def test_real_shapes_have_their_parameter_counts():
     expected = {"llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9, "mixtral": 46.7e9}
     for model, count in expected.items():
         experts = ["--experts", "8", "--top-k", "2"] if model == "mixtral" else []
-        args = train.parse_args(["--model", model, "--arch", "llama", *experts])
-        config = train.model_config(args, train.data_vocab_size(args))
+        args = cli.parse_args(["--model", model, "--arch", "llama", *experts])
+        config = cli.model_config(args, cli.data_vocab_size(args))
         n = sum(math.prod(shape) for _, shape in plan.model_parameters(plan.config_key(config)))
         assert abs(n - count) / count < 0.005, (model, n)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cli
 import pp
-import train
 from distributed import run_on_ranks, self_check_alone
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 
@@ -269,8 +269,8 @@ def test_split_layers_is_as_even_as_possible():
     (["--pp", "2", "--schedule", "zb1", "--recompute", "full"], "--schedule zb1 with --recompute is not supported"),
 ])
 def test_refused_pipeline_flags(flags, message):
-    with pytest.raises(train.ConfigError, match=re.escape(message)):
-        train.check_args(train.parse_args(["--model", "tiny", "--batch-size", "12", *flags]), 2)
+    with pytest.raises(cli.ConfigError, match=re.escape(message)):
+        cli.check_args(cli.parse_args(["--model", "tiny", "--batch-size", "12", *flags]), 2)
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):

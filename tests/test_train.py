@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import cli
 import train
 from model import GPTConfig
 from distributed import REPO, run_on_ranks, torchrun
@@ -36,8 +37,8 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
     (1, ["--balance", "bias"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),
 ])
 def test_refused_flags_say_why(world, flags, message):
-    with pytest.raises(train.ConfigError) as refusal:
-        train.check_args(train.parse_args([*QUICK, *flags]), world)
+    with pytest.raises(cli.ConfigError) as refusal:
+        cli.check_args(cli.parse_args([*QUICK, *flags]), world)
     assert message in str(refusal.value)
 
 
@@ -63,7 +64,7 @@ def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
     assert f"loss floor (entropy rate) {floor:.4f}" in out.stdout
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log] == list(range(60))
-    params = list(train.build_model(train.model_config(train.parse_args(QUICK), 64), 0, torch.float32,
+    params = list(train.build_model(cli.model_config(cli.parse_args(QUICK), 64), 0, torch.float32,
                                     torch.device("cpu")).parameters())
     n_params = sum(p.numel() for p in params)
     flops_per_token = GPTConfig(**config["model"]).flops_per_token()
@@ -184,19 +185,19 @@ def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
 def test_vocabulary_flags(tmp_path):
     """The synthetic language's vocabulary is the preset's or --vocab-size; a token directory's its meta.pkl's,
     else --vocab-size, else GPT-2's; the model's embedding is that, padded to a multiple of 64."""
-    assert train.data_vocab_size(train.parse_args(QUICK)) == 64
-    assert train.data_vocab_size(train.parse_args([*QUICK, "--vocab-size", "100"])) == 100
+    assert cli.data_vocab_size(cli.parse_args(QUICK)) == 64
+    assert cli.data_vocab_size(cli.parse_args([*QUICK, "--vocab-size", "100"])) == 100
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     for split in ("train", "val"):
         np.arange(50, dtype=np.uint16).tofile(tokens / f"{split}.bin")
     on_tokens = [*QUICK, "--data", str(tokens)]
-    assert train.data_vocab_size(train.parse_args(on_tokens)) == 50257
-    assert train.data_vocab_size(train.parse_args([*on_tokens, "--vocab-size", "70"])) == 70
+    assert cli.data_vocab_size(cli.parse_args(on_tokens)) == 50257
+    assert cli.data_vocab_size(cli.parse_args([*on_tokens, "--vocab-size", "70"])) == 70
     with open(tokens / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 65}, f)
-    assert train.data_vocab_size(train.parse_args([*on_tokens, "--vocab-size", "70"])) == 65
-    assert train.model_config(train.parse_args(on_tokens), 65).vocab_size == 128
+    assert cli.data_vocab_size(cli.parse_args([*on_tokens, "--vocab-size", "70"])) == 65
+    assert cli.model_config(cli.parse_args(on_tokens), 65).vocab_size == 128
 
 
 @pytest.mark.parametrize("world,flags,model", [(2, ["--cp", "2", "--zero", "3"], []),
@@ -230,10 +231,10 @@ def test_data_that_cannot_train_is_refused_before_training(tmp_path):
     for path, message in [(tmp_path / "missing", "no such file or directory"),
                           (empty, "the train split has 0 tokens"), (short, "the val split has 10 tokens"),
                           (tokens, "no such file or directory")]:  # no val.bin
-        with pytest.raises(train.ConfigError, match=message):
-            train.check_args(train.parse_args([*QUICK, "--data", str(path)]), 1)
+        with pytest.raises(cli.ConfigError, match=message):
+            cli.check_args(cli.parse_args([*QUICK, "--data", str(path)]), 1)
     np.zeros(100, dtype=np.uint16).tofile(tokens / "val.bin")
-    train.check_args(train.parse_args([*QUICK, "--data", str(tokens)]), 1)  # 100 tokens a split: enough
+    cli.check_args(cli.parse_args([*QUICK, "--data", str(tokens)]), 1)  # 100 tokens a split: enough
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_training_on_every_rank(tmp_path):

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import cli
 import train
 from distributed import run_on_ranks
 from dp import ZeRO3, gpt_units
@@ -23,8 +24,8 @@ STEP_COUNTER = 4  # AdamW keeps a one-element float32 step count per parameter t
 
 
 def tiny_model():
-    args = train.parse_args(ARGV)
-    return train.build_model(train.model_config(args, 64), 0, torch.float64, torch.device("cpu"))
+    args = cli.parse_args(ARGV)
+    return train.build_model(cli.model_config(args, 64), 0, torch.float64, torch.device("cpu"))
 
 
 def padded(numel, n_ranks):
@@ -186,7 +187,7 @@ def test_zero_with_experts_shards_each_share_over_its_own_group(tmp_path, stage)
     argv = [*MOE, "--ep", "2", "--zero", str(stage), "--steps", "2", "--out", str(tmp_path)]
     run_on_ranks(world, train_worker, argv)
     log = [json.loads(line) for line in (tmp_path / "gpu4_tp1_pp1_cp1_ep2" / "log.jsonl").open()]
-    model = train.build_model(train.model_config(train.parse_args(MOE), 64), 0, torch.float64, torch.device("cpu"))
+    model = train.build_model(cli.model_config(cli.parse_args(MOE), 64), 0, torch.float64, torch.device("cpu"))
     named = dict(model.named_parameters())
     dense = sum(p.numel() for name, p in named.items() if ".experts." not in name)
     experts = sum(p.numel() for name, p in named.items() if ".experts." in name) // 2  # half of them per rank

@@ -1,0 +1,243 @@
+"""train.py's command line: model presets, the flags' parser, and the checks that refuse a run before it trains.
+
+Each check raises ConfigError, with a message naming the flags at fault, on every rank alike: check_args
+before any process group exists (plan.py asks it too, for the layouts it predicts), so a bad launch ends
+at once instead of hanging; check_vocabulary once the data is loaded, before the first step.
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import pp
+import tp
+from data import split_lengths, vocab_size_of
+from mesh import mesh_shape
+from model import GPTConfig
+
+PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
+    "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
+    "small": dict(n_layer=4, n_head=4, d_model=128, seq_len=64, vocab_size=256),
+    "medium": dict(n_layer=8, n_head=8, d_model=256, seq_len=256, vocab_size=256),
+    # GPU sizes: GPT-2 small (124M) and medium (350M), with GPT-2's vocabulary padded to 50304.
+    "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
+    "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
+    # Today's shapes, with --arch llama (their key/value heads, SwiGLU width and rotary base are below);
+    # for planning them (plan.py) more than for training them here. Mixtral 8x7B is mixtral with
+    # --experts 8 --top-k 2.
+    "llama3-8b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=8192, vocab_size=128256),
+    "llama3-70b": dict(n_layer=80, n_head=64, d_model=8192, seq_len=8192, vocab_size=128256),
+    "llama3-405b": dict(n_layer=126, n_head=128, d_model=16384, seq_len=8192, vocab_size=128256),
+    "mixtral": dict(n_layer=32, n_head=32, d_model=4096, seq_len=4096, vocab_size=32000),
+}
+# The Llama-style block (--arch llama): rotary positions, grouped-query attention, RMSNorm, SwiGLU, no
+# biases; per size, the key/value heads and a SwiGLU width of about 8/3 d_model (Llama's, rounded up),
+# which keeps the MLP's parameters those of GPT's 4 d_model GELU MLP.
+LLAMA = dict(position="rope", norm="rms", mlp="swiglu", bias=False)
+LLAMA_SHAPES = {
+    "tiny": dict(n_kv_heads=2, d_ff=96), "small": dict(n_kv_heads=2, d_ff=352),
+    "medium": dict(n_kv_heads=2, d_ff=704), "gpt2": dict(n_kv_heads=4, d_ff=2048),
+    "gpt2-medium": dict(n_kv_heads=4, d_ff=2816),
+    "llama3-8b": dict(n_kv_heads=8, d_ff=14336, rope_theta=500000.0),
+    "llama3-70b": dict(n_kv_heads=8, d_ff=28672, rope_theta=500000.0),
+    "llama3-405b": dict(n_kv_heads=8, d_ff=53248, rope_theta=500000.0),
+    "mixtral": dict(n_kv_heads=8, d_ff=14336, rope_theta=1000000.0),
+}
+LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")  # shapes that exist only as Llama blocks
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class ConfigError(ValueError):
+    """A combination of flags (or data) that cannot run; raised on every rank alike, before training."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train the GPT of model.py on any mix of parallel dimensions.")
+    p.add_argument("--model", choices=PRESETS, default="small", help="model size preset")
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                   help="gpt: GPT-2's block (learned positions, LayerNorm, GELU, biases); llama: rotary positions, "
+                        "grouped-query attention, RMSNorm, SwiGLU, no biases")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads of grouped-query attention (default: all heads with --arch gpt, the "
+                        "preset's with --arch llama)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="global batch in sequences, split over data ranks and micro-batches")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr (cosine)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--skip-nonfinite-steps", type=int, default=0,
+                   help="steps whose gradient norm is not finite that may be skipped (no update) before the "
+                        "run stops; 0: the first one stops it")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="float64 for checks; bfloat16 = float32 weights with bf16 autocast")
+    p.add_argument("--data", default=None, help="text file or directory with train.bin/val.bin "
+                                                "(default: the synthetic Markov language)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of the synthetic language (default: the preset's), or of a token directory "
+                        "without meta.pkl (default: GPT-2's 50257)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device, for model FLOPs utilisation (default: known GPUs' table)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs", help="runs are written to OUT/<name>/")
+    p.add_argument("--name", default=None, help="run name (default: gpuN_tpX_ppY_cpZ_epW)")
+    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--log-interval", type=int, default=10, help="steps between printed lines")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="steps between checkpoints (0: end only)")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="seconds a collective may wait for a rank before the run stops with an error "
+                        "(a dead or stalled peer); torchrun --max-restarts then restarts it")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many of the newest checkpoints to keep")
+    p.add_argument("--resume", default=None,
+                   help="a checkpoint to resume from, or 'auto': the newest good one of this run, if any")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this many steps (checkpoint written), as if preempted; resume with --resume")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--shared-experts", type=int, default=0,
+                   help="experts' widths of an MLP every token passes through besides its top-k (DeepSeek-MoE)")
+    p.add_argument("--balance", choices=("aux", "bias", "both"), default="aux",
+                   help="expert balancing: the Switch auxiliary loss, DeepSeek-V3's routing bias, or both")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--bias-update-rate", type=float, default=1e-3,
+                   help="step of the routing bias towards balance after every training step (--balance bias, both)")
+    p.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="an expert takes at most this x its fair share of a rank's tokens (0: dropless)")
+    for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")]:
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--schedule", choices=sorted(pp.SCHEDULES), default="1f1b", help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved schedule; default 2 there, else 1)")
+    p.add_argument("--pp-debug", action="store_true", help="print every pipeline send and receive")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recomputation: full (each block keeps only its input), selective (the "
+                        "attention core only)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block's computation (its parallel communication stays eager)")
+    args = p.parse_args(argv)
+    args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
+    args.layers = args.layers or PRESETS[args.model]["n_layer"]
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    return args
+
+
+def check_args(args, world):
+    """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
+    if args.ep > 1 and not args.experts:
+        raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
+    if args.experts and args.experts % args.ep:
+        raise ConfigError(f"--experts {args.experts} do not divide over --ep {args.ep} ranks")
+    if args.capacity_factor < 0 or (args.capacity_factor and not args.experts):
+        raise ConfigError("--capacity-factor must be positive and needs --experts")
+    if not args.experts and (args.shared_experts or args.balance != "aux"):
+        raise ConfigError("--shared-experts and --balance shape mixture-of-experts layers: they need --experts")
+    try:
+        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_data = shape.dp * shape.ep
+    for flag, value in [("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
+                        ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)]:
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.batch_size % (args.micro_batches * n_data):
+        raise ConfigError(f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
+                          f"x {n_data} data ranks (a multiple of {args.micro_batches * n_data})")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
+                          f"(each rank holds an early and a late chunk, for load balance)")
+    if args.sp and args.tp == 1:
+        raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
+                          "it needs --tp > 1")
+    check_pipeline(args)
+    check_data(args)
+    config = model_config(args, data_vocab_size(args))
+    if args.tp > 1:
+        problem = tp.check_tensor_parallel(args.tp, config.n_head, config.d_ff, config.vocab_size,
+                                           args.seq_len // args.cp if args.sp else None, config.n_kv_heads)
+        if problem:
+            raise ConfigError(f"--tp {args.tp}: {problem}")
+    return shape
+
+
+def check_data(args):
+    """--data that cannot train (missing, empty, shorter than one sequence) fails here, not mid-run."""
+    if args.data is None:
+        return
+    try:
+        lengths = split_lengths(args.data)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--data {args.data}: no such file or directory ({e.filename})") from None
+    for split, n_tokens in lengths.items():
+        if n_tokens < args.seq_len + 1:
+            raise ConfigError(f"--data {args.data}: the {split} split has {n_tokens} tokens, fewer than one "
+                              f"sequence of --seq-len {args.seq_len} plus its last target")
+
+
+def check_vocabulary(data, rank, world):
+    """Token ids outside the vocabulary fail before training, on every rank: each rank scans its share of
+    the token files (1/world of each split: seconds even for billions of tokens), and they agree on the largest."""
+    largest = torch.tensor([data.largest_id(rank, world)], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if largest.item() >= data.vocab_size:
+        raise ConfigError(f"--data {data.path} holds token id {largest.item()}, outside the vocabulary of "
+                          f"{data.vocab_size} (meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
+
+
+def check_pipeline(args):
+    if args.pp == 1:
+        if args.schedule == "interleaved" or args.virtual_stages > 1:
+            raise ConfigError("--schedule interleaved and --virtual-stages need pipeline parallelism (--pp > 1)")
+        return
+    if args.schedule == "zb1" and args.recompute != "none":
+        raise ConfigError("--schedule zb1 with --recompute is not supported: ZB-H1 splits every backward in two "
+                          "(B, then W later), and a recomputed block would run its forward again in each half")
+    if args.zero >= 2:
+        raise ConfigError(f"--zero {args.zero} with --pp is not supported: ZeRO-2/3 reduce gradients in every "
+                          f"backward, which a pipeline runs once per micro-batch and stage (M times the traffic, "
+                          f"and ZeRO-3 would gather every stage's weights per micro-batch); use --zero 1")
+    try:
+        pp.make_schedule(args.schedule, args.micro_batches, args.pp, 0, args.virtual_stages)
+        pp.split_layers(args.layers, args.pp * args.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
+
+
+def data_vocab_size(args):
+    """The vocabulary of the training data, known before anything is loaded (see data.vocab_size_of)."""
+    synthetic = args.vocab_size or PRESETS[args.model]["vocab_size"]
+    return vocab_size_of(args.data, synthetic if args.data is None else args.vocab_size)
+
+
+def padded_vocab(vocab_size):
+    """The vocabulary rounded up to a multiple of 64 (as nanoGPT does), so it splits over tensor-parallel ranks."""
+    return -(-vocab_size // 64) * 64
+
+
+def model_config(args, vocab_size):
+    """The model the flags describe (a ConfigError if they describe none)."""
+    if args.model in LLAMA_ONLY and args.arch != "llama":
+        raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
+    shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=padded_vocab(vocab_size))
+    if args.arch == "llama":
+        shape.update(LLAMA, **LLAMA_SHAPES[args.model])
+    if args.kv_heads:
+        shape.update(n_kv_heads=args.kv_heads)
+    try:
+        return GPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
+                         aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0,
+                         bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
+    except ValueError as e:
+        raise ConfigError(f"--model {args.model} --arch {args.arch}: {e}") from None
