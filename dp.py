@@ -118,6 +118,17 @@ def _weakly(method):
 # 1. The article's equation: g_avg = 1/N sum_i g_i, for every gradient as it comes
 # ---------------------------------------------------------------------------
 
+@contextmanager
+def set_within(obj, attribute, value):
+    """obj.attribute = value inside the block; afterwards what it was (so an enclosing block's value holds)."""
+    previous = getattr(obj, attribute)
+    setattr(obj, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attribute, previous)
+
+
 class AllReduceEveryGradient:
     """Average each gradient over `group` the moment backward has produced it.
 
@@ -138,14 +149,9 @@ class AllReduceEveryGradient:
             dist.all_reduce(p.grad, group=self.group)
             p.grad.div_(self.n_ranks)
 
-    @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages the sum."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous  # an enclosing no_sync still holds
+        return set_within(self, "sync", False)
 
     def finish_grad_sync(self):
         """Nothing to wait for: every average was taken inside backward."""
@@ -238,14 +244,9 @@ class DataParallel:
     def _make_buckets(self, bucket_bytes):
         return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks)
 
-    @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages them."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous  # an enclosing no_sync still holds
+        return set_within(self, "sync", False)
 
     # -- during backward: each bucket launches when its last gradient arrives --------
 
@@ -357,15 +358,10 @@ class DataParallel:
 
     keep_incomplete = False  # inside keep_incomplete_buckets
 
-    @contextmanager
     def keep_incomplete_buckets(self):
         """A backward in this block launches the buckets it completes and leaves the others for a later
         backward of the same step (a pipeline rank's model chunks: each has its own last backward)."""
-        previous, self.keep_incomplete = self.keep_incomplete, True
-        try:
-            yield
-        finally:
-            self.keep_incomplete = previous  # an enclosing keep_incomplete_buckets still holds
+        return set_within(self, "keep_incomplete", True)
 
 
 # ---------------------------------------------------------------------------
