@@ -18,10 +18,16 @@ ranks and swap two seams that are kept deliberately small:
   embeddings need them), so a rank holding a shard of the sequence that is
   not contiguous still embeds and rotates the right positions.
 
+Initial values are drawn by position (`initial_values`): each element's is a
+function of (seed, parameter name, its position in the full tensor), so a
+rank that holds a slice of a parameter fills it alone, equal to the same
+elements of this model.
+
 No dropout: the correctness contract (every configuration equals the single
 device, step for step) needs a deterministic model.
 """
 import math
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -334,8 +340,64 @@ def moe_aux_losses(module):
     return [m.aux_loss for m in module.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
 
 
+# ---------------------------------------------------------------------------
+# Initial values: a pure function of (seed, parameter name, element position)
+# ---------------------------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF
+INIT_CHUNK = 1 << 20  # elements filled at a time, so initialisation's working memory stays small
+
+
+def _mix32(h):
+    """A 32-bit integer hash (Wellons' two-round finaliser; each output bit depends on every input bit).
+    h holds values below 2**32 in int64, and the multipliers are below 2**31: no product overflows."""
+    h = h ^ (h >> 16)
+    h = (h * 0x21F0AAAD) & MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x735A2D97) & MASK32
+    return h ^ (h >> 15)
+
+
+def counter_normal(seed, name, positions):
+    """A standard normal for each position (int64), a pure function of (seed, name, position).
+
+    A counter-based generator (as JAX's and MaxText's): the value of element i is a hash of (key, i),
+    not the i-th draw of a stream, so any slice of a tensor can be drawn alone, on any device, and
+    equals the same elements drawn whole. The hash gives a uniform in (0, 1), the inverse of the
+    normal's distribution function a normal.
+    """
+    key = zlib.crc32(f"{seed}:{name}".encode())  # stable across processes (Python's hash() is not)
+    h = _mix32(_mix32((positions & MASK32) ^ key) ^ (positions >> 32))
+    return torch.special.ndtri((h.double() + 0.5) / 2**32)
+
+
+def initial_values(name, positions, n_layer, seed):
+    """The initial values (float64) of parameter `name`'s elements at `positions`, flat indices into
+    the full tensor, named as in GPT: GPT-2's initialisation (Radford et al., 2019), as nanoGPT has it.
+
+    Weights of linear layers and embeddings N(0, 0.02); the projections that write into the residual
+    stream N(0, 0.02 / sqrt(2 n_layer)), so the stream's variance does not grow with depth; biases 0;
+    norms' weights 1.
+    """
+    module, kind = name.split(".")[-2:]
+    if kind == "bias":
+        return torch.zeros(positions.shape, dtype=torch.float64, device=positions.device)
+    if module.startswith("norm"):
+        return torch.ones(positions.shape, dtype=torch.float64, device=positions.device)
+    std = 0.02 / math.sqrt(2 * n_layer) if module == "proj" else 0.02
+    return std * counter_normal(seed, name, positions)
+
+
+def fill_in_chunks(flat, values_at, positions):
+    """flat[start:end] = values_at(positions(start, end)), a chunk at a time: positions maps flat's elements
+    to their flat indices in the full tensor (the whole tensor's, or a shard's own map)."""
+    for start in range(0, flat.numel(), INIT_CHUNK):
+        end = min(start + INIT_CHUNK, flat.numel())
+        flat[start:end] = values_at(positions(start, end))
+
+
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, seed=0):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -345,19 +407,17 @@ class GPT(nn.Module):
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.loss_fn = cross_entropy  # the swappable seam (see the module docstring)
-        self.apply(self._init_weights)
-        # GPT-2: scale the projections that write into the residual stream by
-        # 1/sqrt(2 * n_layer), so the stream's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if self.lm_head.weight.device.type != "meta":  # on the meta device there is nothing to fill yet
+            self.reset_parameters(seed)
 
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    @torch.no_grad()
+    def reset_parameters(self, seed=0):
+        """Every parameter to its initial value (initial_values), every buffer to zero."""
+        for name, p in self.named_parameters():
+            fill_in_chunks(p.view(-1), partial(initial_values, name, n_layer=self.config.n_layer, seed=seed),
+                           partial(torch.arange, device=p.device))
+        for b in self.buffers():
+            b.zero_()
 
     def embed(self, idx, pos):
         """Token embeddings, plus learned position embeddings (rotary ones act inside attention)."""
