@@ -168,7 +168,7 @@ class Bucket:
     give every rank an equal contiguous shard of it.
     """
 
-    def __init__(self, params, n_ranks):
+    def __init__(self, params, n_ranks, allocated=True):
         self.params = params
         numel = sum(p.numel() for p in params)
         self.padded = math.ceil(numel / n_ranks) * n_ranks
@@ -176,8 +176,12 @@ class Bucket:
         for p in params:
             self.offsets[p] = offset
             offset += p.numel()
-        self.grad = torch.zeros(self.padded, dtype=params[0].dtype, device=params[0].device)
+        dtype, device = params[0].dtype, params[0].device
+        self.grad = torch.zeros(self.padded, dtype=dtype, device=device) if allocated else \
+            torch.empty(self.padded, dtype=dtype, device=device)
         self.grad_views = {p: self.view(self.grad, p) for p in params}
+        if not allocated:  # ZeRO-2 and 3 hold a bucket's full gradient only while backward fills it
+            free_storage(self.grad)
         self.ready = set()     # parameters whose gradient for this step has arrived
         self.launched = False  # its collective has been issued this step
         self.work = None       # the collective in flight
@@ -191,17 +195,17 @@ class Bucket:
         return self.padded * self.grad.element_size()
 
 
-def make_buckets(params, bucket_bytes, n_ranks):
+def make_buckets(params, bucket_bytes, n_ranks, allocated=True):
     """Group params (already in gradient-arrival order) into buckets of about bucket_bytes."""
     buckets, current, size = [], [], 0
     for p in params:
         if current and (size >= bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(current, n_ranks))
+            buckets.append(Bucket(current, n_ranks, allocated))
             current, size = [], 0
         current.append(p)
         size += p.numel() * p.element_size()
     if current:
-        buckets.append(Bucket(current, n_ranks))
+        buckets.append(Bucket(current, n_ranks, allocated))
     return buckets
 
 
@@ -241,8 +245,10 @@ class DataParallel:
             p.grad = bucket.grad_views[p]
             p.register_post_accumulate_grad_hook(_weakly(self._on_grad_ready))
 
+    keeps_full_gradients = True  # between backwards (ZeRO-2 and 3 do not)
+
     def _make_buckets(self, bucket_bytes):
-        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks)
+        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks, self.keeps_full_gradients)
 
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages them."""
@@ -381,6 +387,18 @@ def is_allocated(t):
     return t.untyped_storage().nbytes() > 0
 
 
+def unallocated(shape, dtype, device):
+    """A tensor whose memory is not held yet (allocate_storage brings it).
+
+    PyTorch makes no tensor without memory, and makes no view of one whose memory is freed, so such
+    tensors are made with torch.empty, their views taken, and freed at once: one at a time, never
+    written (on the CPU their pages are never touched; on a GPU the caching allocator keeps the block
+    for the next one)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    free_storage(t)
+    return t
+
+
 class Shard:
     """This rank's elements [r S, (r+1) S) of a bucket (S = padded size / N), and what ZeRO keeps of them.
 
@@ -391,30 +409,50 @@ class Shard:
     then None.
     """
 
-    def __init__(self, bucket, rank, n_ranks, own_copy):
+    def __init__(self, bucket, rank, n_ranks, own_copy, values=None):
         self.size = bucket.padded // n_ranks
         self.start = rank * self.size
-        self.full_params = torch.zeros_like(bucket.grad)
-        for p in bucket.params:
-            view = bucket.view(self.full_params, p)
-            view.copy_(p.detach())
-            p.data = view  # the parameter now lives inside the flat buffer
-        mine = self.full_params[self.start:self.start + self.size]
-        # Stages 1 and 2 keep the full parameters, so the shard is a view of them; stage 3 keeps a copy
-        # of its own, and the full buffer comes and goes.
-        self.params = mine.clone() if own_copy else mine
-        self.grad = torch.zeros_like(mine)  # this rank's part of the averaged gradient
-        self.reduced = None  # the output of the reduce-scatter in flight
-        self.gathering = None  # ZeRO-3: the all-gather of full_params in flight
         self.ranges = {}  # parameter: (start, end) of its piece within the shard, for those that have one
         for p in bucket.params:
             lo, hi = max(bucket.offsets[p], self.start), min(bucket.offsets[p] + p.numel(), self.start + self.size)
             if lo < hi:
                 self.ranges[p] = (lo - self.start, hi - self.start)
+        # Stages 1 and 2 keep the full parameters, so the shard is a view of them; stage 3 keeps a copy
+        # of its own, and the full buffer comes and goes (at first, it is not there).
+        if own_copy:
+            self.params = self._own_copy(bucket, values or _elements)
+            self.full_params = torch.empty(bucket.padded, dtype=bucket.grad.dtype, device=bucket.grad.device)
+        else:
+            self.full_params = torch.zeros(bucket.padded, dtype=bucket.grad.dtype, device=bucket.grad.device)
+            for p in bucket.params:
+                bucket.view(self.full_params, p).copy_(p.detach())
+            self.params = self.full_params[self.start:self.start + self.size]
+        for p in bucket.params:
+            p.data = bucket.view(self.full_params, p)  # the parameter now lives inside the flat buffer
+        if own_copy:  # not written: see unallocated
+            free_storage(self.full_params)
+        self.grad = torch.zeros_like(self.params)  # this rank's part of the averaged gradient
+        self.reduced = None  # the output of the reduce-scatter in flight
+        self.gathering = None  # ZeRO-3: the all-gather of full_params in flight
         self.pieces = {p: self.params[lo:hi] for p, (lo, hi) in self.ranges.items()}
         self.grad_pieces = {p: self.grad[lo:hi] for p, (lo, hi) in self.ranges.items()}
         for p, piece in self.pieces.items():
             piece.grad = self.grad_pieces[p]
+
+
+    def _own_copy(self, bucket, values):
+        """This rank's elements of the bucket, each parameter's piece from values(p, start, end): its
+        flattened elements [start, end)."""
+        mine = torch.zeros(self.size, dtype=bucket.grad.dtype, device=bucket.grad.device)
+        for p, (lo, hi) in self.ranges.items():
+            first = self.start - bucket.offsets[p]  # the index in p of the shard's first element
+            mine[lo:hi] = values(p, lo + first, hi + first)
+        return mine
+
+
+def _elements(p, start, end):
+    """Elements [start, end) of a materialised parameter, flattened."""
+    return p.detach().reshape(-1)[start:end]
 
 
 class ZeRO1(DataParallel):
@@ -443,6 +481,7 @@ class ZeRO1(DataParallel):
     """
 
     own_copy = False  # of its shard of the parameters (ZeRO-3)
+    initial_values = None  # ZeRO-3 on parameters not yet filled: where its shards' values come from
 
     def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
                  params=None, divide_by=None, find_unused_parameters=False):
@@ -452,7 +491,8 @@ class ZeRO1(DataParallel):
         self.names = {p: name for name, p in module.named_parameters()}
         super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters)
         self.rank = dist.get_rank(group)
-        self.shards = {bucket: Shard(bucket, self.rank, self.n_ranks, self.own_copy) for bucket in self.buckets}
+        self.shards = {bucket: Shard(bucket, self.rank, self.n_ranks, self.own_copy, self.initial_values)
+                       for bucket in self.buckets}
         self.optimizer = make_optimizer([piece for shard in self.shards.values() for piece in shard.pieces.values()])
         for i, unit in enumerate(self.units):
             unit.register_forward_hook(partial(self._after_forward, i))
@@ -612,10 +652,10 @@ class ZeRO2(ZeRO1):
     brought no gradient), so the collectives stay in step.
     """
 
+    keeps_full_gradients = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for bucket in self.buckets:
-            free_storage(bucket.grad)
         for p in self.params:
             p.grad = None
 
@@ -661,18 +701,24 @@ class ZeRO3(ZeRO2):
     before its forward (the next unit's gather prefetched, overlapping this
     one's compute), freed after it, gathered again before its backward, and
     freed once its gradients are reduce-scattered. Each unit is one bucket.
+
+    initial_values(name, shape, start, end), for a model whose parameters were given no memory yet
+    (built on the meta device, then `unallocated`): elements [start, end) of the flattened parameter
+    `name` (of this rank's `shape`); only this rank's shards are then made and filled, so no rank ever
+    holds a whole parameter it shards. Without it, the shards are cut from the parameters' values.
     """
 
     own_copy = True
 
-    def __init__(self, module, group, make_optimizer, units=(), **options):
+    def __init__(self, module, group, make_optimizer, units=(), initial_values=None, **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
+        if initial_values:  # a model whose parameters were never filled (see the module docstring)
+            self.initial_values = lambda p, start, end: initial_values(self.names[p], p.shape, start, end)
         super().__init__(module, group, make_optimizer, units, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
         for i, unit in enumerate(self.units):
             unit.register_forward_pre_hook(partial(self._before_forward, i))
-            free_storage(self.shards[self.unit_buckets[i]].full_params)
 
     def _make_buckets(self, bucket_bytes):
         mine = set(map(id, self.params))
@@ -680,7 +726,7 @@ class ZeRO3(ZeRO2):
         covered = [p for unit_params in params for p in unit_params]
         if sorted(map(id, covered)) != sorted(mine):
             raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
-        return [Bucket(unit_params, self.n_ranks) for unit_params in reversed(params)]
+        return [Bucket(unit_params, self.n_ranks, allocated=False) for unit_params in reversed(params)]
 
     def _before_forward(self, i, module, args):
         self._gather(i)
