@@ -4,8 +4,10 @@
     python train.py --model tiny --steps 50              # one process
 
 The order of events is the order of the article: flags (cli.py) -> rank
-grid (mesh.py) -> full model (model.py) -> `parallelize`: the parallel
-dimensions applied -> training loop. Every global batch is a pure function of
+grid (mesh.py) -> the model's shapes on the meta device (model.py) ->
+`parallelize`: the parallel dimensions applied, then only this rank's share
+allocated and filled (every initial value is a function of its position, so
+it equals the single device's) -> training loop. Every global batch is a pure function of
 (seed, step) (data.py) and is split over data ranks and micro-batches, so
 every configuration trains on the same tokens and must produce the same
 losses as one device.
@@ -38,11 +40,12 @@ import pp
 import tp
 from cli import ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
 from data import load_data
-from dp import ZERO_STAGES, DataParallel, gpt_units
+from dp import ZERO_STAGES, DataParallel, ZeRO3, gpt_units, unallocated
 from launch import Preemption, exit_with_error, in_collective, init_distributed, where
 from mesh import Mesh
-from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
-from model import GPT, apply_recomputation, update_route_biases
+from meter import (ActivationMeter, device_peak_bytes, gradient_bytes, optimizer_bytes, parameter_bytes,
+                   peak_resident_bytes, tensor_bytes)
+from model import GPT, apply_recomputation, fill_in_chunks, initial_values, update_route_biases
 
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
@@ -57,7 +60,8 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
-              "activation_peak_bytes", "compute_s", "comm_wait_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
+              "activation_peak_bytes", "peak_resident_bytes", "device_peak_bytes", "compute_s", "comm_wait_s",
+              "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
 class NonFiniteStep(ArithmeticError):
@@ -93,9 +97,13 @@ def peak_flops(args, device):
 
 
 def build_model(config, seed, dtype, device):
-    """The full model, identical on every rank (same seed)."""
-    torch.manual_seed(seed)
-    return GPT(config).to(device, dtype)
+    """The whole model on one device (the single-device reference): built on the meta device, then
+    allocated where it runs and filled with its initial values (nothing made first on the CPU)."""
+    with torch.device("meta"):
+        model = GPT(config).to(dtype)
+    model.to_empty(device=device)
+    model.reset_parameters(seed)
+    return model
 
 
 def make_optimizer(params, args):
@@ -130,30 +138,125 @@ class Parallelized:
     grad_sync: "GradientSync"       # the data-parallel averaging of the gradients
 
 
-def parallelize(model, mesh, args):
-    """Apply the parallel dimensions to `model`, in place, for this rank of `mesh`."""
+def parallelize(model, mesh, args, values, device):
+    """Apply the parallel dimensions to `model`, built on the meta device, in place, for this rank of `mesh`;
+    then allocate this rank's share of it on `device` and fill it from `values` (InitialValues, SavedValues).
+    """
     # The article explains data, tensor, pipeline, context (sequence) and expert parallelism in that order;
     # they are applied in another, each rewriting what the one before left: experts are placed first (tensor
     # parallelism then splits the experts this rank holds), tensor and context parallelism rewrite the
     # layers inside every block, the pipeline then keeps this rank's blocks (passing them context
     # parallelism's positions), recomputation wraps what this rank will run, and data parallelism comes
-    # last, since it averages, or shards (ZeRO), whatever parameters this rank is left with.
+    # last, since it averages, or shards (ZeRO), whatever parameters this rank is left with. Until then the
+    # model is on the meta device (shapes without memory): nothing is allocated that this rank will not hold.
     #
     # "Expert Parallelism": each rank keeps E/ep experts of every MoE layer; tokens reach them by all-to-all.
     moe_layers = expert_parallel(model, mesh, args)
     # "Tensor Parallelism" (and "Sequence Parallelism, Flavor 1"): weight matrices split over the tp group.
     tp_layouts = tensor_parallel(model, mesh, args)
     # "Sequence Parallelism, Flavor 2: Ring Attention": a zigzag shard of the sequence; attention in a ring.
-    positions = context_parallel(model, mesh, args)
+    positions = context_parallel(model, mesh, args, device)
     # "Pipeline Parallelism": this rank keeps its stage's layers (V chunks of them with interleaving).
     chunks = pipeline_parallel(model, mesh, args, positions)
     # Not a dimension: compiled blocks, and activation recomputation around what runs (ring attention too).
     if args.compile:
         compile_blocks(model)
     apply_recomputation(model, args.recompute)
+    # What this rank holds now exists: allocated on its device and filled (under ZeRO-3 only the shards,
+    # which ZeRO-3 fills itself).
+    share = Share(tp_layouts, mesh, values)
+    share.materialize(model, device, fill=args.zero != 3)
     # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
-    optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers)
+    optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers, share)
     return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync)
+
+
+class InitialValues:
+    """model.py's initial values: each a pure function of (seed, parameter name, position in the full
+    tensor), so every rank fills its slice alone and equals the single device's."""
+
+    def __init__(self, config, seed):
+        self.n_layer, self.seed = config.n_layer, seed
+
+    def parameter(self, name, positions):
+        return initial_values(name, positions, self.n_layer, self.seed)
+
+    def buffer(self, name, empty):
+        return torch.zeros_like(empty)  # the routing biases and the step's expert loads start at zero
+
+
+class SavedValues:
+    """A consolidated checkpoint's values (model.py's state dict), read at the positions a rank holds."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def parameter(self, name, positions):
+        return self.state[name].reshape(-1)[positions.cpu()].to(positions.device)
+
+    def buffer(self, name, empty):
+        return self.state[name].to(empty.device) if name in self.state else torch.zeros_like(empty)
+
+
+class Share:
+    """This rank's share of every parameter, as positions in the full tensor: how it is filled from values
+    (InitialValues or SavedValues) without the full tensor ever existing.
+
+    Of the dimensions, tensor parallelism alone cuts a parameter (along one dim, block by block: tp_layouts);
+    the pipeline, experts and ZeRO keep or drop whole parameters under their full names, and ZeRO-3 cuts
+    the flattened local tensor into ranges (elements()).
+    """
+
+    def __init__(self, tp_layouts, mesh, values):
+        self.tp_layouts, self.values = tp_layouts, values
+        self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
+
+    def positions(self, name, shape, start, end, device):
+        """The flat positions in the full tensor of elements [start, end) of this rank's flattened `name`."""
+        index = list(torch.unravel_index(torch.arange(start, end, device=device), shape))
+        full_shape = list(shape)
+        if name in self.tp_layouts:  # index along dim: which of the full tensor's rows this rank holds
+            dim, blocks = self.tp_layouts[name]
+            full_shape[dim] *= self.tp_size
+            rows = tp.shard(torch.arange(full_shape[dim], device=device), 0, self.tp_rank, self.tp_size, blocks)
+            index[dim] = rows[index[dim]]
+        strides = torch.empty(full_shape, device="meta").stride()
+        return sum(i * stride for i, stride in zip(index, strides))
+
+    def fill(self, flat, name, shape, start=0):
+        """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`)."""
+        fill_in_chunks(flat, lambda positions: self.values.parameter(name, positions),
+                       lambda a, b: self.positions(name, shape, start + a, start + b, flat.device))
+
+    def elements(self, name, shape, start, end):
+        """Elements [start, end) of this rank's flattened `name`, made alone (ZeRO-3's shards)."""
+        flat = torch.empty(end - start, dtype=torch.float64)
+        self.fill(flat, name, shape, start)
+        return flat
+
+    def materialize(self, model, device, fill=True):
+        """Every meta parameter and buffer of `model` allocated on `device`; parameters filled, or (fill
+        False: ZeRO-3 fills its shards) left without memory."""
+        for name, p in list(model.named_parameters()):
+            if fill:
+                tensor = torch.empty(p.shape, dtype=p.dtype, device=device)
+                self.fill(tensor.view(-1), name, p.shape)
+            else:
+                tensor = unallocated(p.shape, p.dtype, device)
+            real = torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
+            # Gradient hooks a dimension put on the meta parameter go with it (sequence parallelism's norms
+            # sum their gradients over the tp group); PyTorch keeps a tensor's hooks in this dict.
+            real._backward_hooks = p._backward_hooks
+            set_tensor(model, "_parameters", name, real)
+        for name, b in list(model.named_buffers()):
+            set_tensor(model, "_buffers", name, self.values.buffer(name, torch.empty_like(b, device=device)))
+
+
+def set_tensor(model, kind, name, tensor):
+    """Put tensor in place of model's parameter or buffer `name` (kind: "_parameters" or "_buffers")."""
+    owner, _, leaf = name.rpartition(".")
+    getattr(model.get_submodule(owner), kind)[leaf] = tensor
+
 
 
 def expert_parallel(model, mesh, args):
@@ -174,12 +277,11 @@ def tensor_parallel(model, mesh, args):
     return tp.sharded_layouts(model)
 
 
-def context_parallel(model, mesh, args):
+def context_parallel(model, mesh, args, device):
     """Ring attention in every block; returns the positions of this rank's tokens in the sequence."""
     if mesh.size("cp") == 1:
         return None
     cp.apply_context_parallel(model, mesh.groups["cp"])
-    device = next(model.parameters()).device
     return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)
 
 
@@ -208,13 +310,14 @@ def compile_blocks(model):
         block.forward = torch.compile(block.forward)
 
 
-def data_parallel(model, mesh, args, moe_layers):
+def data_parallel(model, mesh, args, moe_layers, share):
     """The optimizers of this rank's parameters and the averaging of their gradients: (optimizers, sync).
 
     Dense gradients are averaged over the dense-gradient group, expert gradients over the expert-gradient
     group (divided by the dense group's size, see ep.py). With --zero, one ZeRO instance shards the dense
     parameters and one the experts' (DeepSeek-V3's layout), each with the optimizer of its shards; without,
     DataParallel averages, and one optimizer, the same on every replica, updates every parameter.
+    Nothing is broadcast: every replica filled its share from the same values.
     """
     group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
     named = list(model.named_parameters())
@@ -222,19 +325,22 @@ def data_parallel(model, mesh, args, moe_layers):
     experts = [p for name, p in named if ep.is_expert_parameter(name)]
     expert_group = dict(group=mesh.groups["expert"], divide_by=mesh.size("dense"))
     if args.zero:
+        # ZeRO-3 fills its shards itself, the parameters it shards being left unfilled (see Share).
+        zero = partial(ZeRO3, initial_values=share.elements) if args.zero == 3 else ZERO_STAGES[args.zero]
+
         def shard(params, units, group, **options):
-            return ZERO_STAGES[args.zero](model, group, lambda shards: make_optimizer(shards, args),
-                                          units=units, bucket_bytes=bucket_bytes, params=params, **options)
+            return zero(model, group, lambda shards: make_optimizer(shards, args), units=units,
+                        bucket_bytes=bucket_bytes, broadcast=False, params=params, **options)
         zeros = [shard(dense, gpt_units(model), group)]
         if experts:
             zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
         return zeros, GradientSync(zeros)
     syncs = []
     if mesh.size("dense") > 1:
-        syncs.append(DataParallel(dense, group, bucket_bytes))
+        syncs.append(DataParallel(dense, group, bucket_bytes, broadcast=False))
         if experts:
-            syncs.append(DataParallel(experts, bucket_bytes=bucket_bytes, find_unused_parameters=True,
-                                      **expert_group))
+            syncs.append(DataParallel(experts, bucket_bytes=bucket_bytes, broadcast=False,
+                                      find_unused_parameters=True, **expert_group))
     return [ReplicatedOptimizer(model, make_optimizer(list(model.parameters()), args))], GradientSync(syncs)
 
 
@@ -489,13 +595,14 @@ class Trainer:
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                          else nullcontext())
-        # The full model, identical on every rank (restored from a checkpoint when resuming).
-        self.model = build_model(model_config(args, data.vocab_size), args.seed, dtype, device)
-        saved = checkpoint.load(args.resume) if args.resume else None
-        if saved:
-            self.model.load_state_dict(saved["model"])
+        # The full model's shapes, on the meta device: no memory until parallelize keeps this rank's share.
+        config = model_config(args, data.vocab_size)
+        with torch.device("meta"):
+            self.model = GPT(config).to(dtype)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        parallel = parallelize(self.model, mesh, args)  # then only this rank's share of it
+        saved = checkpoint.load(args.resume) if args.resume else None
+        values = SavedValues(saved["model"]) if saved else InitialValues(config, args.seed)
+        parallel = parallelize(self.model, mesh, args, values, device)
         self.params, self.tp_layouts = list(self.model.parameters()), parallel.tp_layouts
         self.optimizers, self.grad_sync = parallel.optimizers, parallel.grad_sync
         self.routing = RoutingCounts(parallel.moe_layers, args.experts)
@@ -615,7 +722,8 @@ class Trainer:
         record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
                       grad_bytes=gradient_bytes(self.params) + tensor_bytes(grad_shards),
                       optim_bytes=sum(optimizer_bytes(optimizer.optimizer) for optimizer in self.optimizers),
-                      activation_peak_bytes=self.meter.peak, compute_s=compute_s, comm_wait_s=comm_wait_s,
+                      activation_peak_bytes=self.meter.peak, peak_resident_bytes=peak_resident_bytes(),
+                      device_peak_bytes=device_peak_bytes(self.device), compute_s=compute_s, comm_wait_s=comm_wait_s,
                       pp_bubble=pipeline.bubble(), pp_peak_in_flight=pipeline.peak_in_flight)
         counters = self.comm_counters()  # bytes sent during this step
         record.update({field: counters[field] - self.comm_baseline[field] for field in COMM_FIELDS})

@@ -37,8 +37,18 @@ def build_with_a_starved_expert(config, seed, dtype, device):
     return model
 
 
+class StarvedExpertValues(train.InitialValues):
+    """The same routing bias for train.py's sharded construction: each rank's layers start with it."""
+
+    def buffer(self, name, empty):
+        values = super().buffer(name, empty)
+        if name.endswith("route_bias"):
+            values[3] = -10.0
+        return values
+
+
 def starved_train_worker(argv):
-    train.build_model = build_with_a_starved_expert
+    train.InitialValues = StarvedExpertValues
     return train_worker(argv)
 
 
