@@ -8,6 +8,8 @@ same on a CPU as on a GPU:
 - parameters, gradients, optimizer state: the bytes of their storages, each
   storage counted once (a gradient that is a view into a flat bucket counts
   the bucket);
+- peaks: the process's resident memory (VmHWM) and, on a GPU, the allocator's
+  peak, each since the process started (construction included);
 - activations: the tensors autograd saves for backward, seen through
   `torch.autograd.graph.saved_tensors_hooks`. A saved tensor is live from the
   forward that saves it until the backward that frees its graph; the meter
@@ -17,6 +19,22 @@ same on a CPU as on a GPU:
   moves a parameter's memory each time it gathers it.
 """
 import torch
+
+
+def peak_resident_bytes():
+    """This process's peak resident memory since it started, in bytes: Linux's VmHWM (0 elsewhere). It
+    holds everything the process touched: the interpreter, PyTorch's libraries, the allocator's caches."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        return 0
+
+
+def device_peak_bytes(device):
+    """The most memory PyTorch's allocator held for tensors on a CUDA device since the process started (0
+    on a CPU, where peak_resident_bytes tells)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def storage_key(t):
