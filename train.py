@@ -637,8 +637,9 @@ class Trainer:
         # The norm is the same on every rank, so they all update, or all skip a step whose gradient is not
         # finite (the weights and AdamW's moments stay as they were; train() decides whether to go on).
         grad_norm = self.clip_gradients(args.grad_clip or math.inf).item()
-        self.skipped_steps += not math.isfinite(grad_norm)
-        for optimizer in self.optimizers if math.isfinite(grad_norm) else ():
+        update = self.updates(grad_norm)
+        self.skipped_steps += not update
+        for optimizer in self.optimizers if update else ():
             optimizer.step()  # ZeRO: update this rank's shards, then gather the parameters
         update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
         self.routing.sum_over_stages(self.runner)
@@ -648,6 +649,11 @@ class Trainer:
         comm_wait = grad_wait.seconds() + pipeline.wait_s
         self.timeline = pipeline.timeline() if timeline else None
         return dict(self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline), grad_norm=grad_norm)
+
+    @staticmethod
+    def updates(grad_norm):
+        """Whether a step with this gradient norm updates the weights: not if it is not finite."""
+        return math.isfinite(grad_norm)
 
     def local_micro_batches(self, tokens):
         """This rank's (inputs, targets) per micro-batch: its data slice, and its sequence shard under cp."""

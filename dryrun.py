@@ -1,0 +1,111 @@
+"""One rank of a large run, run alone on this machine: its share built, one training step taken, its
+memory measured beside plan.py's prediction.
+
+    python dryrun.py --world 64 --rank 5 --model llama3-8b --arch llama --tp 8 --zero 3 \\
+        --seq-len 256 --batch-size 8
+
+The other ranks are simulated by PyTorch's fake process group (`torch.testing`'s fake_pg, which
+torchtitan once used to estimate memory): every collective and point-to-point message completes at once
+and delivers nothing. So the values are meaningless and no loss is reported, while the shapes, what this
+rank allocates and the traffic it counts are the real run's. Nothing is written (no log, no checkpoint):
+the report goes to standard output, a table or, with --json, the measured and predicted fields.
+
+Measured: the counters of train.py's log (parameter, gradient, optimizer and activation bytes, traffic
+per dimension and collective) and the process's peak resident memory (Linux's VmHWM: the interpreter,
+PyTorch's libraries and the allocator's caches too; on a GPU, the allocator's peak beside it).
+
+Expert parallelism is refused: a rank learns how many tokens it will receive from its peers, which a
+fake peer never says.
+"""
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+import cli
+import plan
+import train
+from mesh import Mesh
+
+MEMORY = ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes")
+MEASURED_ONLY = ("peak_resident_bytes", "device_peak_bytes")
+
+
+class DryRunTrainer(train.Trainer):
+    """Every step updates the weights: the fake peers deliver nothing, so a gradient may hold anything,
+    even a non-finite norm, and the update's memory (AdamW makes its state) is what is measured."""
+
+    @staticmethod
+    def updates(grad_norm):
+        return True
+
+
+def join_fake_world(rank, world):
+    """Join a process group of `world` ranks as `rank`, alone: the peers are PyTorch's fake ones."""
+    try:  # an internal module of PyTorch's tests (in every release from 2.1 to today's)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise cli.ConfigError(f"this PyTorch has no fake process group ({e})") from e
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def check_dry_run(args, rank, world):
+    cli.check_args(args, world)
+    if not 0 <= rank < world:
+        raise cli.ConfigError(f"--rank {rank}: a rank of --world {world} is between 0 and {world - 1}")
+    if args.ep > 1:
+        raise cli.ConfigError(f"--ep {args.ep}: a dry run cannot know the tokens its fake peers would send")
+    if args.resume:
+        raise cli.ConfigError("--resume: a dry run starts from the initial values and writes nothing")
+
+
+def dry_run(args, rank, world):
+    """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
+    first: AdamW makes its state there); returns (measured, predicted): {field: value} of this rank."""
+    check_dry_run(args, rank, world)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    join_fake_world(rank, world)
+    try:
+        trainer = DryRunTrainer(args, Mesh(cli.check_args(args, world)), train.load_training_data(args), device)
+        record = trainer.train_step(0)
+    finally:
+        dist.destroy_process_group()
+    predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
+                 if field in MEMORY or field.startswith("comm_")}
+    measured = {field: record[field] for field in (*predicted, *MEASURED_ONLY)}
+    return measured, predicted
+
+
+def print_report(measured, predicted, rank, world):
+    unit, size = ("GiB", 2**30) if measured["peak_resident_bytes"] >= 2**30 else ("MiB", 2**20)
+    row = lambda name, *values: print(f"{name:30s}" + "".join(f"{v / size:12.3f}" for v in values))  # noqa: E731
+    print(f"rank {rank} of {world} (its peers simulated: values meaningless, memory and traffic real)")
+    print(f"{unit:30s}{'measured':>12s}{'plan.py':>12s}")
+    for field in (*MEMORY, *(f for f in predicted if f.startswith("comm_") and (predicted[f] or measured[f]))):
+        row(field, measured[field], predicted[field])
+    row("sum of the four", sum(measured[f] for f in MEMORY), sum(predicted[f] for f in MEMORY))
+    for field in MEASURED_ONLY:
+        row(field, measured[field])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="Every other flag is train.py's (python train.py --help).")
+    p.add_argument("--world", type=int, required=True, help="ranks of the run")
+    p.add_argument("--rank", type=int, default=0, help="the rank to run")
+    p.add_argument("--json", action="store_true", help="print {measured: {...}, predicted: {...}}")
+    own, rest = p.parse_known_args(argv)
+    args = cli.parse_args(rest)
+    try:
+        measured, predicted = dry_run(args, own.rank, own.world)
+    except cli.ConfigError as e:
+        p.exit(2, f"dryrun.py: error: {e}\n")
+    if own.json:
+        print(json.dumps(dict(measured=measured, predicted=predicted)))
+    else:
+        print_report(measured, predicted, own.rank, own.world)
+
+
+if __name__ == "__main__":
+    main()
