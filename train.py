@@ -164,8 +164,8 @@ def parallelize(model, mesh, args, values, device):
     apply_recomputation(model, args.recompute)
     # What this rank holds now exists: allocated on its device and filled (under ZeRO-3 only the shards,
     # which ZeRO-3 fills itself).
-    share = Share(tp_layouts, mesh, values)
-    share.materialize(model, device, fill=args.zero != 3)
+    share = Share(tp_layouts, mesh, values, device)
+    share.materialize(model, fill=args.zero != 3)
     # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
     optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers, share)
     return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync)
@@ -207,8 +207,8 @@ class Share:
     the flattened local tensor into ranges (elements()).
     """
 
-    def __init__(self, tp_layouts, mesh, values):
-        self.tp_layouts, self.values = tp_layouts, values
+    def __init__(self, tp_layouts, mesh, values, device):
+        self.tp_layouts, self.values, self.device = tp_layouts, values, device
         self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
 
     def positions(self, name, shape, start, end, device):
@@ -230,26 +230,26 @@ class Share:
 
     def elements(self, name, shape, start, end):
         """Elements [start, end) of this rank's flattened `name`, made alone (ZeRO-3's shards)."""
-        flat = torch.empty(end - start, dtype=torch.float64)
+        flat = torch.empty(end - start, dtype=torch.float64, device=self.device)  # drawn where it is kept
         self.fill(flat, name, shape, start)
         return flat
 
-    def materialize(self, model, device, fill=True):
-        """Every meta parameter and buffer of `model` allocated on `device`; parameters filled, or (fill
+    def materialize(self, model, fill=True):
+        """Every meta parameter and buffer of `model` allocated on the run's device; parameters filled, or (fill
         False: ZeRO-3 fills its shards) left without memory."""
         for name, p in list(model.named_parameters()):
             if fill:
-                tensor = torch.empty(p.shape, dtype=p.dtype, device=device)
+                tensor = torch.empty(p.shape, dtype=p.dtype, device=self.device)
                 self.fill(tensor.view(-1), name, p.shape)
             else:
-                tensor = unallocated(p.shape, p.dtype, device)
+                tensor = unallocated(p.shape, p.dtype, self.device)
             real = torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
             # Gradient hooks a dimension put on the meta parameter go with it (sequence parallelism's norms
             # sum their gradients over the tp group); PyTorch keeps a tensor's hooks in this dict.
             real._backward_hooks = p._backward_hooks
             set_tensor(model, "_parameters", name, real)
         for name, b in list(model.named_buffers()):
-            set_tensor(model, "_buffers", name, self.values.buffer(name, torch.empty_like(b, device=device)))
+            set_tensor(model, "_buffers", name, self.values.buffer(name, torch.empty_like(b, device=self.device)))
 
 
 def set_tensor(model, kind, name, tensor):
@@ -808,7 +808,8 @@ def gather_records(record):
 
 
 def train(args):
-    """Run the training described by args; returns the losses and the final consolidated state dict."""
+    """Run the training described by args; returns the losses and the trainer (its full_state_dict() gathers
+    the final weights, a collective: for tests and tools, never done by a run itself)."""
     device = init_distributed(timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = check_args(args, world)
@@ -875,8 +876,8 @@ def train(args):
                 break
     if log:
         log.close()
-    return dict(losses=losses, grad_norms=grad_norms, val_losses=val_losses, state_dict=trainer.full_state_dict(),
-                entropy_floor=data.entropy_rate)
+    return dict(losses=losses, grad_norms=grad_norms, val_losses=val_losses, entropy_floor=data.entropy_rate,
+                trainer=trainer)
 
 
 def nonfinite_problem(step, record, skipped_steps, args):

@@ -48,3 +48,14 @@ def test_bfloat16_training_runs_and_its_loss_falls(tmp_path):
 def test_every_self_check_runs_on_one_gpu_with_nccl(tmp_path, filename):
     differences = self_check_alone(filename, 1, tmp_path)
     assert differences and max(differences) < 1e-12
+
+
+def test_initial_values_drawn_on_cuda_equal_the_cpu_ones():
+    """The draw by position on the GPU where a rank fills its share, against the CPU's (the oracle's): the
+    hash is integer arithmetic, exact on both; the normal's inverse distribution function is each device's
+    own float64 kernel, so they agree to float64's last bits."""
+    from model import initial_values
+    positions = torch.arange(2**40 - 50_000, 2**40 + 50_000)
+    cpu = initial_values("blocks.3.mlp.fc.weight", positions, n_layer=4, seed=7)
+    cuda = initial_values("blocks.3.mlp.fc.weight", positions.cuda(), n_layer=4, seed=7)
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-14, atol=0)
