@@ -16,6 +16,7 @@ import re
 import torch
 
 NAME = re.compile(r"checkpoint-(\d+)\.pt")
+HASH_CHUNK = 64 * 2**20
 
 
 class BadCheckpoint(ValueError):
@@ -49,29 +50,33 @@ def save(run_dir, step, state, keep):
 
 
 def load(path):
-    """The state saved at path, or BadCheckpoint saying what is wrong with it."""
-    return torch.load(io.BytesIO(verified_bytes(path)), map_location="cpu", weights_only=True)
+    """The state saved at path, or BadCheckpoint saying what is wrong with it. Its tensors are mapped
+    from the file, not read: a rank reads only the pages of the elements it then takes."""
+    verify(path)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
-def verified_bytes(path):
-    """The bytes of the checkpoint at path, checked complete and undamaged (else BadCheckpoint)."""
+def verify(path):
+    """Check that the checkpoint at path is complete and undamaged (else BadCheckpoint), reading it in
+    pieces of HASH_CHUNK bytes."""
     if not os.path.isfile(path):
         raise BadCheckpoint(f"{path}: no such checkpoint")
     if not os.path.isfile(path + ".sha256"):
         raise BadCheckpoint(f"{path}: incomplete, its write never finished (no {os.path.basename(path)}.sha256)")
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        data = f.read()
+        while piece := f.read(HASH_CHUNK):
+            digest.update(piece)
     with open(path + ".sha256") as f:
-        if hashlib.sha256(data).hexdigest() != f.read().strip():
+        if digest.hexdigest() != f.read().strip():
             raise BadCheckpoint(f"{path}: damaged, its bytes do not match its SHA-256")
-    return data
 
 
 def newest_good(run_dir, report=print):
     """The path of the newest complete, undamaged checkpoint in run_dir, or None; each bad one is reported."""
     for path in checkpoints(run_dir):
         try:
-            verified_bytes(path)
+            verify(path)
             return path
         except BadCheckpoint as e:
             report(f"skipping checkpoint {e}")

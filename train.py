@@ -195,7 +195,7 @@ class SavedValues:
         return self.state[name].reshape(-1)[positions.cpu()].to(positions.device)
 
     def buffer(self, name, empty):
-        return self.state[name].to(empty.device) if name in self.state else torch.zeros_like(empty)
+        return self.state[name].to(empty.device, copy=True) if name in self.state else torch.zeros_like(empty)
 
 
 class Share:
@@ -779,8 +779,9 @@ class Trainer:
     def load_optimizer_state(self, by_name):
         params = dict(self.model.named_parameters())
         # The step count keeps its dtype, but goes to the parameter's device too (fused AdamW wants it there).
-        local = {name: {k: v.to(params[name].device) if k == "step" else
-                        self.shard(name, v).to(params[name].device, params[name].dtype)
+        # Copies: the saved state is mapped from its file (checkpoint.load).
+        local = {name: {k: v.to(params[name].device, copy=True) if k == "step" else
+                        self.shard(name, v).to(params[name].device, params[name].dtype, copy=True)
                         for k, v in state.items()} for name, state in by_name.items() if name in params}
         for optimizer in self.optimizers:
             optimizer.load_full_optimizer_state(local)
@@ -928,7 +929,7 @@ def main(argv=None):
     try:  # before any process group exists: a bad launch cannot hang
         check_args(args, world)
         if args.resume not in (None, "auto"):
-            checkpoint.verified_bytes(args.resume)
+            checkpoint.verify(args.resume)
     except (ConfigError, checkpoint.BadCheckpoint) as e:
         exit_with_error(str(e), rank, world, status=2)
     try:
