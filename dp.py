@@ -176,11 +176,11 @@ class Bucket:
         for p in params:
             self.offsets[p] = offset
             offset += p.numel()
-        dtype, device = params[0].dtype, params[0].device
-        self.grad = torch.zeros(self.padded, dtype=dtype, device=device) if allocated else \
-            torch.empty(self.padded, dtype=dtype, device=device)
+        self.grad = torch.empty(self.padded, dtype=params[0].dtype, device=params[0].device)
         self.grad_views = {p: self.view(self.grad, p) for p in params}
-        if not allocated:  # ZeRO-2 and 3 hold a bucket's full gradient only while backward fills it
+        if allocated:
+            self.grad.zero_()
+        else:  # ZeRO-2 and 3 hold a bucket's full gradient only while backward fills it (see unallocated)
             free_storage(self.grad)
         self.ready = set()     # parameters whose gradient for this step has arrived
         self.launched = False  # its collective has been issued this step
@@ -438,7 +438,6 @@ class Shard:
         self.grad_pieces = {p: self.grad[lo:hi] for p, (lo, hi) in self.ranges.items()}
         for p, piece in self.pieces.items():
             piece.grad = self.grad_pieces[p]
-
 
     def _own_copy(self, bucket, values):
         """This rank's elements of the bucket, each parameter's piece from values(p, start, end): its
@@ -713,7 +712,7 @@ class ZeRO3(ZeRO2):
     def __init__(self, module, group, make_optimizer, units=(), initial_values=None, **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
-        if initial_values:  # a model whose parameters were never filled (see the module docstring)
+        if initial_values:  # parameters that were never filled (see the class docstring)
             self.initial_values = lambda p, start, end: initial_values(self.names[p], p.shape, start, end)
         super().__init__(module, group, make_optimizer, units, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order

@@ -211,14 +211,15 @@ class Share:
         self.tp_layouts, self.values, self.device = tp_layouts, values, device
         self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
 
-    def positions(self, name, shape, start, end, device):
+    def positions(self, name, shape, start, end):
         """The flat positions in the full tensor of elements [start, end) of this rank's flattened `name`."""
-        index = list(torch.unravel_index(torch.arange(start, end, device=device), shape))
+        index = list(torch.unravel_index(torch.arange(start, end, device=self.device), shape))
         full_shape = list(shape)
         if name in self.tp_layouts:  # index along dim: which of the full tensor's rows this rank holds
             dim, blocks = self.tp_layouts[name]
             full_shape[dim] *= self.tp_size
-            rows = tp.shard(torch.arange(full_shape[dim], device=device), 0, self.tp_rank, self.tp_size, blocks)
+            rows = tp.shard(torch.arange(full_shape[dim], device=self.device), 0, self.tp_rank, self.tp_size,
+                            blocks)
             index[dim] = rows[index[dim]]
         strides = torch.empty(full_shape, device="meta").stride()
         return sum(i * stride for i, stride in zip(index, strides))
@@ -226,7 +227,7 @@ class Share:
     def fill(self, flat, name, shape, start=0):
         """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`)."""
         fill_in_chunks(flat, lambda positions: self.values.parameter(name, positions),
-                       lambda a, b: self.positions(name, shape, start + a, start + b, flat.device))
+                       lambda a, b: self.positions(name, shape, start + a, start + b))
 
     def elements(self, name, shape, start, end):
         """Elements [start, end) of this rank's flattened `name`, made alone (ZeRO-3's shards)."""
@@ -235,8 +236,8 @@ class Share:
         return flat
 
     def materialize(self, model, fill=True):
-        """Every meta parameter and buffer of `model` allocated on the run's device; parameters filled, or (fill
-        False: ZeRO-3 fills its shards) left without memory."""
+        """Every meta parameter and buffer of `model` allocated on the run's device; the parameters filled,
+        or (fill False: ZeRO-3 fills its shards) left without memory."""
         for name, p in list(model.named_parameters()):
             if fill:
                 tensor = torch.empty(p.shape, dtype=p.dtype, device=self.device)
@@ -256,7 +257,6 @@ def set_tensor(model, kind, name, tensor):
     """Put tensor in place of model's parameter or buffer `name` (kind: "_parameters" or "_buffers")."""
     owner, _, leaf = name.rpartition(".")
     getattr(model.get_submodule(owner), kind)[leaf] = tensor
-
 
 
 def expert_parallel(model, mesh, args):

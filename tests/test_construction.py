@@ -43,7 +43,8 @@ class WrittenTensors(TorchDispatchMode):
         if func.is_view:  # a new view of memory that exists already: nothing written
             return out
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and tuple(t.shape) in self.shapes:
+            watched = isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta
+            if watched and tuple(t.shape) in self.shapes:
                 if func is torch.ops.aten.empty.memory_format:
                     self.placeholders.append(t)
                 else:
@@ -80,7 +81,8 @@ def construct(argv):
     return dict(written=[w for w in watch.written if w[1] not in held],
                 placeholders_left=[tuple(t.shape) for t in watch.placeholders
                                    if is_allocated(t) and tuple(t.shape) not in held],
-                drawn=sum(drawn.values()), held=elements, names=set(drawn) <= set(dict(trainer.model.named_parameters())),
+                drawn=sum(drawn.values()), held=elements,
+                names=set(drawn) <= set(dict(trainer.model.named_parameters())),
                 state_dict=trainer.full_state_dict(), reference=reference.state_dict())
 
 
