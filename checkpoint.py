@@ -1,22 +1,65 @@
-"""Checkpoints that survive a crash at any instant, and the newest good one of a run.
+"""Sharded checkpoints: every rank writes only what it holds, all at once, and any layout reads them back.
 
-A checkpoint holds the whole training state consolidated to model.py's
-layout (train.py gathers it from every rank; rank 0 writes it). It is
-written to a temporary file, flushed to the disk (fsync) and renamed into
-place: a rename is atomic, so a reader sees the old file or the new one,
-never part of one. Its SHA-256 is written beside it the same way, last: that
-file marks the checkpoint complete, and tells a damaged one apart. A run's
-folder keeps the newest few, each named by the step it resumes at.
+A checkpoint is a folder, runs/<name>/checkpoint-<step>/, named by the step it resumes at:
+
+    rank-<r>.safetensors   the pieces rank r wrote, in the safetensors format (an 8-byte little-endian
+                           header length, a JSON header {entry: {dtype, shape, data_offsets}}, the raw
+                           bytes), which any safetensors reader opens
+    manifest.json          written last, by rank 0, once every rank's file is on the disk (written to a
+                           temporary name, flushed with fsync and renamed: a rename is atomic). Its
+                           presence marks the checkpoint complete; it holds
+        step, skipped_steps, args   where the run resumes
+        tensors   {name: {shape, dtype, split}}: every tensor of model.py's state dict, at full size (dtype
+                  as safetensors names it: F32, BF16...);
+                  split (tensor parallelism, tp.shard): {dim, blocks, parts}: along dim, each block (their
+                  full sizes; null: one block) is cut into `parts` equal parts, part t taking the t-th
+                  part of every block, in order; null: the tensor is whole on every rank
+        steps     {name: the optimizer's step count} of the parameters it has state for
+        pieces    [{name, key, part, start, end, file, entry}]: elements [start, end) of the flattened
+                  part `part` (0 when not split) of tensor `name`'s `key` ("model": the weights, or an
+                  optimizer state such as "exp_avg"), in `file` under `entry`
+        files     {file: {bytes, sha256}}: what tells a damaged file apart
+
+Why not torch.distributed.checkpoint: it describes each piece as a rectangular block of the full tensor
+(offsets and lengths per dimension). ZeRO's pieces are ranges of a flattened tensor-parallel slice, which
+cut rows in two, and a slice of a fused q | k | v weight is several blocks of the full tensor; each piece
+would be many rectangles. Here a piece is what a rank holds, and `Checkpoint.read` finds the pieces
+holding any elements of the full tensor.
+
+A rank replicated elsewhere (data parallelism without ZeRO, a weight every tp rank holds whole) writes
+what no lower rank holds already, so the folder holds each element once. Saving copies the rank's pieces
+aside and writes them on a background thread while training goes on (Saver), at most one save in
+flight; resuming, each rank reads from the files only the ranges of pieces that hold elements it takes.
+
+    python checkpoint.py export runs/x/checkpoint-00000100 model.safetensors [--weights-only]
+    python checkpoint.py import model.safetensors runs/x
+
+convert a checkpoint to one safetensors file in model.py's state-dict layout (`--weights-only`: the
+weights alone, for inference and other tools; else the optimizer's state too, under
+"optimizer.<key>.<name>", and the step counts in its metadata) and back, one tensor at a time.
 """
+import argparse
 import hashlib
-import io
+import json
 import os
 import re
+import shutil
+import struct
+import sys
+import threading
+from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
-NAME = re.compile(r"checkpoint-(\d+)\.pt")
+NAME = re.compile(r"checkpoint-(\d+)")
+MANIFEST = "manifest.json"
 HASH_CHUNK = 64 * 2**20
+READ_CHUNK = 2**22  # elements of a whole tensor converted at a time
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
 
 
 class BadCheckpoint(ValueError):
@@ -24,7 +67,7 @@ class BadCheckpoint(ValueError):
 
 
 def path_for(run_dir, step):
-    return os.path.join(run_dir, f"checkpoint-{step:08d}.pt")
+    return os.path.join(run_dir, f"checkpoint-{step:08d}")
 
 
 def checkpoints(run_dir):
@@ -34,64 +77,420 @@ def checkpoints(run_dir):
     return [os.path.join(run_dir, name) for _, name in sorted(found, reverse=True)]
 
 
-def save(run_dir, step, state, keep):
-    """Write state as the checkpoint of `step`, then delete all but the newest `keep`."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    path = path_for(run_dir, step)
-    _write_atomically(path, data)
-    _write_atomically(path + ".sha256", hashlib.sha256(data).hexdigest().encode())
-    for old in checkpoints(run_dir)[keep:]:
-        for name in (old + ".sha256", old):  # the mark first: a half-deleted checkpoint is incomplete, not good
-            if os.path.exists(name):
-                os.remove(name)
-    return path
+# ---------------------------------------------------------------------------
+# safetensors files, written and read a tensor (or a range of one) at a time
+# ---------------------------------------------------------------------------
 
-
-def load(path):
-    """The state saved at path, or BadCheckpoint saying what is wrong with it. Its tensors are mapped
-    from the file, not read: a rank reads only the pages of the elements it then takes."""
-    verify(path)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
-def verify(path):
-    """Check that the checkpoint at path is complete and undamaged (else BadCheckpoint), reading it in
-    pieces of HASH_CHUNK bytes."""
-    if not os.path.isfile(path):
-        raise BadCheckpoint(f"{path}: no such checkpoint")
-    if not os.path.isfile(path + ".sha256"):
-        raise BadCheckpoint(f"{path}: incomplete, its write never finished (no {os.path.basename(path)}.sha256)")
+def write_safetensors(path, entries, metadata=None):
+    """Write entries [(entry, (shape, dtype, tensor))] as a safetensors file, to a temporary name, flushed
+    and renamed into place; returns (bytes, sha256). A tensor is on the CPU, or a function giving it when it
+    is written, so that a converter holds one tensor at a time."""
+    header = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for entry, (shape, dtype, _) in entries:
+        nbytes = shape.numel() * dtype.itemsize
+        header[entry] = dict(dtype=DTYPES[dtype], shape=list(shape), data_offsets=[offset, offset + nbytes])
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data begins 8-byte aligned, as readers that map the file want it
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(HASH_CHUNK):
-            digest.update(piece)
-    with open(path + ".sha256") as f:
-        if digest.hexdigest() != f.read().strip():
-            raise BadCheckpoint(f"{path}: damaged, its bytes do not match its SHA-256")
+    with open(path + ".tmp", "wb") as f:
+        for chunk in (struct.pack("<Q", len(text)), text):
+            f.write(chunk)
+            digest.update(chunk)
+        for _, (_, _, tensor) in entries:
+            data = memoryview((tensor() if callable(tensor) else tensor).contiguous().view(-1).view(torch.uint8)
+                              .numpy())
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return 8 + len(text) + offset, digest.hexdigest()
 
 
-def newest_good(run_dir, report=print):
-    """The path of the newest complete, undamaged checkpoint in run_dir, or None; each bad one is reported."""
+def planned(entries):
+    """[(entry, tensor)] as write_safetensors wants them: largest elements first (each tensor then starts
+    aligned to its element size), with its shape and dtype beside it."""
+    entries = sorted(entries, key=lambda e: -e[1].dtype.itemsize)
+    return [(entry, (t.shape, t.dtype, t)) for entry, t in entries]
+
+
+class SafetensorsFile:
+    """A safetensors file, read a range of elements at a time (read from the file, not mapped: a process
+    that maps a file counts every page it touches as its own until it lets the mapping go)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.header = json.loads(f.read(length))
+        self.metadata = self.header.pop("__metadata__", {})
+        self.data_start = 8 + length
+
+    def read(self, entry, start=0, end=None):
+        """Elements [start, end) of the flattened tensor `entry` (end None: to its end)."""
+        info = self.header[entry]
+        dtype = TORCH_DTYPES[info["dtype"]]
+        end = torch.Size(info["shape"]).numel() if end is None else end
+        values = torch.empty(end - start, dtype=dtype)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + info["data_offsets"][0] + start * dtype.itemsize)
+            f.readinto(memoryview(values.view(torch.uint8).numpy()))
+        return values
+
+    def tensor(self, entry):
+        return self.read(entry).view(self.header[entry]["shape"])
+
+
+# ---------------------------------------------------------------------------
+# Writing: each rank its pieces, rank 0 the manifest
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of the flattened part `part` of tensor `name`'s `key` (see the module's docstring)."""
+    name: str
+    key: str
+    part: int
+    start: int
+    end: int
+
+    @property
+    def entry(self):
+        return f"{self.name}/{self.key}/{self.part}/{self.start}"
+
+
+class Saver:
+    """Saves checkpoints with every rank, on a background thread, at most one in flight.
+
+    `group`: a gloo group of every rank, used by that thread alone (a collective of the main thread's
+    groups could interleave with the training's, which NCCL matches by order alone).
+    """
+
+    def __init__(self, group):
+        self.group, self.rank = group, dist.get_rank(group)
+        self.thread, self.error = None, None
+
+    def save(self, folder, pieces, layouts, meta, keep):
+        """Start saving this rank's pieces [(Piece, tensor)] into folder; layouts {name: {shape, dtype,
+        split}} of their tensors at full size, meta {step, skipped_steps, args, steps}; then delete all but
+        the newest `keep` checkpoints of its run. Returns once the pieces are copied aside."""
+        self.wait()
+        if self.rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            if os.path.exists(os.path.join(folder, MANIFEST)):  # saved again (a resumed run): not complete
+                os.remove(os.path.join(folder, MANIFEST))     # until this save is
+        owners = self._owners([piece for piece, _ in pieces])  # collective: after the manifest is gone
+        mine = [(piece, tensor.detach().to("cpu", copy=True)) for piece, tensor in pieces
+                if owners[piece] == self.rank]  # copied aside: training goes on changing the originals
+        self.thread = threading.Thread(target=self._write, args=(folder, mine, layouts, meta, keep), daemon=True)
+        self.thread.start()
+
+    def wait(self):
+        """Until the save in flight (if any) is complete, on every rank; re-raises what went wrong in it."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _owners(self, pieces):
+        """{piece: the lowest rank holding it}: ranks holding copies of a piece write it once."""
+        everyone = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, pieces, group=self.group)
+        owners = {}
+        for rank, held in enumerate(everyone):
+            for piece in held:
+                owners.setdefault(piece, rank)
+        return owners
+
+    def _write(self, folder, mine, layouts, meta, keep):
+        try:
+            record = dict(layouts=layouts, steps=meta["steps"], pieces=[], files={})
+            if mine:
+                file = f"rank-{self.rank:05d}.safetensors"
+                size, sha256 = write_safetensors(os.path.join(folder, file),
+                                                 planned([(piece.entry, t) for piece, t in mine]))
+                record["files"][file] = dict(bytes=size, sha256=sha256)
+                record["pieces"] = [dict(asdict(piece), file=file, entry=piece.entry) for piece, _ in mine]
+            everyone = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, record, group=self.group)  # every file is on the disk
+            outcome = [None]
+            if self.rank == 0:
+                try:
+                    write_manifest(folder, everyone, meta)
+                    delete_all_but_newest(os.path.dirname(folder), keep)
+                except OSError as e:
+                    outcome = [f"{folder}: {e}"]
+            dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
+            if outcome[0]:  # every rank learns that the checkpoint is complete, or that it is not
+                raise OSError(f"the checkpoint was not completed: {outcome[0]}")
+        except BaseException as e:  # noqa: BLE001 (raised again by wait(), on the training's thread)
+            self.error = e
+
+
+def write_manifest(folder, records, meta):
+    """The manifest from every rank's record: what makes the checkpoint complete."""
+    manifest = dict(step=meta["step"], skipped_steps=meta["skipped_steps"], args=meta["args"], tensors={},
+                    steps={}, pieces=[], files={})
+    for record in records:
+        manifest["tensors"].update(record["layouts"])
+        manifest["steps"].update(record["steps"])
+        manifest["pieces"] += record["pieces"]
+        manifest["files"].update(record["files"])
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself reaches the disk
+    finally:
+        os.close(directory)
+
+
+def delete_all_but_newest(run_dir, keep):
+    for old in checkpoints(run_dir)[keep:]:
+        if os.path.exists(os.path.join(old, MANIFEST)):  # the mark first: a half-deleted one is incomplete
+            os.remove(os.path.join(old, MANIFEST))
+        shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------
+# Checking: complete (its manifest and files there), undamaged (their SHA-256)
+# ---------------------------------------------------------------------------
+
+def complete(path):
+    """The manifest of the checkpoint at path if it is complete (every file there, of its size), else
+    BadCheckpoint."""
+    if not os.path.isdir(path):
+        raise BadCheckpoint(f"{path}: no such checkpoint")
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise BadCheckpoint(f"{path}: incomplete, its write never finished (no {MANIFEST})")
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    for file, info in manifest["files"].items():
+        if not os.path.isfile(os.path.join(path, file)):
+            raise BadCheckpoint(f"{path}: damaged, {file} is missing")
+        if os.path.getsize(os.path.join(path, file)) != info["bytes"]:
+            raise BadCheckpoint(f"{path}: damaged, {file} is not of its size")
+    return manifest
+
+
+def verify(path, share=(0, 1)):
+    """Check that the checkpoint at path is complete and undamaged (else BadCheckpoint). Of its files,
+    those of share (i, n) are hashed, i-th of every n: n ranks hash the checkpoint once between them."""
+    manifest = complete(path)
+    index, count = share
+    for file in sorted(manifest["files"])[index::count]:
+        digest = hashlib.sha256()
+        with open(os.path.join(path, file), "rb") as f:
+            while piece := f.read(HASH_CHUNK):
+                digest.update(piece)
+        if digest.hexdigest() != manifest["files"][file]["sha256"]:
+            raise BadCheckpoint(f"{path}: damaged, the bytes of {file} do not match its SHA-256")
+
+
+def verify_together(path, group=None):
+    """verify(path), the files hashed by the ranks of `group` (None: this process alone) a share each; every
+    rank raises the same BadCheckpoint, or none does."""
+    share = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    problem = None
+    try:
+        verify(path, share)
+    except BadCheckpoint as e:
+        problem = str(e)
+    if group is not None:
+        problems = [None] * share[1]
+        dist.all_gather_object(problems, problem, group=group)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise BadCheckpoint(problem)
+
+
+def newest_good(run_dir, report=print, group=None):
+    """The newest complete, undamaged checkpoint in run_dir, or None; each bad one is reported."""
     for path in checkpoints(run_dir):
         try:
-            verify(path)
+            verify_together(path, group)
             return path
         except BadCheckpoint as e:
             report(f"skipping checkpoint {e}")
     return None
 
 
-def _write_atomically(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+# ---------------------------------------------------------------------------
+# Reading: any elements of any tensor, from the pieces holding them
+# ---------------------------------------------------------------------------
+
+class Checkpoint:
+    """A complete checkpoint: read(name, key, positions) gives any elements of a full
+    tensor, from whatever pieces hold them, whatever layout saved them."""
+
+    def __init__(self, path):
+        self.path, self.manifest = os.fspath(path), complete(path)
+        self.step, self.skipped_steps = self.manifest["step"], self.manifest["skipped_steps"]
+        self.tensors, self.steps = self.manifest["tensors"], self.manifest["steps"]
+        self.files = {}
+        self.pieces = {}  # (name, key): (starts, ends, pieces), ordered by where they are in the parts
+        for piece in self.manifest["pieces"]:
+            self.pieces.setdefault((piece["name"], piece["key"]), []).append(piece)
+        for where, pieces in self.pieces.items():
+            numel = torch.Size(self.tensors[where[0]]["shape"]).numel()
+            parts = (self.tensors[where[0]]["split"] or {}).get("parts", 1)
+            at = lambda piece, i: piece["part"] * (numel // parts) + piece[i]  # noqa: E731
+            pieces.sort(key=lambda piece: at(piece, "start"))
+            self.pieces[where] = (torch.tensor([at(p, "start") for p in pieces]),
+                                  torch.tensor([at(p, "end") for p in pieces]), pieces)
+
+    def optimizer_keys(self, name):
+        """The optimizer's state tensors saved for parameter `name` (none before its first step)."""
+        return sorted(key for n, key in self.pieces if n == name and key != "model")
+
+    def read(self, name, key, positions):
+        """The elements at flat `positions` of the full tensor `name`'s `key`, on the CPU, as saved."""
+        layout = self.tensors[name]
+        where = in_parts(positions.cpu(), layout["shape"], layout["split"])
+        starts, ends, pieces = self.pieces[(name, key)]
+        index = torch.searchsorted(starts, where, right=True) - 1
+        if (index < 0).any() or (where >= ends[index.clamp(min=0)]).any():
+            raise BadCheckpoint(f"{self.path}: damaged, no piece holds some elements of {name} ({key})")
+        values = torch.empty(where.shape, dtype=TORCH_DTYPES[layout["dtype"]])
+        for i in index.unique().tolist():
+            mask = index == i
+            wanted = where[mask] - starts[i]
+            first = wanted.min().item()  # read only the range of the piece that holds them
+            values[mask] = self.file(pieces[i]["file"]).read(pieces[i]["entry"], first, wanted.max().item() + 1)[
+                wanted - first].to(values.dtype)
+        return values
+
+    def file(self, name):
+        if name not in self.files:
+            self.files[name] = SafetensorsFile(os.path.join(self.path, name))
+        return self.files[name]
+
+    def full(self, name, key="model"):
+        """The whole tensor (for tools and tests: a run reads only what it holds)."""
+        shape = torch.Size(self.tensors[name]["shape"])
+        flat = torch.empty(shape.numel(), dtype=TORCH_DTYPES[self.tensors[name]["dtype"]])
+        for start in range(0, flat.numel(), READ_CHUNK):
+            end = min(start + READ_CHUNK, flat.numel())
+            flat[start:end] = self.read(name, key, torch.arange(start, end))
+        return flat.view(shape)
+
+    def model_state(self):
+        """model.py's state dict, whole (for tools and tests)."""
+        return {name: self.full(name) for name in self.tensors}
+
+
+def in_parts(positions, shape, split):
+    """Where the elements at flat `positions` of a full tensor are kept: part * (the part's numel) + the flat
+    index in the part (see `split` in the module's docstring)."""
+    if split is None:
+        return positions
+    dim, parts = split["dim"], split["parts"]
+    blocks = torch.tensor(split["blocks"] or [shape[dim]])
+    block_ends = blocks.cumsum(0)
+    index = list(torch.unravel_index(positions, shape))
+    row = index[dim].contiguous()
+    block = torch.searchsorted(block_ends, row, right=True)
+    block_start = block_ends[block] - blocks[block]
+    offset, part_rows = row - block_start, blocks[block] // parts
+    index[dim] = block_start // parts + offset % part_rows  # the part holds its share of every block, in order
+    part_shape = list(shape)
+    part_shape[dim] //= parts
+    strides = torch.empty(part_shape, device="meta").stride()
+    return offset // part_rows * torch.Size(part_shape).numel() + sum(i * s for i, s in zip(index, strides))
+
+
+# ---------------------------------------------------------------------------
+# Conversion: one file in model.py's state-dict layout, and back
+# ---------------------------------------------------------------------------
+
+def export(path, out, weights_only=False):
+    """Write the checkpoint at path as one safetensors file, a tensor at a time (see the module's docstring)."""
+    saved = Checkpoint(path)
+    verify(path)
+    entries = []
+    for name, layout in saved.tensors.items():
+        keys = ["model"] + ([] if weights_only else saved.optimizer_keys(name))
+        for key in keys:
+            entry = name if key == "model" else f"optimizer.{key}.{name}"
+            shape, dtype = torch.Size(layout["shape"]), TORCH_DTYPES[layout["dtype"]]
+            entries.append((entry, (shape, dtype, lambda name=name, key=key: saved.full(name, key))))
+    entries.sort(key=lambda e: -e[1][1].itemsize)
+    metadata = dict(step=str(saved.step), skipped_steps=str(saved.skipped_steps),
+                    args=json.dumps(saved.manifest["args"]))
+    if not weights_only:
+        metadata["optimizer_steps"] = json.dumps(saved.steps)
+    write_safetensors(out, entries, metadata)
+
+
+def import_file(file, run_dir):
+    """Make a checkpoint of run_dir from one safetensors file in model.py's state-dict layout (export's, or
+    weights alone: the run then starts at step 0 with a fresh optimizer). Returns its path."""
+    plain = SafetensorsFile(file)
+    meta = plain.metadata
+    step = int(meta.get("step", 0))
+    folder = path_for(run_dir, step)
+    os.makedirs(folder, exist_ok=True)
+    copied = "rank-00000.safetensors"
+    size, sha256 = copy_hashing(file, os.path.join(folder, copied))
+    tensors, pieces = {}, []
+    for entry, info in plain.header.items():
+        name, key = entry, "model"
+        if entry.startswith("optimizer."):
+            key, name = entry[len("optimizer."):].split(".", 1)
+        numel = torch.Size(info["shape"]).numel()
+        pieces.append(dict(name=name, key=key, part=0, start=0, end=numel, file=copied, entry=entry))
+        if key == "model":
+            tensors[name] = dict(shape=info["shape"], dtype=info["dtype"], split=None)
+    record = dict(layouts=tensors, steps=json.loads(meta.get("optimizer_steps", "{}")), pieces=pieces,
+                  files={copied: dict(bytes=size, sha256=sha256)})
+    write_manifest(folder, [record], dict(step=step, skipped_steps=int(meta.get("skipped_steps", 0)),
+                                          args=json.loads(meta.get("args", "{}"))))
+    return folder
+
+
+def copy_hashing(source, destination):
+    """Copy a file a piece at a time, flushed to the disk; returns (bytes, sha256)."""
+    digest, size = hashlib.sha256(), 0
+    with open(source, "rb") as f, open(destination + ".tmp", "wb") as g:
+        while piece := f.read(HASH_CHUNK):
+            g.write(piece)
+            digest.update(piece)
+            size += len(piece)
+        g.flush()
+        os.fsync(g.fileno())
+    os.replace(destination + ".tmp", destination)
+    return size, digest.hexdigest()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Convert checkpoints to and from one safetensors file in "
+                                                 "model.py's state-dict layout.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    out = commands.add_parser("export", help="a checkpoint folder -> one .safetensors file")
+    out.add_argument("checkpoint")
+    out.add_argument("file")
+    out.add_argument("--weights-only", action="store_true", help="the weights alone, no optimizer state")
+    into = commands.add_parser("import", help="one .safetensors file -> a checkpoint of a run's folder")
+    into.add_argument("file")
+    into.add_argument("run_dir")
+    args = parser.parse_args(argv)
     try:
-        os.fsync(folder)  # the rename itself reaches the disk
-    finally:
-        os.close(folder)
+        if args.command == "export":
+            export(args.checkpoint, args.file, args.weights_only)
+            print(f"wrote {args.file}")
+        else:
+            print(f"wrote {import_file(args.file, args.run_dir)}")
+    except BadCheckpoint as e:
+        sys.exit(f"checkpoint.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -565,14 +565,9 @@ class ZeRO1(DataParallel):
         """The sum of the squares of this instance's gradient elements over its group (weighted, see
         clip_grad_norm_): one scalar all-reduce, the shards being disjoint."""
         squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
-        for bucket, shard in self.shards.items():
-            square = shard.grad.to(torch.float64).square()
-            if weights:  # per-element weights of this rank's shard, from the parameters' weights
-                flat = torch.zeros(bucket.padded, dtype=torch.float64, device=square.device)
-                for p in bucket.params:
-                    bucket.view(flat, p).fill_(weights.get(p, 1.0))
-                square = square * flat[shard.start:shard.start + shard.size]
-            squares += square.sum()
+        for shard in self.shards.values():
+            for p, piece in shard.grad_pieces.items():  # (the padding holds no gradient)
+                squares += piece.to(torch.float64).square().sum() * (weights.get(p, 1.0) if weights else 1.0)
         dist.all_reduce(squares, group=self.group)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), self.n_ranks)
         return squares
@@ -594,50 +589,16 @@ class ZeRO1(DataParallel):
         """Every parameter in full for the duration (stages 1 and 2 always hold them)."""
         yield
 
-    # -- consolidated optimizer state, keyed by parameter name ------------------------------------
+    # -- what a checkpoint saves of this rank: its piece of each parameter ---------------------------
 
-    def full_optimizer_state(self):
-        """{parameter name: {'step', 'exp_avg', ...}} as a single device's optimizer would hold it: each
-        state value's pieces gathered over the group, element by element (the step count too). A
-        parameter that no rank has stepped yet (step 0) has no state, as on one device."""
-        keys = self._state_keys()
-        full_state = {}
-        for bucket, shard in self.shards.items():
-            flats = {}
-            for key in keys:
-                local = torch.zeros_like(shard.grad)
-                for p, (lo, hi) in shard.ranges.items():
-                    value = self.optimizer.state.get(shard.pieces[p], {}).get(key)
-                    if value is not None:
-                        local[lo:hi] = value  # a step count fills its piece
-                flats[key] = torch.empty_like(bucket.grad)
-                all_gather_flat(flats[key], local, group=self.group)
-            for p in bucket.params:
-                state = {key: bucket.view(flats[key], p).clone() for key in keys}
-                if "step" in state and state["step"].flatten()[0] > 0:
-                    state["step"] = torch.tensor(state["step"].flatten()[0].item(), dtype=torch.float32)
-                    full_state[self.names[p]] = state
-        return full_state
-
-    def _state_keys(self):
-        """The optimizer's state keys (for AdamW: step, exp_avg, exp_avg_sq), agreed over the group: a rank
-        may not have stepped any of its pieces yet."""
-        mine = sorted({key for state in self.optimizer.state.values() for key in state})
-        everyone = [None] * self.n_ranks
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return sorted(set().union(*everyone))
-
-    def load_full_optimizer_state(self, full_state):
-        """The inverse of full_optimizer_state: take this rank's piece of every state tensor."""
+    def pieces(self):
+        """(name, start, end, piece) of each parameter this rank updates a piece of: elements [start, end)
+        of the flattened parameter `name`, whose optimizer state is self.optimizer.state[piece]. A
+        checkpoint saves them, each rank its own, and fills them again under any layout."""
         for bucket, shard in self.shards.items():
             for p, (lo, hi) in shard.ranges.items():
-                saved = full_state.get(self.names[p])
-                if saved is None:
-                    continue
-                start = shard.start + lo - bucket.offsets[p]  # where the piece begins inside the parameter
-                self.optimizer.state[shard.pieces[p]] = {
-                    key: value.flatten()[start:start + hi - lo].clone() if value.shape == p.shape else value.clone()
-                    for key, value in saved.items()}
+                first = shard.start - bucket.offsets[p]  # the index in p of the shard's first element
+                yield self.names[p], lo + first, hi + first, shard.pieces[p]
 
 
 class ZeRO2(ZeRO1):

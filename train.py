@@ -13,11 +13,11 @@ every configuration trains on the same tokens and must produce the same
 losses as one device.
 
 Each run writes runs/<name>/config.json, runs/<name>/log.jsonl (one JSON
-record per step) and runs/<name>/checkpoint-<step>.pt (consolidated: a plain
-model.py state dict, the optimizer state by parameter name, the step; see
-checkpoint.py). `--resume auto` continues from the newest good one, so the
-same command line serves the first launch and every restart; SIGTERM or
-SIGINT stops every rank after the same step, with a checkpoint (launch.py).
+record per step) and runs/<name>/checkpoint-<step>/ (sharded: each rank
+writes the pieces it holds, while training goes on; any layout resumes from
+it; see checkpoint.py). `--resume auto` continues from the newest good one,
+so the same command line serves the first launch and every restart; SIGTERM
+or SIGINT stops every rank after the same step, with a checkpoint (launch.py).
 """
 import json
 import math
@@ -136,6 +136,7 @@ class Parallelized:
     chunks: list | None             # this rank's model chunks under pipeline parallelism (None: the model)
     optimizers: list                # dp.py's ZeRO instances, or one ReplicatedOptimizer: the same interface
     grad_sync: "GradientSync"       # the data-parallel averaging of the gradients
+    share: "Share"                  # what this rank holds of each parameter, as positions in the full tensor
 
 
 def parallelize(model, mesh, args, values, device):
@@ -168,7 +169,7 @@ def parallelize(model, mesh, args, values, device):
     share.materialize(model, fill=args.zero != 3)
     # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
     optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers, share)
-    return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync)
+    return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, share)
 
 
 class InitialValues:
@@ -186,16 +187,18 @@ class InitialValues:
 
 
 class SavedValues:
-    """A consolidated checkpoint's values (model.py's state dict), read at the positions a rank holds."""
+    """A checkpoint's weights (checkpoint.Checkpoint), read at the positions a rank holds, whatever layout
+    saved them."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, saved):
+        self.saved = saved
 
     def parameter(self, name, positions):
-        return self.state[name].reshape(-1)[positions.cpu()].to(positions.device)
+        return self.saved.read(name, "model", positions)
 
     def buffer(self, name, empty):
-        return self.state[name].to(empty.device, copy=True) if name in self.state else torch.zeros_like(empty)
+        return (self.saved.full(name).to(empty.device, empty.dtype) if name in self.saved.tensors
+                else torch.zeros_like(empty))
 
 
 class Share:
@@ -211,22 +214,43 @@ class Share:
         self.tp_layouts, self.values, self.device = tp_layouts, values, device
         self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
 
+    def full_shape(self, name, shape):
+        """The full tensor's shape, of `name` whose slice here has `shape`."""
+        full_shape = list(shape)
+        if name in self.tp_layouts:
+            dim, _ = self.tp_layouts[name]
+            full_shape[dim] *= self.tp_size
+        return full_shape
+
     def positions(self, name, shape, start, end):
         """The flat positions in the full tensor of elements [start, end) of this rank's flattened `name`."""
         index = list(torch.unravel_index(torch.arange(start, end, device=self.device), shape))
-        full_shape = list(shape)
+        full_shape = self.full_shape(name, shape)
         if name in self.tp_layouts:  # index along dim: which of the full tensor's rows this rank holds
             dim, blocks = self.tp_layouts[name]
-            full_shape[dim] *= self.tp_size
             rows = tp.shard(torch.arange(full_shape[dim], device=self.device), 0, self.tp_rank, self.tp_size,
                             blocks)
             index[dim] = rows[index[dim]]
         strides = torch.empty(full_shape, device="meta").stride()
         return sum(i * stride for i, stride in zip(index, strides))
 
-    def fill(self, flat, name, shape, start=0):
-        """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`)."""
-        fill_in_chunks(flat, lambda positions: self.values.parameter(name, positions),
+    def layout(self, name, shape, dtype):
+        """How tensor `name` (of `shape` here) is laid out, as a checkpoint's manifest records it: its full
+        shape and dtype, and tensor parallelism's split of it (None: whole on every rank)."""
+        split = None
+        if name in self.tp_layouts:
+            dim, blocks = self.tp_layouts[name]
+            split = dict(dim=dim, blocks=list(blocks) if blocks else None, parts=self.tp_size)
+        return dict(shape=self.full_shape(name, shape), dtype=checkpoint.DTYPES[dtype], split=split)
+
+    def part(self, name):
+        """Which of a tensor's parts this rank holds (see layout): its tp rank if it is split, else 0."""
+        return self.tp_rank if name in self.tp_layouts else 0
+
+    def fill(self, flat, name, shape, start=0, values=None):
+        """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`), from
+        values(positions) (default: the share's values of the parameter)."""
+        fill_in_chunks(flat, values or partial(self.values.parameter, name),
                        lambda a, b: self.positions(name, shape, start + a, start + b))
 
     def elements(self, name, shape, start, end):
@@ -416,15 +440,10 @@ class ReplicatedOptimizer:
     def full_parameters(self):
         return nullcontext()  # every parameter is always here in full
 
-    def full_optimizer_state(self):
-        """{parameter name: optimizer state} of the parameters stepped so far."""
-        names = {p: name for name, p in self.params.items()}
-        return {names[p]: state for p, state in self.optimizer.state.items()}
-
-    def load_full_optimizer_state(self, full_state):
-        for name, state in full_state.items():
-            if name in self.params:
-                self.optimizer.state[self.params[name]] = state
+    def pieces(self):
+        """(name, start, end, piece), as dp.py's ZeRO gives them: here each piece is a whole parameter."""
+        for name, p in self.params.items():
+            yield name, 0, p.numel(), p
 
 
 class GradientAccumulation:
@@ -553,15 +572,18 @@ class RoutingCounts:
 
 
 # ---------------------------------------------------------------------------
-# Checkpoints: consolidated to model.py's layout, whatever the configuration.
+# Checkpoints: sharded, each rank writing what it holds (checkpoint.py)
 # ---------------------------------------------------------------------------
 
-def resume_from(args, world, report=print):
-    """The checkpoint this run starts from: --resume PATH, or under --resume auto the newest good
-    checkpoint of the run's folder (None: there is none yet, start afresh)."""
+def resume_from(args, world, group, report=print):
+    """The checkpoint this run starts from, checked by every rank of `group` together: --resume PATH (a
+    bad one raises BadCheckpoint), or under --resume auto the newest good checkpoint of the run's folder
+    (None: there is none yet, start afresh)."""
     if args.resume != "auto":
+        if args.resume:
+            checkpoint.verify_together(args.resume, group)
         return args.resume
-    return checkpoint.newest_good(os.path.join(args.out, run_name(args, world)), report)
+    return checkpoint.newest_good(os.path.join(args.out, run_name(args, world)), report, group)
 
 
 def keep_log_before(path, step):
@@ -574,13 +596,6 @@ def keep_log_before(path, step):
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
-
-
-def to_cpu(state):
-    """A copy of a (nested) state on the CPU, safe to keep while training goes on."""
-    if isinstance(state, dict):
-        return {k: to_cpu(v) for k, v in state.items()}
-    return state.detach().cpu().clone() if torch.is_tensor(state) else state
 
 
 # ---------------------------------------------------------------------------
@@ -600,18 +615,18 @@ class Trainer:
         with torch.device("meta"):
             self.model = GPT(config).to(dtype)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        saved = checkpoint.load(args.resume) if args.resume else None
-        values = SavedValues(saved["model"]) if saved else InitialValues(config, args.seed)
+        saved = checkpoint.Checkpoint(args.resume) if args.resume else None
+        values = SavedValues(saved) if saved else InitialValues(config, args.seed)
         parallel = parallelize(self.model, mesh, args, values, device)
-        self.params, self.tp_layouts = list(self.model.parameters()), parallel.tp_layouts
+        self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
         self.optimizers, self.grad_sync = parallel.optimizers, parallel.grad_sync
         self.routing = RoutingCounts(parallel.moe_layers, args.experts)
         self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, self.autocast,
                                          device)
         self.start_step, self.skipped_steps = 0, 0
         if saved:
-            self.load_optimizer_state(saved["optimizer"])
-            self.start_step, self.skipped_steps = saved["step"], saved["skipped_steps"]
+            self.load_optimizer_state(saved)
+            self.start_step, self.skipped_steps = saved.step, saved.skipped_steps
         self.meter = ActivationMeter(self.params)
         self.reset_comm_baseline()
 
@@ -736,7 +751,15 @@ class Trainer:
         self.comm_baseline = counters
         return record
 
-    # -- consolidated state: model.py's layout, whatever the configuration --------
+    # -- the whole model gathered, for tests and tools (a run never does this) ----------------------
+
+    def full_state_dict(self):
+        """model.py's state dict, whole, on every rank, on the CPU (collectives under ZeRO-3, tp, pp, ep)."""
+        with ExitStack() as stack:
+            for optimizer in self.optimizers:  # ZeRO-3 gathers the parameters it shards
+                stack.enter_context(optimizer.full_parameters())
+            mine = {name: self.unshard(name, t).detach().cpu().clone() for name, t in self.model.state_dict().items()}
+        return self.merge_stages(mine)
 
     def unshard(self, name, tensor):
         """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp)."""
@@ -744,13 +767,6 @@ class Trainer:
             return tensor
         dim, blocks = self.tp_layouts[name]
         return tp.unshard(tensor, dim, self.mesh.groups["tp"], blocks)
-
-    def shard(self, name, full):
-        """This rank's part of a full-size tensor laid out like parameter `name`."""
-        if name not in self.tp_layouts:
-            return full
-        dim, blocks = self.tp_layouts[name]
-        return tp.shard(full, dim, self.mesh.index("tp"), self.mesh.size("tp"), blocks)
 
     def merge_stages(self, by_name):
         """{name: value} merged over pipeline stages and expert-parallel ranks, which hold different names
@@ -762,34 +778,47 @@ class Trainer:
                 by_name = {name: value for part in everyone for name, value in part.items()}
         return by_name
 
-    def full_state_dict(self):
-        with ExitStack() as stack:
-            for optimizer in self.optimizers:  # ZeRO-3 gathers the parameters it shards
-                stack.enter_context(optimizer.full_parameters())
-            mine = to_cpu({name: self.unshard(name, t) for name, t in self.model.state_dict().items()})
-        return self.merge_stages(mine)
+    # -- checkpoints: each rank saves its pieces and reads back those it holds ----------------------
 
-    def full_optimizer_state(self):
-        """{parameter name: AdamW state}, as one device holds it (collectives under ZeRO, tp and pp)."""
-        local = {name: state for optimizer in self.optimizers  # this rank's (tensor-sharded) parameters
-                 for name, state in optimizer.full_optimizer_state().items()}
-        return self.merge_stages(to_cpu({name: {k: v if k == "step" else self.unshard(name, v)
-                                                for k, v in state.items()} for name, state in local.items()}))
-
-    def load_optimizer_state(self, by_name):
+    def checkpoint_pieces(self):
+        """This rank's pieces of the training state, [(checkpoint.Piece, tensor)]: its piece of every
+        parameter and of its optimizer state, and the buffers; the layouts of their tensors {name: ...};
+        the optimizer's step count {name: count} of the parameters it has state for."""
+        pieces, layouts, steps = [], {}, {}
         params = dict(self.model.named_parameters())
-        # The step count keeps its dtype, but goes to the parameter's device too (fused AdamW wants it there).
-        # Copies: the saved state is mapped from its file (checkpoint.load).
-        local = {name: {k: v.to(params[name].device, copy=True) if k == "step" else
-                        self.shard(name, v).to(params[name].device, params[name].dtype, copy=True)
-                        for k, v in state.items()} for name, state in by_name.items() if name in params}
         for optimizer in self.optimizers:
-            optimizer.load_full_optimizer_state(local)
+            for name, start, end, piece in optimizer.pieces():
+                layouts[name] = self.share.layout(name, params[name].shape, params[name].dtype)
+                state = dict(optimizer.optimizer.state.get(piece, {}))
+                if "step" in state:
+                    steps[name] = state.pop("step").item()
+                for key, value in [("model", piece), *state.items()]:
+                    pieces.append((checkpoint.Piece(name, key, self.share.part(name), start, end), value.reshape(-1)))
+        saved = self.model.state_dict(keep_vars=True)
+        for name, buffer in self.model.named_buffers():  # whole on every rank
+            if name in saved:
+                layouts[name] = self.share.layout(name, buffer.shape, buffer.dtype)
+                pieces.append((checkpoint.Piece(name, "model", 0, 0, buffer.numel()), buffer.reshape(-1)))
+        return pieces, layouts, steps
 
-    def checkpoint(self, step):
-        """The consolidated checkpoint (every rank must call this; rank 0 writes it)."""
-        return dict(model=self.full_state_dict(), optimizer=self.full_optimizer_state(), step=step,
-                    skipped_steps=self.skipped_steps, args=vars(self.args))
+    def load_optimizer_state(self, saved):
+        """The optimizer state of this rank's pieces, read from a checkpoint saved under any layout."""
+        shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        for optimizer in self.optimizers:
+            for name, start, end, piece in optimizer.pieces():
+                state = {}
+                for key in saved.optimizer_keys(name):
+                    state[key] = torch.empty_like(piece)
+                    self.share.fill(state[key].view(-1), name, shapes[name], start, partial(saved.read, name, key))
+                if state:  # the step count goes to the parameter's device too (fused AdamW wants it there)
+                    state["step"] = torch.tensor(saved.steps[name], dtype=torch.float32, device=piece.device)
+                    optimizer.optimizer.state[piece] = state
+
+    def save_checkpoint(self, saver, folder, step, keep):
+        """Start saving the state after `step` steps into folder (every rank must call this)."""
+        pieces, layouts, steps = self.checkpoint_pieces()
+        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps)
+        saver.save(folder, pieces, layouts, meta, keep)
 
 
 def mean_over_ranks(values):
@@ -814,7 +843,9 @@ def train(args):
     device = init_distributed(timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = check_args(args, world)
-    args.resume = resume_from(args, world, report=print if rank == 0 else lambda message: None)
+    # Checkpoints are written on a thread of their own, with a group of their own (see checkpoint.Saver).
+    saver = checkpoint.Saver(dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)))
+    args.resume = resume_from(args, world, saver.group, report=print if rank == 0 else lambda message: None)
     mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
     data = load_training_data(args)
     check_vocabulary(data, rank, world)
@@ -864,21 +895,33 @@ def train(args):
                 if step % args.log_interval == 0 or last or "val_loss" in entry:
                     print_progress(entry, args)
             if problem:  # every rank has the same record, so every rank stops here
+                saver.wait()  # the save in flight is of a good step: the last good checkpoint, once written
                 raise NonFiniteStep(f"{problem}; the last good checkpoint is {last_checkpoint or 'none'}")
             if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
-                state = trainer.checkpoint(step + 1)
                 last_checkpoint = checkpoint.path_for(run_dir, step + 1)
-                if rank == 0:
-                    checkpoint.save(run_dir, step + 1, state, args.keep_checkpoints)
-                    if stopped:
-                        print(f"stopped after step {step} on a signal; checkpoint {last_checkpoint}", flush=True)
+                trainer.save_checkpoint(saver, last_checkpoint, step + 1, args.keep_checkpoints)
             trainer.reset_comm_baseline()
             if stopped:
                 break
+    saver.wait()  # the run ends with its last checkpoint on the disk
+    peaks = gather_peaks(device)  # start-up, steps and saves: the whole run's
+    if rank == 0:
+        kind = "GPU" if device.type == "cuda" else "resident"
+        print(f"peak {kind} memory per rank (GiB): " + " ".join(f"{b / 2**30:.2f}" for b in peaks), flush=True)
+        if stopped:
+            print(f"stopped after step {end - 1} on a signal; checkpoint {last_checkpoint}", flush=True)
     if log:
         log.close()
     return dict(losses=losses, grad_norms=grad_norms, val_losses=val_losses, entropy_floor=data.entropy_rate,
                 trainer=trainer)
+
+
+def gather_peaks(device):
+    """Every rank's peak resident memory so far, or on a GPU its device's peak (a small all-gather)."""
+    mine = torch.tensor([float(device_peak_bytes(device) or peak_resident_bytes())], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [int(t.item()) for t in everyone]
 
 
 def nonfinite_problem(step, record, skipped_steps, args):
@@ -929,12 +972,12 @@ def main(argv=None):
     try:  # before any process group exists: a bad launch cannot hang
         check_args(args, world)
         if args.resume not in (None, "auto"):
-            checkpoint.verify(args.resume)
+            checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, later
     except (ConfigError, checkpoint.BadCheckpoint) as e:
         exit_with_error(str(e), rank, world, status=2)
     try:
         train(args)
-    except ConfigError as e:  # the data, found bad by every rank together before training
+    except (ConfigError, checkpoint.BadCheckpoint) as e:  # found bad by every rank together before training
         exit_with_error(str(e), rank, world, status=2)
     except NonFiniteStep as e:
         exit_with_error(str(e), rank, world, status=1)

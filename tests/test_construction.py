@@ -1,12 +1,16 @@
-"""Sharded construction: each rank allocates and fills only its share of the model, and that share equals
-the same elements of the single device's initial weights, exactly."""
+"""Sharded construction, and sharded checkpoints: each rank allocates and fills only its share of the model
+(which equals the same elements of the single device's initial weights, exactly), saves only its share and
+reads back only the elements it holds."""
+import math
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+import checkpoint
 import cli
 import train
 from distributed import run_on_ranks
@@ -52,52 +56,106 @@ class WrittenTensors(TorchDispatchMode):
         return out
 
 
-def construct(argv):
-    """Build train.py's Trainer on this rank under the watch; returns what it wrote, what it drew, and
-    its model gathered to the single device's layout beside the single device's."""
+def held_shapes(trainer):
+    """Shapes this rank may write: those of the parameters it holds (ZeRO-3 gathers them, a unit at a time),
+    and flat (a whole parameter's shape can be another's slice, or as long as another's flat values: those
+    are left out of the watch), and its optimizer's pieces."""
+    held = {shape for p in trainer.params for shape in (tuple(p.shape), (p.numel(),))}
+    return held | {(end - start,) for optimizer in trainer.optimizers for _, start, end, _ in optimizer.pieces()}
+
+
+def held_elements(trainer):
+    """The elements of the parameters this rank holds: allocated ones, and ZeRO-3's pieces of the others."""
+    pieces = sum(end - start for zero in trainer.optimizers if getattr(zero, "own_copy", False)
+                 for _, start, end, _ in zero.pieces())
+    return sum(p.numel() for p in trainer.params if is_allocated(p)) + pieces
+
+
+def outside(watch, trainer, full_shapes):
+    """What the watch saw written, or left holding memory, that trainer's rank does not hold in that shape.
+    Written tensors count if they have the full shape of a parameter tensor parallelism cuts (whatever the
+    pipeline and the experts place, and ZeRO-3 shards, is whole where it is, so its shape tells nothing: the
+    counts of elements drawn and read watch those)."""
+    held = held_shapes(trainer)
+    cut = {full_shapes[name] for name in trainer.tp_layouts}
+    return dict(written=[w for w in watch.written if w[1] in cut - held],
+                placeholders_left=[tuple(t.shape) for t in watch.placeholders
+                                   if is_allocated(t) and tuple(t.shape) not in held])
+
+
+def construct(argv, folder):
+    """Build train.py's Trainer on this rank, take a step, save a checkpoint, and build it again from the
+    checkpoint, each under the watch; returns what each wrote outside this rank's share, the elements it
+    drew or read, and its model gathered to the single device's layout beside the single device's."""
     args = cli.parse_args(argv)
     mesh = Mesh(cli.check_args(args, dist.get_world_size()))
     data = train.load_training_data(args)
     config = cli.model_config(args, data.vocab_size)
     reference = train.build_model(config, args.seed, torch.float64, torch.device("cpu"))
     full_shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
-    drawn = Counter()
+    watch = partial(WrittenTensors, set(full_shapes.values()))
+    drawn, read = Counter(), Counter()
 
     class Recorded(train.InitialValues):
         def parameter(self, name, positions):
             drawn[name] += positions.numel()
             return super().parameter(name, positions)
 
-    train.InitialValues = Recorded
-    with WrittenTensors(set(full_shapes.values())) as watch:
+    class RecordedCheckpoint(checkpoint.Checkpoint):
+        def read(self, name, key, positions):
+            read[key] += positions.numel() if name in full_shapes else 0  # (buffers are small, whole everywhere)
+            return super().read(name, key, positions)
+
+    train.InitialValues, checkpoint.Checkpoint = Recorded, RecordedCheckpoint
+    with watch() as built:
         trainer = train.Trainer(args, mesh, data, torch.device("cpu"))
-    # Shapes this rank may write: those of the parameters it holds, and flat (a whole parameter's shape
-    # can be another's slice, or as long as another's flat values: those are left out of the watch).
-    held = {shape for p in trainer.params if is_allocated(p) for shape in (tuple(p.shape), (p.numel(),))}
-    pieces = [hi - lo for zero in trainer.optimizers if getattr(zero, "own_copy", False)  # ZeRO-3's
-              for shard in zero.shards.values() for lo, hi in shard.ranges.values()]
-    held |= {(n,) for n in pieces}  # a piece can be a whole (one-dimensional) parameter
-    elements = sum(p.numel() for p in trainer.params if is_allocated(p)) + sum(pieces)
-    return dict(written=[w for w in watch.written if w[1] not in held],
-                placeholders_left=[tuple(t.shape) for t in watch.placeholders
-                                   if is_allocated(t) and tuple(t.shape) not in held],
-                drawn=sum(drawn.values()), held=elements,
+    initial_state = trainer.full_state_dict()
+    saver = checkpoint.Saver(dist.new_group(backend="gloo"))
+    with watch() as stepped:
+        trainer.train_step(0)
+        trainer.save_checkpoint(saver, folder, 1, keep=1)
+        saver.wait()
+    args.resume = folder
+    with watch() as loaded:
+        resumed = train.Trainer(args, mesh, data, torch.device("cpu"))
+    optimizer_elements = sum(end - start for optimizer in resumed.optimizers
+                             for _, start, end, _ in optimizer.pieces())
+    return dict(built=outside(built, trainer, full_shapes), stepped=outside(stepped, trainer, full_shapes),
+                loaded=outside(loaded, resumed, full_shapes),
+                drawn=sum(drawn.values()), held=held_elements(trainer), read_weights=read.pop("model"),
+                read_moments=dict(read), optimizer_elements=optimizer_elements,
                 names=set(drawn) <= set(dict(trainer.model.named_parameters())),
-                state_dict=trainer.full_state_dict(), reference=reference.state_dict())
+                state_dict=initial_state, reference=reference.state_dict(),
+                saved=trainer.full_state_dict(), resumed=resumed.full_state_dict())
 
 
 @pytest.mark.skipif(TorchDispatchMode is None, reason="torch.utils._python_dispatch is gone from this PyTorch")
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_rank_builds_only_its_share_and_it_equals_the_single_device(layout):
+def test_each_rank_builds_saves_and_loads_only_its_share_and_it_equals_the_single_device(layout, tmp_path):
     world, flags = LAYOUTS[layout]
-    for rank, result in enumerate(run_on_ranks(world, construct, [*EQUIVALENCE, "--layers", "4", *flags])):
-        assert result["written"] == [], f"rank {rank} wrote whole parameters it does not hold whole"
-        assert result["placeholders_left"] == [], f"rank {rank} kept memory it was to free"
+    # One token a sequence: no activation, however the experts' routing goes, has a cut parameter's shape.
+    argv = [*EQUIVALENCE, "--layers", "4", "--seq-len", "1", *flags]
+    for rank, result in enumerate(run_on_ranks(world, construct, argv, str(tmp_path / "checkpoint-00000001"))):
+        for when in ("built", "stepped", "loaded"):
+            assert result[when]["written"] == [], f"rank {rank} wrote whole parameters it does not hold ({when}): {sorted(set(result[when]['written']))}"
+            assert result[when]["placeholders_left"] == [], f"rank {rank} kept memory it was to free ({when})"
         assert result["drawn"] == result["held"], f"rank {rank} drew other values than the elements it holds"
+        assert result["read_weights"] == result["held"], f"rank {rank} read other weights than those it holds"
+        assert result["read_moments"] == dict(exp_avg=result["optimizer_elements"],
+                                              exp_avg_sq=result["optimizer_elements"])
         assert result["names"]
         assert result["state_dict"].keys() == result["reference"].keys()
         for name, expected in result["reference"].items():
             assert torch.equal(result["state_dict"][name], expected), (rank, name)
+        for name, expected in result["saved"].items():
+            assert torch.equal(result["resumed"][name], expected), (rank, name)
+    # Every element of every tensor saved once: the pieces of each tensor's weights and moments tile it.
+    manifest = checkpoint.Checkpoint(tmp_path / "checkpoint-00000001").manifest
+    elements = Counter()
+    for piece in manifest["pieces"]:
+        elements[piece["name"], piece["key"]] += piece["end"] - piece["start"]
+    for (name, key), count in elements.items():
+        assert count == math.prod(manifest["tensors"][name]["shape"]), (name, key)
 
 
 def test_initial_values_of_a_slice_equal_those_of_the_whole():

@@ -12,7 +12,6 @@ model on one process in float64.
 """
 import copy
 import importlib.util
-import math
 import os
 import shutil
 

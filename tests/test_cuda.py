@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from checkpoint import Checkpoint
 from distributed import self_check_alone, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle
 
@@ -26,7 +27,7 @@ def test_one_rank_on_cuda_in_float64_equals_the_cpu_oracle(tmp_path):
     run = tmp_path / "gpu1_tp1_pp1_cp1_ep1"
     config, log = read_run(run)
     assert config["device"].startswith("cuda")
-    state_dict = torch.load(run / "checkpoint-00000003.pt", weights_only=True)["model"]
+    state_dict = Checkpoint(run / "checkpoint-00000003").model_state()
     # CUDA's kernels sum in another order than the CPU's: float64 agrees to that order's rounding.
     assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=state_dict), oracle(EQUIVALENCE))
 

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 import cli
 import train
+from checkpoint import Checkpoint
 from model import GPTConfig
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
@@ -86,14 +88,16 @@ def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
     assert val[59] - floor < 0.25 * (start - floor)
     assert val[59] > floor
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == \
-        ["checkpoint-00000060.pt", "checkpoint-00000060.pt.sha256"]  # the end's, complete, and no temporary file
+        ["checkpoint-00000060"]  # the end's
+    assert sorted(p.name for p in (run / "checkpoint-00000060").iterdir()) == \
+        ["manifest.json", "rank-00000.safetensors"]  # complete, no temporary file; one copy of the replicas
 
 
 def test_stop_on_two_ranks_resume_on_one_continues_exactly(tmp_path):
     argv = [*QUICK, "--steps", "4", "--grad-clip", "0.05", "--dtype", "float64", "--eval-interval", "1000"]
     first = run_on_ranks(2, train_worker, [*argv, "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
-    checkpoint = tmp_path / "a" / "gpu2_tp1_pp1_cp1_ep1" / "checkpoint-00000002.pt"
-    assert torch.load(checkpoint, weights_only=True)["step"] == 2
+    checkpoint = tmp_path / "a" / "gpu2_tp1_pp1_cp1_ep1" / "checkpoint-00000002"
+    assert Checkpoint(checkpoint).step == 2
     second = run_on_ranks(1, train_worker, [*argv, "--resume", str(checkpoint), "--out", str(tmp_path / "b")])[0]
     assert len(first["losses"]) == len(second["losses"]) == 2
     resumed = dict(losses=first["losses"] + second["losses"], state_dict=second["state_dict"])
@@ -162,7 +166,7 @@ def test_two_nodes_joined_by_c10d_rendezvous_match_single_device(tmp_path):
         assert node.returncode == 0, output[-3000:]
     run = tmp_path / "gpu4_tp2_pp1_cp1_ep1"
     losses = [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
-    state_dict = torch.load(run / "checkpoint-00000003.pt", weights_only=True)["model"]
+    state_dict = Checkpoint(run / "checkpoint-00000003").model_state()
     assert_matches_oracle(dict(losses=losses, state_dict=state_dict), oracle(EQUIVALENCE))
 
 
@@ -179,7 +183,7 @@ def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
     assert 0 < config["entropy_floor"] < math.log(4)  # four successors per token at most
     losses = [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
     assert abs(losses[0] - math.log(50304)) < 0.5  # an untrained model is about uniform over the vocabulary
-    (run / "checkpoint-00000002.pt").unlink()  # 2 GB of weights and AdamW state
+    shutil.rmtree(run / "checkpoint-00000002")  # 2 GB of weights and AdamW state
 
 
 def test_vocabulary_flags(tmp_path):

@@ -115,7 +115,7 @@ def test_plain_data_parallel_replicates_everything_and_communicates_two_psi(tmp_
 def test_stop_under_zero3_resume_under_zero1_on_more_ranks(tmp_path):
     argv = [*ARGV, "--steps", "4"]
     first = run_on_ranks(2, train_worker, [*argv, "--zero", "3", "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
-    checkpoint = tmp_path / "a" / "gpu2_tp1_pp1_cp1_ep1" / "checkpoint-00000002.pt"
+    checkpoint = tmp_path / "a" / "gpu2_tp1_pp1_cp1_ep1" / "checkpoint-00000002"
     second = run_on_ranks(4, train_worker, [*argv, "--zero", "1", "--resume", str(checkpoint),
                                             "--out", str(tmp_path / "b")])[0]
     assert_matches_oracle(dict(losses=first["losses"] + second["losses"], state_dict=second["state_dict"]),
