@@ -29,7 +29,7 @@ import train
 from mesh import Mesh
 
 MEMORY = ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes")
-MEASURED_ONLY = ("peak_resident_bytes", "device_peak_bytes")
+MEASURED_ONLY = ("peak_resident_bytes", "device_peak_bytes")  # predicted: the first (plan.predict_peaks)
 
 
 class DryRunTrainer(train.Trainer):
@@ -62,7 +62,8 @@ def check_dry_run(args, rank, world):
 
 def dry_run(args, rank, world):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
-    first: AdamW makes its state there); returns (measured, predicted): {field: value} of this rank."""
+    first: AdamW makes its state there); returns (measured, predicted): {field: value} of this rank, the
+    prediction's peak_resident_bytes being plan.py's peak of start-up and step (a dry run saves nothing)."""
     check_dry_run(args, rank, world)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
@@ -74,6 +75,8 @@ def dry_run(args, rank, world):
     predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
                  if field in MEMORY or field.startswith("comm_")}
     measured = {field: record[field] for field in (*predicted, *MEASURED_ONLY)}
+    peaks = plan.predict_peaks(args, world)
+    predicted["peak_resident_bytes"] = max(peaks["startup_peak_bytes"][rank], peaks["step_peak_bytes"][rank])
     return measured, predicted
 
 
@@ -85,8 +88,9 @@ def print_report(measured, predicted, rank, world):
     for field in (*MEMORY, *(f for f in predicted if f.startswith("comm_") and (predicted[f] or measured[f]))):
         row(field, measured[field], predicted[field])
     row("sum of the four", sum(measured[f] for f in MEMORY), sum(predicted[f] for f in MEMORY))
-    for field in MEASURED_ONLY:
-        row(field, measured[field])
+    row("peak_resident_bytes", measured["peak_resident_bytes"], predicted["peak_resident_bytes"])
+    if measured["device_peak_bytes"]:
+        row("device_peak_bytes", measured["device_peak_bytes"])
 
 
 def main(argv=None):

@@ -33,6 +33,16 @@ Where the numbers come from:
   traffic and activations assume balanced routing (each expert gets its
   fair share of every rank's tokens).
 
+- Peak resident memory (`predict_peaks`, the last line of the table, and
+  `--json`'s `*_peak_bytes`): of start-up, of a step, of a checkpoint's save
+  and of its load, as a process on the CPU holds them: the state above,
+  plus what each phase holds for a while (ZeRO-3's units gathered, the
+  gradient norm's float64 squares, bf16 autocast's weight copies under full
+  recomputation, a checkpoint's pieces copied aside to be written, the
+  chunks initial values are drawn and checkpoints read in) and the
+  interpreter and PyTorch themselves (PROCESS_BYTES). On a GPU the
+  interpreter stays on the host and so does a save's copy.
+
 `--search` lists the layouts of `--world` ranks that fit `--memory` per
 rank, with their traffic inside a node and across nodes (`--gpus-per-node`,
 ranks laid out as mesh.py lays them: tp fastest, then cp, ep, pp, dp).
@@ -55,7 +65,7 @@ import train
 from dp import ring_bytes_sent
 from ep import is_expert_parameter
 from mesh import DIMS, GROUPS
-from model import GPT, GPTConfig
+from model import GPT, INIT_CHUNK, GPTConfig
 
 INT64, BOOL = 8, 1  # bytes of the index and mask tensors some operators save
 
@@ -639,6 +649,128 @@ def predict(args, world):
 
 
 # ---------------------------------------------------------------------------
+# Peak resident memory: of start-up, of a step, of a checkpoint's save and of its load
+# ---------------------------------------------------------------------------
+
+# What a process holds before any tensor: the interpreter, PyTorch's libraries, this repository's modules, the
+# process groups (measured on Linux with PyTorch 2.13's CPU build: 0.29 to 0.31 GiB; on a GPU the device's
+# figure, torch.cuda.max_memory_allocated, leaves it out, and the CUDA context adds to the host's).
+PROCESS_BYTES = int(0.30 * 2**30)
+# Filling or reading a chunk of model.INIT_CHUNK elements holds a few arrays of 8 bytes an element at once:
+# the positions, their index along each dimension, the hash's steps, the values.
+CHUNK_ARRAYS = 8
+
+
+def chunk_bytes(largest):
+    """The working arrays of filling or reading the chunks of a tensor of `largest` elements."""
+    return CHUNK_ARRAYS * min(INIT_CHUNK, largest) * INT64
+
+
+def zero3_working(params, group, layout):
+    """ZeRO-3's most bytes at once beyond its shards (dp.ZeRO3): two neighbouring units gathered whole (one
+    computing, the next prefetched) and, in backward, their full gradients (one filling, the one before it
+    being reduce-scattered)."""
+    if layout.zero != 3 or not params:
+        return 0
+    units = [b.padded for b in zero3_buckets(params, group)]
+    return 2 * max(a + b for a, b in zip(units, units[1:] or [0])) * layout.weight_bytes
+
+
+def largest_piece(params, group, layout):
+    """The most elements of one parameter a rank keeps together: a whole parameter, or under ZeRO a piece of
+    one, no longer than a shard."""
+    sizes = [numel for _, numel in params]
+    if not sizes:
+        return 0
+    if not layout.zero:
+        return max(sizes)
+    buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(
+        sizes, layout.bucket_bytes, layout.weight_bytes, group)
+    return min(max(sizes), max(b.padded for b in buckets) // group)
+
+
+def norm_working(params, group, layout):
+    """The gradient norm sums squares in float64, a gradient piece at a time: the largest, cast (unless it is
+    float64) and squared."""
+    return largest_piece(params, group, layout) * INT64 * (1 if layout.dtype == "float64" else 2)
+
+
+def written_by(layout, where, expert):
+    """Whether the rank at `where` writes the checkpoint pieces it holds (checkpoint.Saver: each piece by the
+    lowest rank holding it). ZeRO's shards differ on every rank of their group (only the replicated norms
+    and biases of tp ranks other than 0 are written by another: left out here); without ZeRO, the first
+    replica writes."""
+    if layout.zero:
+        return True
+    return where["dp"] == where["cp"] == 0 and (expert or where["ep"] == 0)
+
+
+def predict_peaks(args, world):
+    """{field: [bytes of rank 0, rank 1, ...]}: each rank's peak resident memory at start-up, during a step,
+    while a checkpoint is saved and while one is loaded, and the largest of the four (peak_bytes)."""
+    layout = layout_of(args, world)
+    config = cli.model_config(args, cli.data_vocab_size(args))
+    stages = [(predict_stage(config, layout, stage), working_sets(config, layout, stage)) for stage in range(layout.pp)]
+    ranks = []
+    for rank in range(world):
+        where = coordinates(layout, rank)
+        prediction, working = stages[where["pp"]]
+        ranks.append(phase_peaks(layout, rank_figures(prediction, layout, where), working, where))
+    return {field: [r[field] for r in ranks] for field in ranks[0]}
+
+
+def working_sets(config, layout, stage):
+    """What a rank of this pipeline stage holds beyond its state at some moment: ZeRO-3's units gathered, the
+    gradient norm's squares, and the bytes of one optimizer moment of its dense and of its expert pieces."""
+    dense, expert = rank_parameters(config, layout, stage)
+    groups = {"dense": (dense, layout.dense_group), "expert": (expert, layout.expert_group)}
+    zero3 = sum(zero3_working(p, g, layout) for p, g in groups.values())
+    return dict(largest=max(numel for _, numel in dense + expert), zero3=zero3,
+                piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
+                autocast=autocast_cache(dense + expert, layout, zero3),
+                norm=max(norm_working(p, g, layout) for p, g in groups.values()),
+                moment={kind: state_memory(p, g, layout, False)[2] // 2 for kind, (p, g) in groups.items()})
+
+
+def autocast_cache(params, layout, zero3):
+    """bf16 autocast keeps a bf16 copy of every weight a matrix product used until its forward ends. Under
+    full recomputation the block saves none of them for backward (activation_peak leaves them out), so the
+    copies of the whole stage's weights (ZeRO-3: of the two units gathered) are extra while it computes;
+    otherwise they are saved, and counted as activations."""
+    if layout.dtype != "bfloat16" or layout.recompute != "full":
+        return 0
+    if layout.zero == 3:
+        return zero3 // 4  # two units' weights, in 2 bytes instead of 4
+    cast = sum(numel for name, numel in params if name.endswith(".weight") and "norm" not in name
+               and not name.startswith(("tok_emb.", "pos_emb.")))  # embeddings are looked up, not multiplied
+    return 2 * cast
+
+
+def phase_peaks(layout, figures, working, where):
+    """One rank's peaks (see predict_peaks), from its figures and its stage's working sets."""
+    held = figures["param_bytes"] + figures["grad_bytes"]
+    state = held + figures["optim_bytes"]
+    # A save copies aside the weights and both moments of the pieces the rank writes: 3 moments' bytes.
+    copied = sum(3 * bytes_ for kind, bytes_ in working["moment"].items() if written_by(layout, where, kind == "expert"))
+    # At start-up ZeRO-1 and 2 copy each bucket into their flat buffer, one at a time; ZeRO-3 draws each
+    # piece of its shards in float64 before keeping it in the run's dtype.
+    largest, weights = working["largest"], figures["param_bytes"]
+    flat = {1: min(layout.bucket_bytes, weights), 2: min(layout.bucket_bytes, weights), 3: working["piece"] * INT64}
+    buckets = layout.zero or layout.dense_group > 1  # (else gradients come with the first backward)
+    startup = figures["param_bytes"] + (figures["grad_bytes"] if buckets else 0) + chunk_bytes(largest) + \
+        flat.get(layout.zero, 0)
+    computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero3"] + working["autocast"]
+    step = state + max(computing, working["norm"])  # (the norm comes once backward has freed everything)
+    save = state + copied
+    # Loading builds the rank as start-up does, then reads its optimizer state, a chunk (and the range of a
+    # saved piece holding it) at a time.
+    load = startup + figures["optim_bytes"] + min(INIT_CHUNK, largest) * layout.weight_bytes * layout.tp
+    peaks = dict(startup_peak_bytes=startup, step_peak_bytes=step, save_peak_bytes=save, load_peak_bytes=load)
+    peaks = {field: PROCESS_BYTES + value for field, value in peaks.items()}
+    return dict(peaks, peak_bytes=max(peaks.values()))
+
+
+# ---------------------------------------------------------------------------
 # The playbook's figure: per-rank memory of each strategy alone, by sequence length (plot.py draws it)
 # ---------------------------------------------------------------------------
 
@@ -777,6 +909,11 @@ def print_table(args, plan_args):
         by_kind = ", ".join(f"{name[5:-6]} {value / scale:.2f}" for name, value in comm.items())
         print(f"{who:18s} {memory}{total / scale:9.2f} | {inside / scale:.2f}, {across / scale:.2f}; "
               f"{by_kind or 'none'}")
+    busiest = next(rank for rank in range(layout.world) if coordinates(layout, rank) == first_of_stage(layout, rows[0][1]))
+    peaks = {field: values[busiest] for field, values in predict_peaks(args, layout.world).items()}
+    print(f"peak resident memory of rank {busiest} ({unit}, with {PROCESS_BYTES / scale:.2f} for the interpreter and "
+          f"PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step {peaks['step_peak_bytes'] / scale:.2f}, "
+          f"checkpoint save {peaks['save_peak_bytes'] / scale:.2f}, load {peaks['load_peak_bytes'] / scale:.2f}")
 
 
 def powers_of_two(limit):
@@ -833,7 +970,7 @@ def main(argv=None):
         if plan_args.search:
             search(args, plan_args)
         elif plan_args.json:
-            print(json.dumps(predict(args, plan_args.world)))
+            print(json.dumps({**predict(args, plan_args.world), **predict_peaks(args, plan_args.world)}))
         else:
             print_table(args, plan_args)
     except cli.ConfigError as e:

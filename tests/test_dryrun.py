@@ -28,9 +28,11 @@ def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, r
     report = json.loads(out.stdout)
     measured, predicted = report["measured"], report["predicted"]
     assert predicted["param_bytes"] > 0 and any(v for f, v in predicted.items() if f.startswith("comm_"))
+    peak = predicted.pop("peak_resident_bytes")
     for field, value in predicted.items():
         assert measured[field] == value, field
-    assert measured["peak_resident_bytes"] > 0
+    # A tiny model: the peak is mostly the interpreter and PyTorch themselves (plan.PROCESS_BYTES).
+    assert abs(measured["peak_resident_bytes"] / peak - 1) < 0.15
     assert "loss" not in measured
     assert os.listdir(tmp_path) == []  # no log, no checkpoint
 

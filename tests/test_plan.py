@@ -73,7 +73,8 @@ def test_json_holds_log_fields_per_rank():
     assert result.returncode == 0, result.stderr
     predicted = json.loads(result.stdout)
     logged = {"param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes", *train.COMM_FIELDS}
-    assert set(predicted) == logged | {"recompute_bytes"}
+    peaks = {f"{phase}_peak_bytes" for phase in ("startup", "step", "save", "load")} | {"peak_bytes"}
+    assert set(predicted) == logged | {"recompute_bytes"} | peaks
     assert all(len(values) == 8 for values in predicted.values())
 
 
