@@ -36,9 +36,12 @@ must end with exactly the weights of the same run uninterrupted
 """
 import argparse
 import copy
+import ctypes
 import json
+import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -573,7 +576,188 @@ def attention_by_length(lengths, heads=4, head_dim=64, rounds=3):
     return dict(heads=heads, head_dim=head_dim, dtype="float32", batch=1, rounds=rounds, rows=results)
 
 
-RUN_ALONE = {"attention": worker_attention}  # workers run by their own part of main, not as comparisons
+# -- checkpoints: sharded against consolidated, save and load, time and peak memory -----------------
+
+CHECKPOINT_RUN = ["--model", "gpt2-medium", "--zero", "3", "--batch-size", "4", "--seq-len", "32", "--steps", "1"]
+
+
+def _reset_peak():
+    """The peak resident set starts again from the current one (Linux), once glibc has given back the freed
+    memory it keeps for reuse (malloc_trim), so that one phase's leftovers do not count in the next's."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _phase(run):
+    """(run's result, its seconds on the slowest rank, every rank's peak resident bytes during it)."""
+    import torch
+    import torch.distributed as dist
+    dist.barrier()
+    _reset_peak()
+    start = time.perf_counter()
+    result = run()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([_status_kib("VmHWM") * 1024.0], dtype=torch.float64))
+    return result, seconds, [int(p.item()) for p in peaks]
+
+
+class ConsolidatedFile:
+    """The consolidated checkpoint (one torch.save file of model.py's state dict and the optimizer's state by
+    parameter name), read through the interface train.py reads a sharded one by (checkpoint.Checkpoint)."""
+
+    def __init__(self, path):
+        import torch
+        self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        self.step, self.skipped_steps, self.tensors = self.state["step"], 0, self.state["model"]
+        self.steps = {name: state["step"] for name, state in self.state["optimizer"].items()}
+
+    def optimizer_keys(self, name):
+        return sorted(key for key in self.state["optimizer"].get(name, {}) if key != "step")
+
+    def read(self, name, key, positions):
+        tensor = self.state["model"][name] if key == "model" else self.state["optimizer"][name][key]
+        return tensor.reshape(-1)[positions.cpu()]
+
+    def full(self, name):
+        return self.state["model"][name]
+
+
+def save_consolidated(trainer, path):
+    """The checkpoint as one file, as this repository wrote it before sharded checkpoints (then gathered to
+    every rank; here to rank 0 alone, the least a consolidated file needs): each rank in turn sends rank 0
+    its pieces, which places them in the whole tensors and writes the file."""
+    import torch
+    import torch.distributed as dist
+    import checkpoint
+    pieces, layouts, steps = trainer.checkpoint_pieces()
+    if dist.get_rank():
+        for rank in range(1, dist.get_world_size()):
+            dist.barrier()
+            if rank == dist.get_rank():
+                dist.send_object_list([[(p, t.detach().cpu()) for p, t in pieces], layouts, steps], dst=0)
+        dist.barrier()
+        return
+    whole = {}
+
+    def place(received):
+        for piece, tensor in received:
+            shape, split = layouts[piece.name]["shape"], layouts[piece.name]["split"]
+            flat = whole.setdefault((piece.name, piece.key), torch.empty(math.prod(shape), dtype=tensor.dtype))
+            if split is None:
+                flat[piece.start:piece.end] = tensor
+                continue
+            where = checkpoint.in_parts(torch.arange(flat.numel()), shape, split)  # (tensor parallelism)
+            lo = piece.part * (flat.numel() // split["parts"]) + piece.start
+            mine = (where >= lo) & (where < lo + piece.end - piece.start)
+            flat[mine] = tensor[where[mine] - lo]
+    place([(p, t.detach().cpu()) for p, t in pieces])
+    for rank in range(1, dist.get_world_size()):
+        dist.barrier()
+        received = [None, None, None]
+        dist.recv_object_list(received, src=rank)
+        layouts.update(received[1])
+        steps.update(received[2])
+        place(received[0])
+        del received
+    dist.barrier()
+    model = {name: flat.view(layouts[name]["shape"]) for (name, key), flat in whole.items() if key == "model"}
+    optimizer = {}
+    for (name, key), flat in whole.items():
+        if key != "model":
+            optimizer.setdefault(name, {"step": torch.tensor(steps[name])})[key] = flat.view(layouts[name]["shape"])
+    torch.save(dict(model=model, optimizer=optimizer, step=1), path)
+
+
+def fingerprint(trainer):
+    """The SHA-256 of this rank's pieces of the training state (weights and optimizer state), in order."""
+    import hashlib
+    import torch
+    digest = hashlib.sha256()
+    for piece, tensor in trainer.checkpoint_pieces()[0]:
+        digest.update(repr(piece).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def worker_checkpoint(settings):
+    """gpt2-medium under ZeRO-3 on this launch's ranks, after one step: save and load its checkpoint,
+    sharded (checkpoint.py) and consolidated (one file), alternately for a few rounds; per round, the
+    slowest rank's seconds and every rank's peak resident memory, for each. The sharded save's time is
+    until the files are complete; `blocking` is what training waits (the copy aside)."""
+    import gc
+    import torch
+    import torch.distributed as dist
+    import checkpoint
+    import cli
+    import plan
+    import train
+    from mesh import Mesh
+    world, device = dist.get_world_size(), torch.device("cpu")
+    args = cli.parse_args([*CHECKPOINT_RUN, "--out", settings["out"]])
+    mesh = Mesh(cli.check_args(args, world))
+    data = train.load_training_data(args)
+    trainer, startup_s, startup_peaks = _phase(lambda: train.Trainer(args, mesh, data, device))
+    _, step_s, step_peaks = _phase(lambda: trainer.train_step(0))
+    saver = checkpoint.Saver(dist.new_group(backend="gloo"))
+    sharded = os.path.join(settings["out"], "checkpoint-00000001")
+    consolidated = os.path.join(settings["out"], "consolidated.pt")
+    rounds = {kind: [] for kind in ("sharded save", "consolidated save", "sharded load", "consolidated load")}
+    blocking = []
+    for _ in range(settings["rounds"]):
+        def save_sharded():
+            start = time.perf_counter()
+            trainer.save_checkpoint(saver, sharded, 1, keep=1)
+            blocking.append(time.perf_counter() - start)
+            saver.wait()
+        rounds["sharded save"].append(_phase(save_sharded)[1:])
+        rounds["consolidated save"].append(_phase(lambda: save_consolidated(trainer, consolidated))[1:])
+    saved = fingerprint(trainer)
+    del trainer
+    gc.collect()
+    resumed = {}
+    for _ in range(settings["rounds"]):
+        for kind, path in (("sharded load", sharded), ("consolidated load", consolidated)):
+            args.resume = path
+            original = checkpoint.Checkpoint
+            checkpoint.Checkpoint = original if kind == "sharded load" else ConsolidatedFile
+            loaded, seconds, peaks = _phase(lambda: train.Trainer(args, mesh, data, device))
+            checkpoint.Checkpoint = original
+            rounds[kind].append((seconds, peaks))
+            exact = torch.tensor([float(fingerprint(loaded) == saved)])
+            dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+            resumed[kind] = bool(exact.item())
+            del loaded
+            gc.collect()
+    predicted = plan.predict_peaks(cli.parse_args(CHECKPOINT_RUN), world)
+    return dict(ranks=world, run=CHECKPOINT_RUN, rounds=settings["rounds"], startup=(startup_s, startup_peaks),
+                step=(step_s, step_peaks), blocking_s=blocking, measured=rounds, resumed_exactly=resumed,
+                bytes=dict(sharded=sum(os.path.getsize(os.path.join(sharded, f)) for f in os.listdir(sharded)),
+                           consolidated=os.path.getsize(consolidated)),
+                predicted={k: v for k, v in predicted.items()})
+
+
+def checkpoint_comparison(out, rounds=2, ranks=4):
+    """worker_checkpoint on `ranks` ranks, summarised: per kind the median seconds over rounds and the largest
+    peak over ranks and rounds, beside plan.py's predicted peaks."""
+    print(f"bench: checkpoints, sharded and consolidated, {ranks} ranks", flush=True)
+    settings = dict(out=os.path.join(out, "checkpoint"), rounds=rounds)
+    os.makedirs(settings["out"], exist_ok=True)
+    stdout = torchrun(ranks, "bench.py", "--worker", "checkpoint", "--settings", json.dumps(settings))
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    summary = {kind: dict(seconds=statistics.median(s for s, _ in values), seconds_range=[
+        min(s for s, _ in values), max(s for s, _ in values)], peak_bytes=max(max(p) for _, p in values))
+        for kind, values in result["measured"].items()}
+    summary["sharded save"]["blocking_seconds"] = statistics.median(result["blocking_s"])
+    for phase in ("startup", "step"):
+        summary[phase] = dict(seconds=result[phase][0], peak_bytes=max(result[phase][1]))
+    shutil.rmtree(settings["out"], ignore_errors=True)
+    return dict(result, summary=summary)
+
+
+RUN_ALONE = {"attention": worker_attention, "checkpoint": worker_checkpoint}  # run by their own part of main
 
 
 def run_worker(name, settings_json):
@@ -656,7 +840,7 @@ def killed_run(out, steps, kill_every):
         raise RuntimeError("the killed run did not finish:\n" + "".join(output[-40:]))
     torchrun(8, *argv, "--out", os.path.join(out, "uninterrupted"), "--name", "soak")
     import checkpoint
-    final = {kind: checkpoint.load(checkpoint.checkpoints(os.path.join(out, kind, "soak"))[0])["model"]
+    final = {kind: checkpoint.Checkpoint(checkpoint.checkpoints(os.path.join(out, kind, "soak"))[0]).model_state()
              for kind in ("killed", "uninterrupted")}
     losses = {kind: [e["loss"] for e in read_log(os.path.join(out, kind, "soak", "log.jsonl"))]
               for kind in ("killed", "uninterrupted")}
@@ -697,7 +881,8 @@ def main():
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
                                              "scaling check, 'recompute' for the recomputation modes, 'planner' for plan.py's "
-                                             "strategies measured, 'pipeline' for the four schedules' "
+                                             "strategies measured, 'checkpoint' for sharded against "
+                                             "consolidated checkpoints, 'pipeline' for the four schedules' "
                                              "timelines); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
@@ -751,6 +936,11 @@ def main():
         for name, p in pipeline["schedules"].items():
             print(f"pipeline {name:11s} bubble {p['bubble']:.3f} (formula {p['formula']:.3f}), "
                   f"step {p['step_s']:.2f} s")
+    if not args.only or "checkpoint" in args.only:
+        checkpoints = checkpoint_comparison(args.out)
+        write_json(os.path.join(args.out, "checkpoint.json"), checkpoints)
+        for kind, row in checkpoints["summary"].items():
+            print(f"checkpoint {kind:17s} {row['seconds']:7.1f} s, peak resident {row['peak_bytes'] / 2**30:.2f} GiB")
     if not args.only or "planner" in args.only:
         write_json(os.path.join(args.out, "planner.json"), planner_check(args.out))
     if not args.only or "scaling" in args.only:

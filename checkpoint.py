@@ -357,11 +357,12 @@ class Checkpoint:
         where = in_parts(positions.cpu(), layout["shape"], layout["split"])
         starts, ends, pieces = self.pieces[(name, key)]
         index = torch.searchsorted(starts, where, right=True) - 1
-        if (index < 0).any() or (where >= ends[index.clamp(min=0)]).any():
+        lowest, highest = index.min().item(), index.max().item()
+        if lowest < 0 or (where >= ends[index]).any():
             raise BadCheckpoint(f"{self.path}: damaged, no piece holds some elements of {name} ({key})")
         values = torch.empty(where.shape, dtype=TORCH_DTYPES[layout["dtype"]])
-        for i in index.unique().tolist():
-            mask = index == i
+        for i in [lowest] if lowest == highest else index.unique().tolist():  # (resumed alike: one piece)
+            mask = slice(None) if lowest == highest else index == i
             wanted = where[mask] - starts[i]
             first = wanted.min().item()  # read only the range of the piece that holds them
             values[mask] = self.file(pieces[i]["file"]).read(pieces[i]["entry"], first, wanted.max().item() + 1)[
