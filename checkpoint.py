@@ -232,7 +232,8 @@ class Saver:
 
 
 def write_manifest(folder, records, meta):
-    """The manifest from every rank's record: what makes the checkpoint complete."""
+    """The manifest from every rank's record: what makes the checkpoint complete (once the ranks' files,
+    flushed already, are in the folder for good)."""
     manifest = dict(step=meta["step"], skipped_steps=meta["skipped_steps"], args=meta["args"], tensors={},
                     steps={}, pieces=[], files={})
     for record in records:
@@ -240,15 +241,21 @@ def write_manifest(folder, records, meta):
         manifest["steps"].update(record["steps"])
         manifest["pieces"] += record["pieces"]
         manifest["files"].update(record["files"])
+    fsync_directory(folder)  # the files' renames reach the disk before the manifest can
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(folder, MANIFEST))
+    fsync_directory(folder)
+
+
+def fsync_directory(folder):
+    """Make the renames inside folder durable (a rename is written to the disk with its directory)."""
     directory = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(directory)  # the rename itself reaches the disk
+        os.fsync(directory)
     finally:
         os.close(directory)
 
