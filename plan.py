@@ -751,7 +751,8 @@ def phase_peaks(layout, figures, working, where):
     held = figures["param_bytes"] + figures["grad_bytes"]
     state = held + figures["optim_bytes"]
     # A save copies aside the weights and both moments of the pieces the rank writes: 3 moments' bytes.
-    copied = sum(3 * bytes_ for kind, bytes_ in working["moment"].items() if written_by(layout, where, kind == "expert"))
+    copied = sum(3 * moment for kind, moment in working["moment"].items()
+                 if written_by(layout, where, expert=kind == "expert"))
     # At start-up ZeRO-1 and 2 copy each bucket into their flat buffer, one at a time; ZeRO-3 draws each
     # piece of its shards in float64 before keeping it in the run's dtype.
     largest, weights = working["largest"], figures["param_bytes"]
@@ -909,7 +910,8 @@ def print_table(args, plan_args):
         by_kind = ", ".join(f"{name[5:-6]} {value / scale:.2f}" for name, value in comm.items())
         print(f"{who:18s} {memory}{total / scale:9.2f} | {inside / scale:.2f}, {across / scale:.2f}; "
               f"{by_kind or 'none'}")
-    busiest = next(rank for rank in range(layout.world) if coordinates(layout, rank) == first_of_stage(layout, rows[0][1]))
+    busiest = next(rank for rank in range(layout.world)
+                   if coordinates(layout, rank) == first_of_stage(layout, rows[0][1]))
     peaks = {field: values[busiest] for field, values in predict_peaks(args, layout.world).items()}
     print(f"peak resident memory of rank {busiest} ({unit}, with {PROCESS_BYTES / scale:.2f} for the interpreter and "
           f"PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step {peaks['step_peak_bytes'] / scale:.2f}, "
