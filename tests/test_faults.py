@@ -73,6 +73,22 @@ def test_resume_from_a_bad_checkpoint_is_one_clear_error_on_every_rank(tmp_path)
         assert f"[rank {rank}] train.py: error: {bad}: incomplete, its write never finished" in out.stderr
 
 
+def test_resume_from_a_damaged_checkpoint_stops_every_rank_after_they_hash_it_together(tmp_path):
+    """A complete checkpoint whose file no longer matches its SHA-256: found by the rank that hashes that
+    file, and every rank stops with the same message."""
+    run_on_ranks(2, train_worker, [*ARGV, "--steps", "1", "--out", str(tmp_path)])
+    saved = checkpoint.path_for(tmp_path / RUN, 1)
+    file = os.path.join(saved, "rank-00000.safetensors")
+    data = bytearray(open(file, "rb").read())
+    data[-1] ^= 0xFF
+    open(file, "wb").write(bytes(data))
+    out = torchrun(2, "train.py", *ARGV, "--resume", saved, "--out", str(tmp_path / "b"), timeout=120)
+    assert out.returncode != 0
+    for rank in range(2):
+        assert (f"[rank {rank}] train.py: error: {saved}: damaged, the bytes of rank-00000.safetensors do not "
+                f"match its SHA-256") in out.stderr
+
+
 # -- preemption --------------------------------------------------------------------------
 
 def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_continues_exactly(tmp_path):
