@@ -224,13 +224,14 @@ class Share:
 
     def positions(self, name, shape, start, end):
         """The flat positions in the full tensor of elements [start, end) of this rank's flattened `name`."""
-        index = list(torch.unravel_index(torch.arange(start, end, device=self.device), shape))
+        flat = torch.arange(start, end, device=self.device)
+        if name not in self.tp_layouts:  # held whole: the same positions
+            return flat
+        index = list(torch.unravel_index(flat, shape))
         full_shape = self.full_shape(name, shape)
-        if name in self.tp_layouts:  # index along dim: which of the full tensor's rows this rank holds
-            dim, blocks = self.tp_layouts[name]
-            rows = tp.shard(torch.arange(full_shape[dim], device=self.device), 0, self.tp_rank, self.tp_size,
-                            blocks)
-            index[dim] = rows[index[dim]]
+        dim, blocks = self.tp_layouts[name]  # index along dim: which of the full tensor's rows this rank holds
+        rows = tp.shard(torch.arange(full_shape[dim], device=self.device), 0, self.tp_rank, self.tp_size, blocks)
+        index[dim] = rows[index[dim]]
         strides = torch.empty(full_shape, device="meta").stride()
         return sum(i * stride for i, stride in zip(index, strides))
 
