@@ -43,9 +43,10 @@ Where the numbers come from:
   interpreter and PyTorch themselves (PROCESS_BYTES). On a GPU the
   interpreter stays on the host and so does a save's copy.
 
-`--search` lists the layouts of `--world` ranks that fit `--memory` per
-rank, with their traffic inside a node and across nodes (`--gpus-per-node`,
-ranks laid out as mesh.py lays them: tp fastest, then cp, ep, pp, dp).
+`--search` lists the layouts of `--world` ranks whose every GPU's peak
+fits `--memory`, with their traffic inside a node and across nodes
+(`--gpus-per-node`, ranks laid out as mesh.py lays them: tp fastest, then
+cp, ep, pp, dp).
 """
 import argparse
 import bisect
@@ -942,15 +943,23 @@ def candidate_layouts(args, world, gpus_per_node):
                                 continue
 
 
+def device_peak(config, layout, stage, prediction):
+    """The most a GPU of this pipeline stage holds (its first rank): the peak of start-up, a step or a load,
+    without the interpreter and PyTorch, which stay on the host, as does a save's copy."""
+    where = first_of_stage(layout, stage)
+    peaks = phase_peaks(layout, rank_figures(prediction, layout, where), working_sets(config, layout, stage), where)
+    return max(peaks[f"{phase}_peak_bytes"] for phase in ("startup", "step", "load")) - PROCESS_BYTES
+
+
 def search(args, plan_args):
-    """The layouts that fit --memory per rank, least traffic across nodes first."""
+    """The layouts whose every GPU's peak (device_peak) fits --memory, least traffic across nodes first."""
     config = cli.model_config(args, cli.data_vocab_size(args))
     fits = []
     for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node):
         stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
-        worst = max(range(layout.pp), key=lambda s: sum(stages[s][f] for f in MEMORY))
-        where = first_of_stage(layout, worst)
-        memory = sum(rank_figures(stages[worst], layout, where)[f] for f in MEMORY)
+        peaks = [device_peak(config, layout, stage, stages[stage]) for stage in range(layout.pp)]
+        worst = max(range(layout.pp), key=peaks.__getitem__)
+        where, memory = first_of_stage(layout, worst), peaks[worst]
         if memory <= plan_args.memory:
             inside, across = node_split(layout, stages[worst], where, plan_args.gpus_per_node)
             fits.append((across, inside, memory, layout))
