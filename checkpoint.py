@@ -39,6 +39,7 @@ weights alone, for inference and other tools; else the optimizer's state too, un
 "optimizer.<key>.<name>", and the step counts in its metadata) and back, one tensor at a time.
 """
 import argparse
+import bisect
 import hashlib
 import json
 import os
@@ -363,6 +364,12 @@ class Checkpoint:
         layout = self.tensors[name]
         where = in_parts(positions.cpu(), layout["shape"], layout["split"])
         starts, ends, pieces = self.pieces[(name, key)]
+        if consecutive(where):  # (a layout resuming its own checkpoint): one range of one piece, read into place
+            i = bisect.bisect_right(starts.tolist(), where[0].item()) - 1
+            if i >= 0 and where[-1] < ends[i]:
+                first = where[0].item() - starts[i].item()
+                piece = self.file(pieces[i]["file"]).read(pieces[i]["entry"], first, first + where.numel())
+                return piece.to(TORCH_DTYPES[layout["dtype"]])
         index = torch.searchsorted(starts, where, right=True) - 1
         lowest, highest = index.min().item(), index.max().item()
         if lowest < 0 or (where >= ends[index]).any():
@@ -393,6 +400,12 @@ class Checkpoint:
     def model_state(self):
         """model.py's state dict, whole (for tools and tests)."""
         return {name: self.full(name) for name in self.tensors}
+
+
+def consecutive(positions):
+    """Whether positions are n consecutive integers, in order."""
+    n = positions.numel()
+    return n > 0 and positions[-1] - positions[0] == n - 1 and bool((positions.diff() == 1).all())
 
 
 def in_parts(positions, shape, split):
