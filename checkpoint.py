@@ -363,30 +363,30 @@ class Checkpoint:
         """The elements at flat `positions` of the full tensor `name`'s `key`, on the CPU, as saved."""
         layout = self.tensors[name]
         where = in_parts(positions.cpu(), layout["shape"], layout["split"])
+        dtype = TORCH_DTYPES[layout["dtype"]]
         starts, ends, pieces = self.pieces[(name, key)]
-        if consecutive(where):  # (a layout resuming its own checkpoint): one range of one piece, read into place
+        if consecutive(where):  # (as when a layout resumes its own checkpoint)
             i = bisect.bisect_right(starts.tolist(), where[0].item()) - 1
-            if i >= 0 and where[-1] < ends[i]:
+            if i >= 0 and where[-1] < ends[i]:  # one range of one piece: read into place
                 first = where[0].item() - starts[i].item()
-                piece = self.file(pieces[i]["file"]).read(pieces[i]["entry"], first, first + where.numel())
-                return piece.to(TORCH_DTYPES[layout["dtype"]])
+                return self.piece_range(pieces[i], first, first + where.numel()).to(dtype)
         index = torch.searchsorted(starts, where, right=True) - 1
         lowest, highest = index.min().item(), index.max().item()
         if lowest < 0 or (where >= ends[index]).any():
             raise BadCheckpoint(f"{self.path}: damaged, no piece holds some elements of {name} ({key})")
-        values = torch.empty(where.shape, dtype=TORCH_DTYPES[layout["dtype"]])
-        for i in [lowest] if lowest == highest else index.unique().tolist():  # (resumed alike: one piece)
+        values = torch.empty(where.shape, dtype=dtype)
+        for i in [lowest] if lowest == highest else index.unique().tolist():
             mask = slice(None) if lowest == highest else index == i
             wanted = where[mask] - starts[i]
             first = wanted.min().item()  # read only the range of the piece that holds them
-            values[mask] = self.file(pieces[i]["file"]).read(pieces[i]["entry"], first, wanted.max().item() + 1)[
-                wanted - first].to(values.dtype)
+            values[mask] = self.piece_range(pieces[i], first, wanted.max().item() + 1)[wanted - first].to(dtype)
         return values
 
-    def file(self, name):
-        if name not in self.files:
-            self.files[name] = SafetensorsFile(os.path.join(self.path, name))
-        return self.files[name]
+    def piece_range(self, piece, start, end):
+        """Elements [start, end) of a piece (of the manifest's)."""
+        if piece["file"] not in self.files:
+            self.files[piece["file"]] = SafetensorsFile(os.path.join(self.path, piece["file"]))
+        return self.files[piece["file"]].read(piece["entry"], start, end)
 
     def full(self, name, key="model"):
         """The whole tensor (for tools and tests: a run reads only what it holds)."""
