@@ -746,7 +746,7 @@ class ZeRO3(ZeRO2):
 
     @contextmanager
     def full_parameters(self):
-        """Every parameter gathered for the duration, e.g. to save a checkpoint."""
+        """Every parameter gathered for the duration, e.g. to gather the whole model (tests, tools)."""
         for i in range(len(self.unit_buckets)):
             self._gather(i)
         try:
