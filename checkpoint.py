@@ -279,8 +279,11 @@ def complete(path):
         raise BadCheckpoint(f"{path}: no such checkpoint")
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         raise BadCheckpoint(f"{path}: incomplete, its write never finished (no {MANIFEST})")
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except ValueError as e:  # written whole (renamed into place), so damaged later
+        raise BadCheckpoint(f"{path}: damaged, its {MANIFEST} is not readable ({e})") from e
     for file, info in manifest["files"].items():
         if not os.path.isfile(os.path.join(path, file)):
             raise BadCheckpoint(f"{path}: damaged, {file} is missing")

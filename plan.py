@@ -749,8 +749,7 @@ def autocast_cache(params, layout, zero3):
 
 def phase_peaks(layout, figures, working, where):
     """One rank's peaks (see predict_peaks), from its figures and its stage's working sets."""
-    held = figures["param_bytes"] + figures["grad_bytes"]
-    state = held + figures["optim_bytes"]
+    state = figures["param_bytes"] + figures["grad_bytes"] + figures["optim_bytes"]
     # A save copies aside the weights and both moments of the pieces the rank writes: 3 moments' bytes.
     copied = sum(3 * moment for kind, moment in working["moment"].items()
                  if written_by(layout, where, expert=kind == "expert"))
@@ -764,8 +763,9 @@ def phase_peaks(layout, figures, working, where):
     computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero3"] + working["autocast"]
     step = state + max(computing, working["norm"])  # (the norm comes once backward has freed everything)
     save = state + copied
-    # Loading builds the rank as start-up does, then reads its optimizer state, a chunk (and the range of a
-    # saved piece holding it) at a time.
+    # Loading builds the rank as start-up does, then reads its optimizer state a chunk at a time, with the
+    # range of the saved piece holding the chunk: the chunk itself when the checkpoint was split alike, up
+    # to tp times it when it was saved whole and is read back as a tp slice.
     load = startup + figures["optim_bytes"] + min(INIT_CHUNK, largest) * layout.weight_bytes * layout.tp
     peaks = dict(startup_peak_bytes=startup, step_peak_bytes=step, save_peak_bytes=save, load_peak_bytes=load)
     peaks = {field: PROCESS_BYTES + value for field, value in peaks.items()}
@@ -911,12 +911,12 @@ def print_table(args, plan_args):
         by_kind = ", ".join(f"{name[5:-6]} {value / scale:.2f}" for name, value in comm.items())
         print(f"{who:18s} {memory}{total / scale:9.2f} | {inside / scale:.2f}, {across / scale:.2f}; "
               f"{by_kind or 'none'}")
-    busiest = next(rank for rank in range(layout.world)
-                   if coordinates(layout, rank) == first_of_stage(layout, rows[0][1]))
-    peaks = {field: values[busiest] for field, values in predict_peaks(args, layout.world).items()}
-    print(f"peak resident memory of rank {busiest} ({unit}, with {PROCESS_BYTES / scale:.2f} for the interpreter and "
-          f"PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step {peaks['step_peak_bytes'] / scale:.2f}, "
-          f"checkpoint save {peaks['save_peak_bytes'] / scale:.2f}, load {peaks['load_peak_bytes'] / scale:.2f}")
+    busiest = rows[0][1]
+    peaks = stage_peaks(config, layout, busiest, predict_stage(config, layout, busiest))
+    print(f"peak resident memory of stage {busiest}'s first rank ({unit}, with {PROCESS_BYTES / scale:.2f} for "
+          f"the interpreter and PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step "
+          f"{peaks['step_peak_bytes'] / scale:.2f}, checkpoint save {peaks['save_peak_bytes'] / scale:.2f}, load "
+          f"{peaks['load_peak_bytes'] / scale:.2f}")
 
 
 def powers_of_two(limit):
@@ -943,11 +943,16 @@ def candidate_layouts(args, world, gpus_per_node):
                                 continue
 
 
+def stage_peaks(config, layout, stage, prediction):
+    """phase_peaks of the first rank of a pipeline stage, from the stage's prediction (predict_stage)."""
+    where = first_of_stage(layout, stage)
+    return phase_peaks(layout, rank_figures(prediction, layout, where), working_sets(config, layout, stage), where)
+
+
 def device_peak(config, layout, stage, prediction):
     """The most a GPU of this pipeline stage holds (its first rank): the peak of start-up, a step or a load,
     without the interpreter and PyTorch, which stay on the host, as does a save's copy."""
-    where = first_of_stage(layout, stage)
-    peaks = phase_peaks(layout, rank_figures(prediction, layout, where), working_sets(config, layout, stage), where)
+    peaks = stage_peaks(config, layout, stage, prediction)
     return max(peaks[f"{phase}_peak_bytes"] for phase in ("startup", "step", "load")) - PROCESS_BYTES
 
 

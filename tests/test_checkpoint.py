@@ -77,6 +77,10 @@ def test_incomplete_and_damaged_checkpoints_are_told_apart_and_skipped(tmp_path)
         f.truncate(100)  # as by a full disk
     with pytest.raises(checkpoint.BadCheckpoint, match="damaged, rank-00000.safetensors is not of its size"):
         checkpoint.complete(previous)
+    with open(os.path.join(previous, "manifest.json"), "w") as f:
+        f.write('{"step": 2, "files": ')  # a manifest damaged after it was written whole
+    with pytest.raises(checkpoint.BadCheckpoint, match="damaged, its manifest.json is not readable"):
+        checkpoint.complete(previous)
     os.remove(os.path.join(checkpoint.path_for(tmp_path, 1), "manifest.json"))  # as if killed before it
     with pytest.raises(checkpoint.BadCheckpoint, match="incomplete, its write never finished"):
         Checkpoint(checkpoint.path_for(tmp_path, 1))
