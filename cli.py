@@ -75,7 +75,13 @@ def parse_args(argv=None):
                    help="steps whose gradient norm is not finite that may be skipped (no update) before the "
                         "run stops; 0: the first one stops it")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="float64 for checks; bfloat16 = float32 weights with bf16 autocast")
+                   help="the weights', activations' and every message's dtype (float64 for checks); bfloat16 "
+                        "trains as Megatron-LM and FSDP2 do, with float32 master weights and reduction")
+    p.add_argument("--master-dtype", choices=DTYPES, default=None,
+                   help="the optimizer's weights and moments (default: float32 under bfloat16, else --dtype)")
+    p.add_argument("--reduce-dtype", choices=DTYPES, default=None,
+                   help="the gradients' accumulation over micro-batches and reduction over data ranks "
+                        "(default: --master-dtype; bfloat16 halves the reduction's traffic)")
     p.add_argument("--data", default=None, help="text file or directory with train.bin/val.bin "
                                                 "(default: the synthetic Markov language)")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -128,6 +134,8 @@ def parse_args(argv=None):
     args.layers = args.layers or PRESETS[args.model]["n_layer"]
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    args.master_dtype = args.master_dtype or ("float32" if args.dtype == "bfloat16" else args.dtype)
+    args.reduce_dtype = args.reduce_dtype or args.master_dtype
     return args
 
 
@@ -158,6 +166,9 @@ def check_args(args, world):
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
                           f"(each rank holds an early and a late chunk, for load balance)")
+    if DTYPES[args.master_dtype].itemsize < DTYPES[args.dtype].itemsize:
+        raise ConfigError(f"--master-dtype {args.master_dtype} is narrower than --dtype {args.dtype}: the "
+                          f"optimizer's copy of the weights must hold at least what the weights hold")
     if args.sp and args.tp == 1:
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")

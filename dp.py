@@ -168,7 +168,7 @@ class Bucket:
     give every rank an equal contiguous shard of it.
     """
 
-    def __init__(self, params, n_ranks, allocated=True):
+    def __init__(self, params, n_ranks, allocated=True, grad_dtype=None):
         self.params = params
         numel = sum(p.numel() for p in params)
         self.padded = math.ceil(numel / n_ranks) * n_ranks
@@ -176,7 +176,9 @@ class Bucket:
         for p in params:
             self.offsets[p] = offset
             offset += p.numel()
-        self.grad = torch.empty(self.padded, dtype=params[0].dtype, device=params[0].device)
+        # The gradients' dtype may be wider than the weights': float32 buckets for bfloat16 weights (see
+        # DataParallel), so micro-batches accumulate, and ranks average, in float32.
+        self.grad = torch.empty(self.padded, dtype=grad_dtype or params[0].dtype, device=params[0].device)
         self.grad_views = {p: self.view(self.grad, p) for p in params}
         if allocated:
             self.grad.zero_()
@@ -190,22 +192,18 @@ class Bucket:
         """p's place inside a flat buffer laid out like this bucket."""
         return flat[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p)
 
-    @property
-    def nbytes(self):
-        return self.padded * self.grad.element_size()
 
-
-def make_buckets(params, bucket_bytes, n_ranks, allocated=True):
-    """Group params (already in gradient-arrival order) into buckets of about bucket_bytes."""
+def make_buckets(params, bucket_bytes, n_ranks, allocated=True, grad_dtype=None):
+    """Group params (already in gradient-arrival order) into buckets of about bucket_bytes of gradients."""
     buckets, current, size = [], [], 0
     for p in params:
         if current and (size >= bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(current, n_ranks, allocated))
+            buckets.append(Bucket(current, n_ranks, allocated, grad_dtype))
             current, size = [], 0
         current.append(p)
-        size += p.numel() * p.element_size()
+        size += p.numel() * (grad_dtype or p.dtype).itemsize
     if current:
-        buckets.append(Bucket(current, n_ranks, allocated))
+        buckets.append(Bucket(current, n_ranks, allocated, grad_dtype))
     return buckets
 
 
@@ -222,8 +220,9 @@ class DataParallel:
     """
 
     def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None,
-                 find_unused_parameters=False):
+                 find_unused_parameters=False, reduce_dtype=None):
         self.params = [p for p in params if p.requires_grad]
+        self.reduce_dtype = reduce_dtype  # the buckets' (None: the weights'); see _move_into_bucket
         self.group, self.find_unused_parameters = group, find_unused_parameters
         self.n_ranks = dist.get_world_size(group)
         # Gradients are summed over the group, then divided by the number of ranks the loss is averaged
@@ -232,6 +231,7 @@ class DataParallel:
         self.sync = True                     # False inside no_sync
         self.end_of_backward_queued = False  # the running backward's end will launch what it left
         self.arrived = set()                 # parameters that got a gradient on this rank this step
+        self.grads = {}                      # after finish_grad_sync: each parameter's averaged gradient
         self.comm_bytes = Counter()          # bytes this rank sent, per collective kind
         if broadcast:
             broadcast_parameters(self.params, group)
@@ -239,16 +239,17 @@ class DataParallel:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
         for p in self.params:
-            bucket = self.bucket_of[p]
-            if p.grad is not None:
-                bucket.grad_views[p].copy_(p.grad)
-            p.grad = bucket.grad_views[p]
+            view = self.bucket_of[p].grad_views[p]
+            if p.grad is not None:  # a gradient from before
+                view.copy_(p.grad)
+            p.grad = view if view.dtype == p.dtype else None
             p.register_post_accumulate_grad_hook(_weakly(self._on_grad_ready))
 
     keeps_full_gradients = True  # between backwards (ZeRO-2 and 3 do not)
 
     def _make_buckets(self, bucket_bytes):
-        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks, self.keeps_full_gradients)
+        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks, self.keeps_full_gradients,
+                            self.reduce_dtype)
 
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages them."""
@@ -262,14 +263,29 @@ class DataParallel:
         if self.sync and bucket.launched:  # a second backward since the buckets were reduced
             raise RuntimeError("a gradient arrived after its bucket was reduced: "
                                "wrap all but the last backward of a step in no_sync()")
+        self._move_into_bucket(p, self._grad_view(bucket, p))
         self.arrived.add(p)
-        view = self._grad_view(bucket, p)
-        if p.grad is not view:  # a new gradient tensor (first backward, or grads set to None): move it in
-            view.copy_(p.grad)
-            p.grad = view
         if self.sync:
             bucket.ready.add(p)
             self._launch_ready_buckets()
+
+    def _move_into_bucket(self, p, view):
+        """p's new gradient into its place in the bucket: its first this step copied, the next micro-batches'
+        added.
+
+        Where the bucket is in the weights' dtype, p.grad stays the bucket's view, so that autograd adds
+        the next micro-batch's gradient in place (DDP's gradient_as_bucket_view: no copy). A bucket may be
+        wider than the weights (reduce_dtype: float32 for bfloat16 weights, as Megatron-LM's main_grad):
+        then each bfloat16 gradient is added into it and dropped, so micro-batches accumulate, and ranks
+        average, in float32.
+        """
+        if p.grad is view:  # autograd accumulated into the bucket itself
+            return
+        if p in self.arrived:
+            view.add_(p.grad)
+        else:
+            view.copy_(p.grad)
+        p.grad = view if view.dtype == p.dtype else None
 
     def _grad_view(self, bucket, p):
         return bucket.grad_views[p]
@@ -289,7 +305,7 @@ class DataParallel:
 
     def _reduce(self, bucket):
         bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
-        self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", bucket.nbytes, self.n_ranks)
+        self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", bucket.grad.nbytes, self.n_ranks)
 
     # -- at the end of backward: the buckets it left incomplete ------------------------
 
@@ -314,15 +330,19 @@ class DataParallel:
         as zero in it."""
         for bucket in self.buckets[self.next_to_launch:upto]:
             for p in bucket.params:
-                if p not in bucket.ready and p.grad is not bucket.grad_views[p]:
-                    self._grad_view(bucket, p).zero_()
+                view = self._grad_view(bucket, p)
+                if p not in self.arrived:  # no gradient this step (what the view holds is an older step's)
+                    view.zero_()
             self._launch(bucket)
 
     # -- before the optimizer step: wait, average -----------------------------------
 
     def finish_grad_sync(self):
         """Launch what backward did not (a backward that had no gradient for these parameters at all),
-        wait, average; then each parameter's grad is its bucket's view, or None if no rank used it."""
+        wait, average; then self.grads[p] is p's averaged gradient, its bucket's view, or None if no rank
+        used p; and p.grad is the same where the bucket is in p's dtype (an optimizer over the parameters
+        steps them as DDP's users do), else None (bfloat16 weights: an optimizer over float32 master
+        weights takes self.grads)."""
         self._launch_remaining()
         self._wait_all()
         self._keep_used_grads(self._used_somewhere())
@@ -346,8 +366,9 @@ class DataParallel:
     # -- experts: parameters no rank used keep no gradient ------------------------------
 
     def _keep_used_grads(self, used_somewhere):
-        for p in self.params:
-            p.grad = self.bucket_of[p].grad_views[p] if used_somewhere(p) else None
+        self.grads = {p: self.bucket_of[p].grad_views[p] if used_somewhere(p) else None for p in self.params}
+        for p, grad in self.grads.items():
+            p.grad = grad if grad is None or grad.dtype == p.dtype else None
 
     def _used_somewhere(self):
         """Whether some rank of the group gave p a gradient this step (always, without find_unused_parameters)."""
@@ -403,13 +424,16 @@ class Shard:
     """This rank's elements [r S, (r+1) S) of a bucket (S = padded size / N), and what ZeRO keeps of them.
 
     The bucket's parameters become views of one flat buffer, `full_params`, so one all-gather brings
-    them all up to date. The optimizer steps this rank's piece of each parameter inside the shard
-    (`pieces`, views of `params`), so that, as on one device, each parameter has its own step count,
-    and one that no rank gave a gradient (an expert no token reached) is skipped: its piece's grad is
-    then None.
+    them all up to date; `mine` is this rank's place in it. The optimizer steps this rank's elements of
+    the weights, `master`: that place itself, or a copy of its own (ZeRO-3, whose full buffer comes and
+    goes; and master weights wider than the weights, float32 for bfloat16, as Megatron-LM's
+    distributed optimizer keeps them), copied into `mine` before each all-gather. It steps them as
+    each parameter's piece (`pieces`, views of `master`), so that, as on one device, each parameter has
+    its own step count, and one that no rank gave a gradient (an expert no token reached) is skipped:
+    its piece's grad is then None. The gradient shard `grad` is in the master's dtype.
     """
 
-    def __init__(self, bucket, rank, n_ranks, own_copy, values=None):
+    def __init__(self, bucket, rank, n_ranks, own_copy, values=None, master_dtype=None):
         self.size = bucket.padded // n_ranks
         self.start = rank * self.size
         self.ranges = {}  # parameter: (start, end) of its piece within the shard, for those that have one
@@ -417,36 +441,46 @@ class Shard:
             lo, hi = max(bucket.offsets[p], self.start), min(bucket.offsets[p] + p.numel(), self.start + self.size)
             if lo < hi:
                 self.ranges[p] = (lo - self.start, hi - self.start)
-        # Stages 1 and 2 keep the full parameters, so the shard is a view of them; stage 3 keeps a copy
-        # of its own, and the full buffer comes and goes (at first, it is not there).
-        if own_copy:
-            self.params = self._own_copy(bucket, values or _elements)
-            self.full_params = torch.empty(bucket.padded, dtype=bucket.grad.dtype, device=bucket.grad.device)
-        else:
-            self.full_params = torch.zeros(bucket.padded, dtype=bucket.grad.dtype, device=bucket.grad.device)
+        weights = bucket.params[0]
+        master_dtype = master_dtype or weights.dtype
+        # Stages 1 and 2 keep the full parameters; stage 3 does not, and its full buffer comes and goes (at
+        # first, it is not there).
+        make = torch.empty if own_copy else torch.zeros  # (stage 3's is never written: see unallocated)
+        self.full_params = make(bucket.padded, dtype=weights.dtype, device=weights.device)
+        if not own_copy:
             for p in bucket.params:
                 bucket.view(self.full_params, p).copy_(p.detach())
-            self.params = self.full_params[self.start:self.start + self.size]
+        self.mine = self.full_params[self.start:self.start + self.size]
+        if own_copy or master_dtype != weights.dtype:
+            self.master = self._own_copy(bucket, values or _elements, master_dtype)
+        else:
+            self.master = self.mine
         for p in bucket.params:
             p.data = bucket.view(self.full_params, p)  # the parameter now lives inside the flat buffer
-        if own_copy:  # not written: see unallocated
+        if own_copy:
             free_storage(self.full_params)
-        self.grad = torch.zeros_like(self.params)  # this rank's part of the averaged gradient
+        self.grad = torch.zeros_like(self.master)  # this rank's part of the averaged gradient
         self.reduced = None  # the output of the reduce-scatter in flight
         self.gathering = None  # ZeRO-3: the all-gather of full_params in flight
-        self.pieces = {p: self.params[lo:hi] for p, (lo, hi) in self.ranges.items()}
+        self.pieces = {p: self.master[lo:hi] for p, (lo, hi) in self.ranges.items()}
         self.grad_pieces = {p: self.grad[lo:hi] for p, (lo, hi) in self.ranges.items()}
         for p, piece in self.pieces.items():
             piece.grad = self.grad_pieces[p]
 
-    def _own_copy(self, bucket, values):
-        """This rank's elements of the bucket, each parameter's piece from values(p, start, end): its
-        flattened elements [start, end)."""
-        mine = torch.zeros(self.size, dtype=bucket.grad.dtype, device=bucket.grad.device)
+    def _own_copy(self, bucket, values, dtype):
+        """This rank's elements of the bucket in `dtype`, each parameter's piece from values(p, start, end):
+        its flattened elements [start, end)."""
+        mine = torch.zeros(self.size, dtype=dtype, device=self.full_params.device)
         for p, (lo, hi) in self.ranges.items():
             first = self.start - bucket.offsets[p]  # the index in p of the shard's first element
             mine[lo:hi] = values(p, lo + first, hi + first)
         return mine
+
+    def copy_master_into_place(self):
+        """The updated master elements into this rank's place in the full weights, in their dtype: what the
+        next all-gather sends (nothing to do where the master is that place itself)."""
+        if self.master is not self.mine:
+            self.mine.copy_(self.master)
 
 
 def _elements(p, start, end):
@@ -471,6 +505,16 @@ class ZeRO1(DataParallel):
     over the group of every rank holding different tokens, the experts' over
     the ranks holding the same experts (with divide_by, as in DataParallel).
 
+    Mixed precision (Megatron-LM's distributed optimizer, FSDP2's policy): with
+    weights in bfloat16, `master_dtype=torch.float32` keeps this rank's shard of
+    the weights in float32 beside them, and the optimizer (so AdamW's moments)
+    works on it; `reduce_dtype` (default: the master's) is the gradients'
+    while they are reduced. What is gathered is the weights, in their dtype.
+    initial_values(name, shape, start, end), where given, fills a shard kept
+    apart from the weights (see ZeRO3) with elements [start, end) of the
+    flattened parameter `name` (of this rank's `shape`), instead of taking
+    them from the weights, which may have been rounded to bfloat16.
+
     Usage per step:
         loss.backward()          # reduce-scatters launch from here
         zero.finish_grad_sync()  # this rank's shard of the averaged gradient
@@ -480,17 +524,19 @@ class ZeRO1(DataParallel):
     """
 
     own_copy = False  # of its shard of the parameters (ZeRO-3)
-    initial_values = None  # ZeRO-3 on parameters not yet filled: where its shards' values come from
 
     def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
-                 params=None, divide_by=None, find_unused_parameters=False):
+                 params=None, divide_by=None, find_unused_parameters=False, master_dtype=None, reduce_dtype=None,
+                 initial_values=None):
         params = list(module.parameters() if params is None else params)
         mine = set(map(id, params))
         self.units = [unit for unit in units if any(id(p) in mine for p in unit.parameters())]
         self.names = {p: name for name, p in module.named_parameters()}
-        super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters)
+        super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters,
+                         reduce_dtype or master_dtype)
         self.rank = dist.get_rank(group)
-        self.shards = {bucket: Shard(bucket, self.rank, self.n_ranks, self.own_copy, self.initial_values)
+        values = initial_values and (lambda p, start, end: initial_values(self.names[p], p.shape, start, end))
+        self.shards = {bucket: Shard(bucket, self.rank, self.n_ranks, self.own_copy, values, master_dtype)
                        for bucket in self.buckets}
         self.optimizer = make_optimizer([piece for shard in self.shards.values() for piece in shard.pieces.values()])
         for i, unit in enumerate(self.units):
@@ -498,7 +544,7 @@ class ZeRO1(DataParallel):
 
     @property
     def param_shards(self):
-        return [shard.params for shard in self.shards.values()]
+        return [shard.master for shard in self.shards.values()]
 
     @property
     def grad_shards(self):
@@ -508,9 +554,9 @@ class ZeRO1(DataParallel):
 
     def _reduce(self, bucket):
         shard = self.shards[bucket]
-        shard.reduced = torch.empty_like(shard.grad)
+        shard.reduced = torch.empty(shard.size, dtype=bucket.grad.dtype, device=bucket.grad.device)
         bucket.work = reduce_scatter_flat(shard.reduced, bucket.grad, group=self.group, async_op=True)
-        self.comm_bytes["reduce_scatter"] += ring_bytes_sent("reduce_scatter", bucket.nbytes, self.n_ranks)
+        self.comm_bytes["reduce_scatter"] += ring_bytes_sent("reduce_scatter", bucket.grad.nbytes, self.n_ranks)
 
     def _complete(self, bucket):
         shard = self.shards[bucket]
@@ -580,9 +626,12 @@ class ZeRO1(DataParallel):
             work.wait()
 
     def _all_gather(self, bucket):
+        """Every rank's shard of the bucket's weights into full_params, in the weights' dtype (bfloat16 under
+        mixed precision: half of float32's traffic)."""
         shard = self.shards[bucket]
-        self.comm_bytes["all_gather"] += ring_bytes_sent("all_gather", bucket.nbytes, self.n_ranks)
-        return all_gather_flat(shard.full_params, shard.params, group=self.group, async_op=True)
+        shard.copy_master_into_place()
+        self.comm_bytes["all_gather"] += ring_bytes_sent("all_gather", shard.full_params.nbytes, self.n_ranks)
+        return all_gather_flat(shard.full_params, shard.mine, group=self.group, async_op=True)
 
     @contextmanager
     def full_parameters(self):
@@ -662,19 +711,16 @@ class ZeRO3(ZeRO2):
     one's compute), freed after it, gathered again before its backward, and
     freed once its gradients are reduce-scattered. Each unit is one bucket.
 
-    initial_values(name, shape, start, end), for a model whose parameters were given no memory yet
-    (built on the meta device, then `unallocated`): elements [start, end) of the flattened parameter
-    `name` (of this rank's `shape`); only this rank's shards are then made and filled, so no rank ever
-    holds a whole parameter it shards. Without it, the shards are cut from the parameters' values.
+    initial_values (see ZeRO1), for a model whose parameters were given no memory yet (built on the
+    meta device, then `unallocated`): only this rank's shards are then made and filled, so no rank
+    ever holds a whole parameter it shards. Without it, the shards are cut from the parameters' values.
     """
 
     own_copy = True
 
-    def __init__(self, module, group, make_optimizer, units=(), initial_values=None, **options):
+    def __init__(self, module, group, make_optimizer, units=(), **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
-        if initial_values:  # parameters that were never filled (see the class docstring)
-            self.initial_values = lambda p, start, end: initial_values(self.names[p], p.shape, start, end)
         super().__init__(module, group, make_optimizer, units, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
         for i, unit in enumerate(self.units):
@@ -686,7 +732,7 @@ class ZeRO3(ZeRO2):
         covered = [p for unit_params in params for p in unit_params]
         if sorted(map(id, covered)) != sorted(mine):
             raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
-        return [Bucket(unit_params, self.n_ranks, allocated=False) for unit_params in reversed(params)]
+        return [Bucket(unit_params, self.n_ranks, False, self.reduce_dtype) for unit_params in reversed(params)]
 
     def _before_forward(self, i, module, args):
         self._gather(i)

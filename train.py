@@ -38,12 +38,12 @@ import cp
 import ep
 import pp
 import tp
-from cli import ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
+from cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
 from data import load_data
 from dp import ZERO_STAGES, DataParallel, ZeRO3, gpt_units, unallocated
 from launch import Preemption, exit_with_error, in_collective, init_distributed, where
 from mesh import Mesh
-from meter import (ActivationMeter, device_peak_bytes, gradient_bytes, optimizer_bytes, parameter_bytes,
+from meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
                    peak_resident_bytes, tensor_bytes)
 from model import GPT, apply_recomputation, fill_in_chunks, initial_values, update_route_biases
 
@@ -96,6 +96,40 @@ def peak_flops(args, device):
     return peaks and peaks[args.dtype == "float32"] * 1e12
 
 
+@dataclass(frozen=True)
+class Precision:
+    """Which dtype holds what: --dtype bfloat16 trains as Megatron-LM and PyTorch's FSDP2 (torchtitan's
+    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)) do.
+
+    weights: the parameters, so every activation, and every message of tp, sp, cp, ep and pp and
+        ZeRO's gathers of the weights; no weight is cast again per micro-batch (as autocast would).
+    master: the optimizer's copy of the weights and AdamW's moments (sharded by ZeRO where it is on),
+        kept where the weights are narrower: a bfloat16 update of 1e-4 of a weight would round to 0.
+    reduce: the gradients' buckets, where micro-batches accumulate and data ranks average them.
+
+    What the code computes wider than the weights whatever this policy says, as the anchors do, is
+    where it happens: norms' statistics (PyTorch's kernels), softmax and ring attention's log-sum-exp
+    merge (cp.py), the router's probabilities (ep.py), the loss (model.py, tp.py), the gradient norm
+    (float64). With all three float64 this is the exact contract of every test; with float32 weights
+    and a float64 master, the structure alone is checked, to float32's rounding.
+    """
+    weights: torch.dtype
+    master: torch.dtype
+    reduce: torch.dtype
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(DTYPES[args.dtype], DTYPES[args.master_dtype], DTYPES[args.reduce_dtype])
+
+    def apply(self, model):
+        """model's parameters in the weights' dtype; its floating buffers (MoE routing biases, moved by a
+        small rate every step) in the master's."""
+        model.to(self.master)
+        for p in model.parameters():
+            p.data = p.data.to(self.weights)
+        return model
+
+
 def build_model(config, seed, dtype, device):
     """The whole model on one device (the single-device reference): built on the meta device, then
     allocated where it runs and filled with its initial values (nothing made first on the CPU)."""
@@ -139,7 +173,7 @@ class Parallelized:
     share: "Share"                  # what this rank holds of each parameter, as positions in the full tensor
 
 
-def parallelize(model, mesh, args, values, device):
+def parallelize(model, mesh, args, values, device, precision):
     """Apply the parallel dimensions to `model`, built on the meta device, in place, for this rank of `mesh`;
     then allocate this rank's share of it on `device` and fill it from `values` (InitialValues, SavedValues).
     """
@@ -165,10 +199,10 @@ def parallelize(model, mesh, args, values, device):
     apply_recomputation(model, args.recompute)
     # What this rank holds now exists: allocated on its device and filled (under ZeRO-3 only the shards,
     # which ZeRO-3 fills itself).
-    share = Share(tp_layouts, mesh, values, device)
+    share = Share(tp_layouts, mesh, values, device, precision.master)
     share.materialize(model, fill=args.zero != 3)
     # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
-    optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers, share)
+    optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers, share, precision)
     return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, share)
 
 
@@ -210,8 +244,8 @@ class Share:
     the flattened local tensor into ranges (elements()).
     """
 
-    def __init__(self, tp_layouts, mesh, values, device):
-        self.tp_layouts, self.values, self.device = tp_layouts, values, device
+    def __init__(self, tp_layouts, mesh, values, device, master_dtype=torch.float64):
+        self.tp_layouts, self.values, self.device, self.master_dtype = tp_layouts, values, device, master_dtype
         self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
 
     def full_shape(self, name, shape):
@@ -250,8 +284,10 @@ class Share:
 
     def fill(self, flat, name, shape, start=0, values=None):
         """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`), from
-        values(positions) (default: the share's values of the parameter)."""
-        fill_in_chunks(flat, values or partial(self.values.parameter, name),
+        values(positions) (default: the share's values of the parameter), rounded to the master weights'
+        dtype first: bfloat16 weights are then their float32 master's rounding, whichever fills them."""
+        values = values or partial(self.values.parameter, name)
+        fill_in_chunks(flat, lambda positions: values(positions).to(self.master_dtype),
                        lambda a, b: self.positions(name, shape, start + a, start + b))
 
     def elements(self, name, shape, start, end):
@@ -335,14 +371,15 @@ def compile_blocks(model):
         block.forward = torch.compile(block.forward)
 
 
-def data_parallel(model, mesh, args, moe_layers, share):
+def data_parallel(model, mesh, args, moe_layers, share, precision):
     """The optimizers of this rank's parameters and the averaging of their gradients: (optimizers, sync).
 
     Dense gradients are averaged over the dense-gradient group, expert gradients over the expert-gradient
     group (divided by the dense group's size, see ep.py). With --zero, one ZeRO instance shards the dense
     parameters and one the experts' (DeepSeek-V3's layout), each with the optimizer of its shards; without,
-    DataParallel averages, and one optimizer, the same on every replica, updates every parameter.
-    Nothing is broadcast: every replica filled its share from the same values.
+    DataParallel averages, and one optimizer, the same on every replica, updates every parameter. On a
+    single data rank too: its buckets are where the micro-batches' gradients accumulate, in the policy's
+    reduce dtype. Nothing is broadcast: every replica filled its share from the same values.
     """
     group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
     named = list(model.named_parameters())
@@ -350,23 +387,23 @@ def data_parallel(model, mesh, args, moe_layers, share):
     experts = [p for name, p in named if ep.is_expert_parameter(name)]
     expert_group = dict(group=mesh.groups["expert"], divide_by=mesh.size("dense"))
     if args.zero:
-        # ZeRO-3 fills its shards itself, the parameters it shards being left unfilled (see Share).
-        zero = partial(ZeRO3, initial_values=share.elements) if args.zero == 3 else ZERO_STAGES[args.zero]
-
+        # ZeRO-3 fills its shards itself, the parameters it shards being left unfilled (see Share); every
+        # stage fills a master shard kept apart from the weights from the values, not from bfloat16 weights.
         def shard(params, units, group, **options):
-            return zero(model, group, lambda shards: make_optimizer(shards, args), units=units,
-                        bucket_bytes=bucket_bytes, broadcast=False, params=params, **options)
+            return ZERO_STAGES[args.zero](
+                model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
+                broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
+                initial_values=share.elements, **options)
         zeros = [shard(dense, gpt_units(model), group)]
         if experts:
             zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
         return zeros, GradientSync(zeros)
-    syncs = []
-    if mesh.size("dense") > 1:
-        syncs.append(DataParallel(dense, group, bucket_bytes, broadcast=False))
-        if experts:
-            syncs.append(DataParallel(experts, bucket_bytes=bucket_bytes, broadcast=False,
-                                      find_unused_parameters=True, **expert_group))
-    return [ReplicatedOptimizer(model, make_optimizer(list(model.parameters()), args))], GradientSync(syncs)
+    average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
+    syncs = [average(dense, group)]
+    if experts:
+        syncs.append(average(experts, find_unused_parameters=True, **expert_group))
+    grad_sync = GradientSync(syncs)
+    return [ReplicatedOptimizer(model, partial(make_optimizer, args=args), grad_sync, precision.master, share)], grad_sync
 
 
 # ---------------------------------------------------------------------------
@@ -399,6 +436,16 @@ class GradientSync:
             sync.finish_grad_sync()
 
     @property
+    def grads(self):
+        """{parameter: its averaged gradient, or None if no rank used it}, after finish_grad_sync."""
+        return {p: grad for sync in self.syncs for p, grad in sync.grads.items()}
+
+    @property
+    def buffers(self):
+        """The gradient buckets (those ZeRO-2 and 3 freed hold no memory)."""
+        return [bucket.grad for sync in self.syncs for bucket in sync.buckets]
+
+    @property
     def comm_bytes(self):
         return sum((sync.comm_bytes for sync in self.syncs), Counter())
 
@@ -406,45 +453,71 @@ class GradientSync:
 class ReplicatedOptimizer:
     """No ZeRO: one optimizer over every parameter this rank holds, identical on every data-parallel replica.
 
-    It offers the training step what dp.py's ZeRO instances offer, so that the step drives either alike.
+    It steps the master weights: the parameters themselves, or, where the weights are narrower than the
+    master dtype (bfloat16 weights, float32 master: Megatron-LM's Float16Optimizer), a copy of each filled
+    from the values (share.fill), whose update is copied into the weights after every step. Their
+    gradients are data parallelism's averaged ones (grad_sync.grads). It offers the training step what
+    dp.py's ZeRO instances offer, so that the step drives either alike.
     """
 
-    param_shards = grad_shards = ()  # nothing held besides the parameters and their gradients
+    grad_shards = ()  # the gradients are data parallelism's buckets
 
-    def __init__(self, model, optimizer):
-        self.optimizer = optimizer
-        self.params = dict(model.named_parameters())
+    def __init__(self, model, make_optimizer, grad_sync, master_dtype, share):
+        self.params, self.grad_sync = dict(model.named_parameters()), grad_sync
+        self.masters = {name: p if p.dtype == master_dtype else self._master_copy(name, p, master_dtype, share)
+                        for name, p in self.params.items()}
+        self.optimizer = make_optimizer(list(self.masters.values()))
         self.device = next(model.parameters()).device
+
+    @staticmethod
+    def _master_copy(name, p, dtype, share):
+        master = torch.empty(p.shape, dtype=dtype, device=p.device)
+        share.fill(master.view(-1), name, p.shape)
+        return master
+
+    @property
+    def param_shards(self):
+        return list(self.masters.values())  # the weights themselves, or their master copies
 
     def zero_grad(self):
         # As on one device: a parameter that gets no gradient this step on any rank (an expert no token
         # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _grads(self):
+        """(parameter, its averaged gradient) of those some rank used this step."""
+        return [(p, grad) for p, grad in self.grad_sync.grads.items() if grad is not None]
+
     def squared_norm(self, weights):
         """The sum of the squares of the gradients' elements, each parameter's weighted by weights[p]. No
         collective: after data-parallel averaging every replica holds the same gradients."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params.values():
-            if p.grad is not None:  # None: no rank used it this step
-                squares += p.grad.to(torch.float64).square().sum() * weights[p]
+        for p, grad in self._grads():
+            squares += grad.to(torch.float64).square().sum() * weights[p]
         return squares
 
     def scale_grads(self, scale):
-        for p in self.params.values():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+        for _, grad in self._grads():
+            grad.mul_(scale.to(grad.dtype))
 
+    @torch.no_grad()
     def step(self):
+        grads = self.grad_sync.grads
+        for name, master in self.masters.items():
+            grad = grads[self.params[name]]
+            master.grad = None if grad is None else grad.to(master.dtype)  # (itself where the dtypes agree)
         self.optimizer.step()
+        for name, master in self.masters.items():
+            if master is not self.params[name]:
+                self.params[name].copy_(master)  # the weights: the updated master, rounded
 
     def full_parameters(self):
         return nullcontext()  # every parameter is always here in full
 
     def pieces(self):
-        """(name, start, end, piece), as dp.py's ZeRO gives them: here each piece is a whole parameter."""
-        for name, p in self.params.items():
-            yield name, 0, p.numel(), p
+        """(name, start, end, piece), as dp.py's ZeRO gives them: here each piece is a whole master weight."""
+        for name, master in self.masters.items():
+            yield name, 0, master.numel(), master
 
 
 class GradientAccumulation:
@@ -452,9 +525,9 @@ class GradientAccumulation:
 
     bytes_sent = 0  # no pipeline messages
 
-    def __init__(self, model, positions, grad_sync, forward_context, autocast):
+    def __init__(self, model, positions, grad_sync, forward_context):
         self.model, self.positions, self.grad_sync = model, positions, grad_sync
-        self.forward_context, self.autocast = forward_context, autocast
+        self.forward_context = forward_context
 
     def train(self, micro_batches, stats):
         """Forward and backward of every micro-batch; returns the mean of their losses. (`stats`, a
@@ -474,8 +547,7 @@ class GradientAccumulation:
         """The loss of every micro-batch, forward only."""
         losses = []
         for inputs, targets in micro_batches:
-            with self.autocast:
-                logits, _ = self.model(inputs, pos=self.positions)
+            logits, _ = self.model(inputs, pos=self.positions)
             losses.append(self.model.loss_fn(logits, targets).item())
         return losses
 
@@ -530,11 +602,11 @@ class PipelineStage:
         return counts.tolist()
 
 
-def micro_batch_runner(parallel, model, mesh, args, forward_context, autocast, device):
+def micro_batch_runner(parallel, model, mesh, args, forward_context, device):
     """Chosen once: the micro-batches run through this rank's pipeline stage, or through the whole model."""
     if parallel.chunks:
         return PipelineStage(parallel.chunks, model, mesh, args, parallel.grad_sync, forward_context, device)
-    return GradientAccumulation(model, parallel.positions, parallel.grad_sync, forward_context, autocast)
+    return GradientAccumulation(model, parallel.positions, parallel.grad_sync, forward_context)
 
 
 class RoutingCounts:
@@ -608,22 +680,19 @@ class Trainer:
 
     def __init__(self, args, mesh, data, device):
         self.args, self.mesh, self.data, self.device = args, mesh, data, device
-        dtype = torch.float64 if args.dtype == "float64" else torch.float32
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
-                         else nullcontext())
+        precision = Precision.from_args(args)
         # The full model's shapes, on the meta device: no memory until parallelize keeps this rank's share.
         config = model_config(args, data.vocab_size)
         with torch.device("meta"):
-            self.model = GPT(config).to(dtype)
+            self.model = precision.apply(GPT(config))
         self.n_params = sum(p.numel() for p in self.model.parameters())
         saved = checkpoint.Checkpoint(args.resume) if args.resume else None
         values = SavedValues(saved) if saved else InitialValues(config, args.seed)
-        parallel = parallelize(self.model, mesh, args, values, device)
+        parallel = parallelize(self.model, mesh, args, values, device, precision)
         self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
         self.optimizers, self.grad_sync = parallel.optimizers, parallel.grad_sync
         self.routing = RoutingCounts(parallel.moe_layers, args.experts)
-        self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, self.autocast,
-                                         device)
+        self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, device)
         self.start_step, self.skipped_steps = 0, 0
         if saved:
             self.load_optimizer_state(saved)
@@ -680,11 +749,9 @@ class Trainer:
         shard = lambda t: cp.shard_sequence(t, mesh.size("cp"), mesh.index("cp"))  # noqa: E731
         return [(shard(inputs), shard(targets)) for inputs, targets in batches]
 
-    @contextmanager
     def forward_context(self):
-        """Around every forward: count the activations saved for backward; autocast to bf16 if asked."""
-        with self.meter, self.autocast:
-            yield
+        """Around every forward: count the activations saved for backward."""
+        return self.meter
 
     def clip_gradients(self, max_norm):
         """Clip to the norm of the whole model's gradient, every element counted once; returns the norm.
@@ -742,7 +809,7 @@ class Trainer:
         param_shards = [shard for optimizer in self.optimizers for shard in optimizer.param_shards]
         grad_shards = [shard for optimizer in self.optimizers for shard in optimizer.grad_shards]
         record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
-                      grad_bytes=gradient_bytes(self.params) + tensor_bytes(grad_shards),
+                      grad_bytes=tensor_bytes([p.grad for p in self.params] + self.grad_sync.buffers + grad_shards),
                       optim_bytes=sum(optimizer_bytes(optimizer.optimizer) for optimizer in self.optimizers),
                       activation_peak_bytes=self.meter.peak, peak_resident_bytes=peak_resident_bytes(),
                       device_peak_bytes=device_peak_bytes(self.device), compute_s=compute_s, comm_wait_s=comm_wait_s,
@@ -788,8 +855,8 @@ class Trainer:
         pieces, layouts, steps = [], {}, {}
         params = dict(self.model.named_parameters())
         for optimizer in self.optimizers:
-            for name, start, end, piece in optimizer.pieces():
-                layouts[name] = self.share.layout(name, params[name].shape, params[name].dtype)
+            for name, start, end, piece in optimizer.pieces():  # of the master weights, in their dtype
+                layouts[name] = self.share.layout(name, params[name].shape, piece.dtype)
                 state = dict(optimizer.optimizer.state.get(piece, {}))
                 if "step" in state:
                     steps[name] = state.pop("step").item()
