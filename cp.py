@@ -32,14 +32,21 @@ Backward recomputes each block's probabilities from the saved log-sum-exp
 (P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
 K/V block, picking up each rank's contribution, until they are back home.
 
-Each block is computed by a fused attention kernel (PyTorch's flash attention
-for CPUs, which returns the log-sum-exp the merge needs and whose backward
-takes the merged output and log-sum-exp): a block's (s/2N)² scores are never
+Each block is computed by one of PyTorch's fused attention kernels that
+return the log-sum-exp the merge needs and whose backward takes the merged
+output and log-sum-exp (`default_kernels` picks): on CPUs its flash kernel,
+in every dtype; on CUDA FlashAttention-2 for float16/bfloat16 and the
+memory-efficient kernel for float32. A block's (s/2N)² scores are never
 materialised, so memory grows linearly with the sequence. The same
 computation written out (`block_attention`, `block_attention_backward`) is
-the readable reference that the self-check runs too; it is also used on
-devices other than the CPU, where the fused kernels' log-sum-exp comes in
-other layouts (not checked here: no GPU).
+the readable reference that the self-check runs too; it is also what float64
+on CUDA (no fused CUDA kernel takes it) and other devices get.
+
+Mixed precision. The kernels take q, k, v in their own dtype, and K, V and
+their gradient accumulators travel in it (bfloat16 halves the ring's
+bytes); the merge and each rank's gradient sums are in float32 or better
+(as FlashAttention keeps its running output and softmax statistics in
+float32: a bfloat16 sum of many blocks would lose their small terms).
 
 Grouped-query attention: k and v may have fewer heads than q, each serving a
 group of consecutive query heads. The ring carries them as they are (so its
@@ -120,6 +127,11 @@ def sum_groups(t, heads_per_kv):
     return t.unflatten(1, (-1, heads_per_kv)).sum(2)
 
 
+def _widened(t):
+    """t in float32, or in its own dtype if that is wider (float64 checks)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _scores(q, k, causal):
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:  # the diagonal block: query i sees keys 0..i
@@ -128,7 +140,9 @@ def _scores(q, k, causal):
 
 
 def block_attention(q, k, v, causal):
-    """(output, log-sum-exp) of q against one block of keys and values, written out (the reference)."""
+    """(output, log-sum-exp) of q against one block of keys and values, written out (the reference).
+    Computed in float32 or better whatever the inputs' dtype, as the fused kernels keep their softmax."""
+    q, k, v = (_widened(t) for t in (q, k, v))
     scores = _scores(q, k, causal)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
@@ -138,38 +152,133 @@ def block_attention_backward(grad_out, q, k, v, out, lse, causal):
     """(dQ, dK, dV) of one block, from the merged output and log-sum-exp of the whole row (the reference).
 
     P = exp(S - L) recomputed with the final L is this block's share of the softmax; then
-    dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO O)), dQ = dS K / √d, dK = dSᵀ Q / √d.
+    dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO O)), dQ = dS K / √d, dK = dSᵀ Q / √d. In float32 or better.
     """
+    grad_out, q, k, v, out = (_widened(t) for t in (grad_out, q, k, v, out))
     p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
     ds = p * (torch.matmul(grad_out, v.transpose(-2, -1)) - delta) / math.sqrt(q.shape[-1])
     return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), grad_out)
 
 
-def fused_block_attention(q, k, v, causal):
+# PyTorch's fused attention kernels, each with its backward: private operators, called by position as
+# their schemas read in PyTorch 2.13 (`default_kernels` falls back to the reference where they are
+# missing). Each takes q, k, v in their own dtype (float16/bfloat16 stay so: inside, the kernels keep
+# the softmax in float32, as FlashAttention does) and returns a float32 log-sum-exp (float64 for
+# float64 inputs on CPUs), each laid out its own way, while the merge takes (batch, heads, queries):
+#   CPU flash       (batch, queries, heads) viewed as (batch, heads, queries); its backward takes any strides
+#   CUDA flash      (batch, heads, queries), contiguous, as its backward reads it
+#   CUDA efficient  (batch, heads, ceil(queries / 32) * 32): rows padded to the kernel's 32-query tiles
+#                   (not padded on ROCm), and its backward reads rows padded alike
+# as the operators' shape rules in torch/_meta_registrations.py lay them out. `_lse_for_merge` and
+# `_lse_for_backward` are the one place that converts. (The memory-efficient backward also assumes its
+# output laid out as its forward writes it, (batch, queries, heads, head_dim) in memory: its row
+# stride is computed, not read off the tensor; see `_efficient_layout`.)
+_EFFICIENT_LSE_TILE = 1 if torch.version.hip else 32
+
+
+def _lse_for_merge(lse, n_queries):
+    """A kernel's log-sum-exp as the merge takes it: (batch, heads, queries), any padding cut off."""
+    return lse[..., :n_queries]
+
+
+def _lse_for_backward(lse, tile=1):
+    """The merged (batch, heads, queries) log-sum-exp as a CUDA kernel's backward reads it: contiguous,
+    rows padded with zeros to a multiple of `tile`, as its forward pads them."""
+    return F.pad(lse, (0, -lse.shape[-1] % tile)).contiguous()
+
+
+def _efficient_layout(out):
+    """out (batch, heads, queries, head_dim) stored as the memory-efficient forward stores its output,
+    queries outermost after the batch (aten's _efficient_attention_backward takes the output's batch and
+    head strides from the tensor but assumes heads x head_dim between queries)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+_CPU_FLASH = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+_CUDA_FLASH = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+_CUDA_EFFICIENT = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+
+
+def cpu_flash_block(q, k, v, causal):
     """block_attention by PyTorch's fused CPU kernel (flash attention): the scores never exist whole."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
 
 
-def fused_block_attention_backward(grad_out, q, k, v, out, lse, causal):
-    """block_attention_backward by the fused kernel's backward, given the merged output and log-sum-exp."""
+def cpu_flash_block_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by the CPU kernel's backward, given the merged output and log-sum-exp."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0,
                                                                                causal)
+
+
+def cuda_flash_block(q, k, v, causal):
+    """block_attention by FlashAttention-2 on CUDA (float16 and bfloat16 only)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal)[:2]
+    return out, _lse_for_merge(lse, q.shape[2])
+
+
+def cuda_flash_block_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by FlashAttention-2's backward. No cumulative sequence lengths (the
+    batch is dense); the random-number state is read only under dropout, which is 0."""
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+        grad_out, q, k, v, out, _lse_for_backward(lse), None, None, q.shape[2], k.shape[2], 0.0, causal,
+        unused, unused)
+
+
+def cuda_efficient_block(q, k, v, causal):
+    """block_attention by the memory-efficient kernel on CUDA (xFormers' CUTLASS kernel: float32 too)."""
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal)[:2]
+    return out, _lse_for_merge(lse, q.shape[2])
+
+
+def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by the memory-efficient kernel's backward (dQ, dK, dV; no bias gradient).
+    Its random-number seed and offset are read only under dropout, which is 0."""
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
+        grad_out, q, k, v, None, _efficient_layout(out), _lse_for_backward(lse, _EFFICIENT_LSE_TILE),
+        unused, unused, 0.0, [True, True, True, False], causal)[:3]
 
 
 # How each block is computed: written out (the readable reference the self-check compares against), or
 # fused (memory linear in the sequence: the (s/2N)² scores of a block are never materialised).
 EXPLICIT = (block_attention, block_attention_backward)
-FUSED = (fused_block_attention, fused_block_attention_backward)
+FUSED = (cpu_flash_block, cpu_flash_block_backward)  # on CPUs
+CUDA_FLASH = (cuda_flash_block, cuda_flash_block_backward)
+CUDA_EFFICIENT = (cuda_efficient_block, cuda_efficient_block_backward)
 
 
-def default_kernels(device):
-    """The fused kernels where PyTorch has them with a log-sum-exp in every dtype (CPU); else the reference."""
-    return FUSED if device.type == "cpu" else EXPLICIT
+def _have(ops):
+    """Whether this PyTorch has these private operators (a PyTorch without them gets the reference)."""
+    return all(hasattr(torch.ops.aten, op) for op in ops)
+
+
+def default_kernels(device, dtype, head_dim):
+    """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
+
+    CPU: its flash kernel, in every dtype. CUDA: flash attention for float16/bfloat16 (Ampere or later,
+    heads up to 256), the memory-efficient kernel for float32 and the half-precision blocks flash cannot
+    take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
+    alignment: SDPA pads them, this file does not) and other devices: the written-out blocks.
+    """
+    if device.type == "cpu":
+        return FUSED if _have(_CPU_FLASH) else EXPLICIT
+    if device.type != "cuda" or dtype == torch.float64 or head_dim % 8:
+        return EXPLICIT
+    ampere = torch.cuda.get_device_capability(device) >= (8, 0)
+    if (dtype in (torch.float16, torch.bfloat16) and ampere and head_dim <= 256 and _have(_CUDA_FLASH)
+            and torch.backends.cuda.is_flash_attention_available()):
+        return CUDA_FLASH
+    if (dtype == torch.bfloat16 and not ampere) or not _have(_CUDA_EFFICIENT):  # no bfloat16 kernel before Ampere
+        return EXPLICIT
+    return CUDA_EFFICIENT
 
 
 def merge(out, lse, block_out, block_lse):
-    """Online softmax: fold one block's (output, log-sum-exp) into the running pair."""
+    """Online softmax: fold one block's (output, log-sum-exp) into the running pair, in the running pair's
+    dtype (float32 or better: a bfloat16 block output is rounded once, the sum of blocks is not)."""
+    block_out, block_lse = block_out.to(out.dtype), block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
     rescaled = out * torch.exp(lse - new_lse).unsqueeze(-1)
     return rescaled + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
@@ -216,12 +325,20 @@ def _wait(works):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring."""
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring.
+
+    Mixed precision, FlashAttention's split (tensors in half precision, softmax statistics in float32):
+    what travels round the ring and what the block kernels take is in the inputs' dtype (in bfloat16 the
+    ring's traffic is half float32's); the online-softmax merge (output, log-sum-exp) and each rank's sums
+    of dQ, dK, dV are in float32 or better.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, group, kernels):
-        # Under bf16 autocast the matmuls below would run in bf16 again, and backward (which autocast
-        # does not cover) would recompute them in float32 against a bf16 log-sum-exp: keep it off here.
+        if not q.dtype == k.dtype == v.dtype:
+            raise TypeError(f"ring attention takes q, k, v of one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
+        # Under bf16 autocast the written-out blocks' matmuls would run in bf16 again, and backward (which
+        # autocast does not cover) in float32: keep it off here, where the dtypes are chosen explicitly.
         with torch.autocast(q.device.type, enabled=False):
             return RingAttention._forward(ctx, q, k, v, group, kernels)
 
@@ -229,16 +346,16 @@ class RingAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, group, kernels):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         ring, heads_per_kv = _Ring(group), q.shape[1] // k.shape[1]  # query heads per key/value head
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        qh = q.to(dtype).chunk(2, dim=2)  # the two local chunks
-        out = [torch.zeros_like(h) for h in qh]
-        lse = [torch.full(h.shape[:-1], float("-inf"), dtype=dtype, device=q.device) for h in qh]
-        kv = (k, v)
+        merged = torch.promote_types(q.dtype, torch.float32)  # the running output and log-sum-exp
+        qh = q.chunk(2, dim=2)  # the two local chunks
+        out = [torch.zeros(h.shape, dtype=merged, device=q.device) for h in qh]
+        lse = [torch.full(h.shape[:-1], float("-inf"), dtype=merged, device=q.device) for h in qh]
+        kv = (k, v)  # sent in their own dtype
         for step in range(n):
             source = (rank - step) % n
             if step < n - 1:  # the next block is on its way while this one is computed
                 works, next_kv = ring.pass_on(kv)
-            kh, vh = (repeat_kv(t.to(dtype), heads_per_kv).chunk(2, dim=2) for t in kv)
+            kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
             for qi, ki, causal in chunk_pairs(rank, source, n):
                 block_out, block_lse = kernels[0](qh[qi], kh[ki], vh[ki], causal)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
@@ -246,54 +363,58 @@ class RingAttention(torch.autograd.Function):
             if step < n - 1:
                 _wait(works)
                 kv = next_kv
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        # The output is kept in the inputs' dtype (the fused backward kernels take it so; the reference
+        # widens it again), the log-sum-exp in float32 or better: an error e in L is a relative error e
+        # in every P = exp(S - L) that backward recomputes from it.
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.kernels = group, kernels
         ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         ring, heads_per_kv = _Ring(ctx.group), q.shape[1] // k.shape[1]
-        dtype = out.dtype
-        qh, do, oh, lh = (t.to(dtype).chunk(2, dim=2) for t in (q, grad_out, out, lse))
-        dq = [torch.zeros_like(h) for h in qh]
+        summed = lse.dtype  # float32 or better: this rank's sums of block gradients
+        qh, do, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
+        dq = [torch.zeros(h.shape, dtype=summed, device=q.device) for h in qh]
         kv = (k, v)
         pending = None
         for step in range(n):
             source = (rank - step) % n
             if step < n - 1:
                 works, next_kv = ring.pass_on(kv)
-            kh, vh = (repeat_kv(t.to(dtype), heads_per_kv).chunk(2, dim=2) for t in kv)
-            dk, dv = [torch.zeros_like(h) for h in kh], [torch.zeros_like(h) for h in vh]
+            kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
+            dk, dv = ([torch.zeros(h.shape, dtype=summed, device=q.device) for h in hs] for hs in (kh, vh))
             for qi, ki, causal in chunk_pairs(rank, source, n):
                 block_dq, block_dk, block_dv = ctx.kernels[1](do[qi], qh[qi], kh[ki], vh[ki], oh[qi], lh[qi], causal)
                 dq[qi] += block_dq
                 dk[ki] += block_dk
                 dv[ki] += block_dv
                 blocks_computed["backward"] += 1
-            contribution = (sum_groups(torch.cat(dk, dim=2), heads_per_kv),
-                            sum_groups(torch.cat(dv, dim=2), heads_per_kv))
+            grad_acc = (sum_groups(torch.cat(dk, dim=2), heads_per_kv),
+                        sum_groups(torch.cat(dv, dim=2), heads_per_kv))
             if pending is not None:  # the accumulators of this block, from the ranks it visited before
                 _wait(pending[0])
-                grad_acc = tuple(a + c for a, c in zip(pending[1], contribution))
-            else:
-                grad_acc = contribution
-            pending = ring.pass_on(grad_acc)  # on the last step this sends each block home
+                grad_acc = tuple(a.to(summed) + c for a, c in zip(pending[1], grad_acc))
+            # The accumulators travel in K's and V's dtype, as K and V do: in bfloat16 half the bytes, at
+            # one rounding (2^-8 relative) per hop.
+            pending = ring.pass_on((grad_acc[0].to(k.dtype), grad_acc[1].to(v.dtype)))  # last step: home
             if step < n - 1:
                 _wait(works)
                 kv = next_kv
         _wait(pending[0])
         dk_home, dv_home = pending[1]
-        return torch.cat(dq, dim=2).to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk_home, dv_home, None, None
 
 
 def ring_attention(q, k, v, group, kernels=None):
-    """Causal attention output for this rank's zigzag shard (and its log-sum-exp, second).
-    kernels: FUSED or EXPLICIT (default: default_kernels of q's device)."""
-    return RingAttention.apply(q, k, v, group, kernels or default_kernels(q.device))
+    """Causal attention output for this rank's zigzag shard, in q's dtype (and its log-sum-exp, second, in
+    float32 or better). kernels: EXPLICIT, FUSED (CPU), CUDA_FLASH or CUDA_EFFICIENT (default:
+    default_kernels for q's device, dtype and head size)."""
+    return RingAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]))
 
 
 # ---------------------------------------------------------------------------
@@ -360,6 +481,8 @@ def _self_check():
     device = _join_process_group()
     backend, rank, n = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     worst = 0.0
+    # In float64: the fused CPU kernel and the reference; on CUDA the reference only (no fused CUDA kernel
+    # takes float64; tests/test_cuda.py checks those against the reference in bfloat16 and float32).
     kernel_sets = [("fused", FUSED), ("explicit", EXPLICIT)] if device.type == "cpu" else [("explicit", EXPLICIT)]
     for (name, kernels), n_kv_heads in [(k, h) for k in kernel_sets for h in (4, 1)]:  # multi-head and GQA
         comm_bytes.clear(), blocks_computed.clear()

@@ -65,6 +65,90 @@ def test_ring_attention_matches_full_causal_attention(n, kv_heads, kernels):
         assert r["backward_bytes"] == (n - 1) * 2 * local_kv + n * 2 * local_kv
 
 
+def mixed_precision_worker(seq_len, kernels):
+    """Ring attention in float32 and in bfloat16 from the same bfloat16-representable inputs, against full
+    causal attention in float32: the largest error relative to the largest reference value (output, dQ,
+    dK, dV), the dtypes returned and the bytes sent."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(B, H, seq_len, D, generator=g).bfloat16() for _ in range(4))
+    full = [t.float().requires_grad_() for t in (q, k, v)]
+    expected, _ = full_causal_attention(*full)
+    expected.backward(grad.float())
+    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    relative = lambda a, b: ((a.float() - mine(b)).abs().max() / mine(b).abs().max()).item()  # noqa: E731
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        local = [mine(t.to(dtype)).requires_grad_() for t in (q, k, v)]
+        cp.comm_bytes.clear()
+        out, lse = cp.ring_attention(*local, None, getattr(cp, kernels))
+        forward_bytes = cp.comm_bytes["send_recv"]
+        out.backward(mine(grad.to(dtype)))
+        results[dtype] = dict(
+            error=max(relative(out, expected), *(relative(a.grad, b.grad) for a, b in zip(local, full))),
+            dtypes=(out.dtype, lse.dtype, *(a.grad.dtype for a in local)),
+            forward_bytes=forward_bytes, backward_bytes=cp.comm_bytes["send_recv"] - forward_bytes)
+    return results
+
+
+@pytest.mark.parametrize("kernels", ["FUSED", "EXPLICIT"])
+def test_ring_attention_in_bfloat16_sends_half_the_bytes_and_stays_within_its_rounding(kernels):
+    for r in run_on_ranks(2, mixed_precision_worker, 32, kernels):
+        fp32, bf16 = r[torch.float32], r[torch.bfloat16]
+        # The output and gradients come back in the inputs' dtype, the log-sum-exp in float32.
+        assert bf16["dtypes"] == (torch.bfloat16, torch.float32, *[torch.bfloat16] * 3)
+        assert fp32["dtypes"] == (torch.float32,) * 5
+        # K, V and the dK/dV accumulators travel in bfloat16: exactly half of float32's bytes.
+        assert bf16["forward_bytes"] * 2 == fp32["forward_bytes"] > 0
+        assert bf16["backward_bytes"] * 2 == fp32["backward_bytes"] > 0
+        # float32 blocks: only float32's rounding. bfloat16 (8 significant bits, each rounding off by
+        # at most 2^-8 relative): the fused kernel's probabilities before P·V, each block's output, the
+        # accumulators at each of the 2 hops and the final cast are each rounded once, while the merge
+        # and the local sums are float32: a few roundings, 4 x 2^-8 = 1.6e-2 of the largest value
+        # (measured: 5e-3 with either blocks, as PyTorch's bfloat16 SDPA of a whole sequence is off).
+        assert fp32["error"] < 1e-5
+        assert bf16["error"] < 4 * 2**-8
+
+
+@pytest.mark.parametrize("kernels,dtype", [("CUDA_FLASH", torch.bfloat16), ("CUDA_FLASH", torch.float16),
+                                           ("CUDA_EFFICIENT", torch.bfloat16), ("CUDA_EFFICIENT", torch.float32)])
+def test_cuda_kernels_shapes_on_the_meta_device(kernels, dtype):
+    """The CUDA kernels' wrappers through the operators' shape rules (meta tensors need no GPU): the
+    merge gets (batch, heads, queries) float32 log-sum-exps, backward the inputs' shapes and dtype."""
+    forward, backward = getattr(cp, kernels)
+    b, h, n, d = 2, 4, 37, 8  # 37 queries: not a multiple of the memory-efficient kernel's 32-row tiles
+    q, k, v, grad = (torch.empty(b, h, n, d, device="meta", dtype=dtype) for _ in range(4))
+    for causal in (True, False):
+        try:
+            out, lse = forward(q, k, v, causal)
+            grads = backward(grad, q, k, v, out, lse, causal)
+        except NotImplementedError as e:  # an operator without a meta kernel in this PyTorch
+            pytest.skip(f"no meta kernel: {e}")
+        assert (out.shape, out.dtype) == (q.shape, dtype)
+        assert (lse.shape, lse.dtype) == ((b, h, n), torch.float32)
+        assert [(t.shape, t.dtype) for t in grads] == [(q.shape, dtype)] * 3
+
+
+def test_memory_efficient_backward_gets_the_log_sum_exp_its_forward_lays_out():
+    """The merged log-sum-exp given to the memory-efficient backward has the shape its own forward
+    returns (rows padded to 32 queries on CUDA) and is contiguous."""
+    q = torch.empty(2, 4, 37, 8, device="meta", dtype=torch.float32)
+    try:
+        kernel_lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True)[1]
+    except NotImplementedError as e:
+        pytest.skip(f"no meta kernel: {e}")
+    given = cp._lse_for_backward(torch.zeros(2, 4, 37), cp._EFFICIENT_LSE_TILE)
+    assert given.shape == kernel_lse.shape and given.is_contiguous()
+
+
+def test_kernels_chosen_by_device_and_dtype():
+    """CPUs: the fused kernel in every dtype. Elsewhere (here the meta device stands for one with no fused
+    kernels): the written-out blocks; CUDA's choice is checked in test_cuda.py."""
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        assert cp.default_kernels(torch.device("cpu"), dtype, 8) is cp.FUSED
+        assert cp.default_kernels(torch.device("meta"), dtype, 8) is cp.EXPLICIT
+
+
 def saved_by_attention(seq_len):
     """Bytes ring attention saves for backward on a one-rank ring (the single device) and on this rank."""
     rank, n = dist.get_rank(), dist.get_world_size()

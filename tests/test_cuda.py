@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint import Checkpoint
-from distributed import self_check_alone, torchrun
+from distributed import run_on_ranks, self_check_alone, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: GPU checks need one")
@@ -60,3 +60,51 @@ def test_initial_values_drawn_on_cuda_equal_the_cpu_ones():
     cpu = initial_values("blocks.3.mlp.fc.weight", positions, n_layer=4, seed=7)
     cuda = initial_values("blocks.3.mlp.fc.weight", positions.cuda(), n_layer=4, seed=7)
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-14, atol=0)
+
+
+def test_cuda_kernels_chosen_by_dtype_and_head_size():
+    import cp
+    cuda = torch.device("cuda")
+    assert cp.default_kernels(cuda, torch.bfloat16, 64) is cp.CUDA_FLASH  # on Ampere or later, as all here
+    assert cp.default_kernels(cuda, torch.float16, 64) is cp.CUDA_FLASH
+    assert cp.default_kernels(cuda, torch.float32, 64) is cp.CUDA_EFFICIENT
+    assert cp.default_kernels(cuda, torch.bfloat16, 512) is cp.CUDA_EFFICIENT  # heads over flash's 256
+    assert cp.default_kernels(cuda, torch.float64, 64) is cp.EXPLICIT  # no fused CUDA kernel in float64
+    assert cp.default_kernels(cuda, torch.bfloat16, 12) is cp.EXPLICIT  # not a multiple of 8
+
+
+def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len):
+    """Ring attention on a ring of one rank (so every kind of block runs: causal and not, merged) with
+    fused CUDA kernels and with the written-out blocks, forward and backward: the dtypes returned, and
+    each result's largest difference relative to the largest reference value."""
+    import cp
+    device, dtype, fused = torch.device("cuda"), getattr(torch, dtype_name), getattr(cp, kernels_name)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, grad = (torch.randn(2, 8, seq_len, 64, device=device, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, seq_len, 64, device=device, generator=g).to(dtype) for _ in range(2))  # GQA
+    results = {}
+    for kernels in (fused, cp.EXPLICIT):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = cp.ring_attention(*leaves, None, kernels)
+        out.backward(grad)
+        results[kernels] = [out, lse, *(t.grad for t in leaves)]
+    differences = [((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+                   for a, b in zip(results[fused], results[cp.EXPLICIT])]
+    return dict(dtypes=[str(t.dtype) for t in results[fused]], differences=differences)
+
+
+@pytest.mark.parametrize("seq_len", [74, 256], ids=["chunks-of-37", "chunks-of-128"])  # 37: padded lse rows
+@pytest.mark.parametrize("kernels,dtype,tolerance", [("CUDA_FLASH", "bfloat16", 4 * 2**-8),
+                                                     ("CUDA_EFFICIENT", "float32", 1e-4),
+                                                     ("CUDA_EFFICIENT", "bfloat16", 4 * 2**-8)])
+def test_ring_attention_with_the_cuda_kernels_equals_the_written_out_blocks(kernels, dtype, tolerance, seq_len):
+    """bfloat16: the reference computes in float32 from the same inputs, the kernels round their
+    probabilities before P·V and each block's output to bfloat16 (2^-8 relative each), so they differ
+    by a few such roundings. float32: float32 rounding in another order. The log-sum-exps, float32 sums
+    of the same scores in both, agree ten times closer (measured on CPUs with the fused CPU kernel in
+    bfloat16: 1e-5)."""
+    result, = run_on_ranks(1, ring_kernels_on_cuda, kernels, dtype, seq_len)
+    assert result["dtypes"] == [f"torch.{dtype}", "torch.float32"] + [f"torch.{dtype}"] * 3
+    out, lse, *grads = result["differences"]
+    assert lse < tolerance / 10
+    assert max(out, *grads) < tolerance
