@@ -20,9 +20,10 @@ Where the numbers come from:
   pack them into (padded to a multiple of the group, as dp.py pads them).
 - Memory per parameter follows the article's accounting (params, grads,
   AdamW's two moments; ZeRO-1/2/3 divide them by the data-parallel size),
-  in the run's own dtype: float32 weights, gradients and moments (16 bytes
-  a parameter; the article's 16 bytes assume bf16 weights with an fp32
-  master copy, the same total).
+  in the dtypes of train.Precision: under bfloat16, the article's 16 bytes
+  (2 for the bf16 weights, 4 for their float32 master copy, 4 for the
+  float32 gradient buckets, 8 for the moments; the article counts 2 for
+  gradients, Megatron-LM's float32 main_grad 4).
 - Traffic counts what each collective sends as a ring algorithm does, as
   the runs count it: an all-reduce of n bytes over N ranks sends 2(N-1)/N n,
   a reduce-scatter or an all-gather (N-1)/N n; point-to-point and
@@ -37,8 +38,7 @@ Where the numbers come from:
   `--json`'s `*_peak_bytes`): of start-up, of a step, of a checkpoint's save
   and of its load, as a process on the CPU holds them: the state above,
   plus what each phase holds for a while (ZeRO-3's units gathered, the
-  gradient norm's float64 squares, bf16 autocast's weight copies under full
-  recomputation, a checkpoint's pieces copied aside to be written, the
+  gradient norm's float64 squares, a checkpoint's pieces copied aside to be written, the
   chunks initial values are drawn and checkpoints read in) and the
   interpreter and PyTorch themselves (PROCESS_BYTES). On a GPU the
   interpreter stays on the host and so does a save's copy.
@@ -90,7 +90,9 @@ class Layout:
     micro_batches: int
     batch_size: int        # global, in sequences
     recompute: str
-    dtype: str
+    dtype: str             # train.Precision's weights (so activations and messages), master and reduce dtypes
+    master_dtype: str
+    reduce_dtype: str
     bucket_bytes: int
 
     @property
@@ -106,12 +108,18 @@ class Layout:
         return self.batch_size // (self.micro_batches * self.dp * self.ep)
 
     @property
-    def weight_bytes(self):  # weights, gradients and moments (bf16 runs keep float32 weights)
-        return 8 if self.dtype == "float64" else 4
+    def weight_bytes(self):  # the weights, every activation and every message
+        return cli.DTYPES[self.dtype].itemsize
+
+    activation_bytes = weight_bytes
 
     @property
-    def activation_bytes(self):  # matrix products' outputs (bf16 under autocast)
-        return {"float64": 8, "float32": 4, "bfloat16": 2}[self.dtype]
+    def master_bytes(self):  # the optimizer's weights and moments, ZeRO's gradient shards
+        return cli.DTYPES[self.master_dtype].itemsize
+
+    @property
+    def reduce_bytes(self):  # the gradient buckets, and their reduction
+        return cli.DTYPES[self.reduce_dtype].itemsize
 
 
 def layout_of(args, world):
@@ -120,7 +128,8 @@ def layout_of(args, world):
     return Layout(world=world, dp=shape.dp, tp=shape.tp, pp=shape.pp, cp=shape.cp, ep=shape.ep, zero=args.zero,
                   sp=args.sp, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
-                  dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20))
+                  dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
+                  bucket_bytes=int(args.bucket_mb * 2**20))
 
 
 # ---------------------------------------------------------------------------
@@ -250,36 +259,35 @@ ADAM_STEP_BYTES = 4  # fused AdamW keeps each parameter's (or piece's) step coun
 def state_memory(params, group, layout, unused_check):
     """Bytes of one set of parameters averaged over `group` ranks: (param, grad, optim, traffic, steps),
     steps(i) being how many AdamW step counters the group's i-th rank keeps (ZeRO: one per parameter piece
-    in its shard)."""
-    w, sizes = layout.weight_bytes, [numel for _, numel in params]
+    in its shard). The master weights count as parameters: the weights themselves where the dtypes agree,
+    else a second copy (of the whole parameters, or ZeRO's shard of them)."""
+    w, m, r, sizes = layout.weight_bytes, layout.master_bytes, layout.reduce_bytes, [numel for _, numel in params]
     if not sizes:
         return 0, 0, 0, Counter(), lambda index: 0
+    master_copy = m if m != w else 0
     traffic = Counter()
-    if not layout.zero:
-        buckets = make_buckets(sizes, layout.bucket_bytes, w, group) if layout.dense_group > 1 else []
-        if buckets:  # dp.DataParallel: one all-reduce of each bucket per step (ring: 2 (N-1)/N Psi)
-            traffic["all_reduce"] = sum(ring_bytes_sent("all_reduce", b.padded * w, group) for b in buckets)
-            if unused_check:  # the used-mask, one byte per parameter
-                traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
-            grads = sum(b.padded for b in buckets) * w
-        else:
-            grads = sum(sizes) * w
-        return sum(sizes) * w, grads, 2 * sum(sizes) * w, traffic, lambda index: len(sizes)
-    buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(sizes, layout.bucket_bytes, w, group)
+    if not layout.zero:  # dp.DataParallel (on one data rank too): one all-reduce of each bucket per step
+        buckets = make_buckets(sizes, layout.bucket_bytes, r, group)
+        traffic["all_reduce"] = sum(ring_bytes_sent("all_reduce", b.padded * r, group) for b in buckets)
+        if unused_check:  # the used-mask, one byte per parameter
+            traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
+        grads = sum(b.padded for b in buckets) * r
+        return sum(sizes) * (w + master_copy), grads, 2 * sum(sizes) * m, traffic, lambda index: len(sizes)
+    buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(sizes, layout.bucket_bytes, r, group)
     full = sum(b.padded for b in buckets)
     shard = full // group
-    param = (shard if layout.zero == 3 else full) * w
-    grad = (shard + (full if layout.zero == 1 else 0)) * w  # ZeRO-1 keeps the full gradient as well
+    param = shard * m if layout.zero == 3 else full * w + shard * master_copy  # ZeRO-3: its master shard alone
+    grad = shard * m + (full * r if layout.zero == 1 else 0)  # ZeRO-1 keeps the full gradient as well
     reductions = 1 if layout.zero == 1 else layout.micro_batches  # ZeRO-2/3 reduce in every backward
     gathers = 2 * layout.micro_batches if layout.zero == 3 else 1  # ZeRO-3: before forward and before backward
-    one_pass = {kind: sum(ring_bytes_sent(kind, b.padded * w, group) for b in buckets)  # (N-1)/N of each bucket
-                for kind in ("reduce_scatter", "all_gather")}
+    one_pass = {kind: sum(ring_bytes_sent(kind, b.padded * itemsize, group) for b in buckets)  # (N-1)/N of each
+                for kind, itemsize in (("reduce_scatter", r), ("all_gather", w))}
     traffic["reduce_scatter"] = reductions * one_pass["reduce_scatter"]
     traffic["all_gather"] = gathers * one_pass["all_gather"]
     traffic["all_reduce"] = ring_bytes_sent("all_reduce", 8, group)  # the gradient norm's sum of squares, float64
     if unused_check:
         traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
-    return param, grad, 2 * shard * w, traffic, lambda index: sum(b.pieces(index, group) for b in buckets)
+    return param, grad, 2 * shard * m, traffic, lambda index: sum(b.pieces(index, group) for b in buckets)
 
 
 # ---------------------------------------------------------------------------
@@ -298,10 +306,9 @@ def tp_traffic(config, layout, layers, first, last):
     if t == 1:
         return traffic
     hidden = tokens_per_rank(c, layout) * c.d_model  # b*s*h of this rank's cp shard (gathered under sp)
-    # What enters a region is a norm's output, in the weights' dtype (float32 under bf16 autocast); what
-    # leaves it a matrix product's partial sum, in the activations' dtype. Backward sends the gradients
-    # of the same tensors, in the same dtypes.
-    enter, leave = hidden * layout.weight_bytes, hidden * layout.activation_bytes
+    # What enters a region is a norm's output, what leaves it a matrix product's partial sum, both in the
+    # weights' dtype; backward sends the gradients of the same tensors, in the same dtype.
+    enter = leave = hidden * layout.weight_bytes
     # A recomputed block (full recomputation) communicates again, but only up to the last tensor its backward
     # needs: non-reentrant checkpointing stops there, so the collective that closes the MLP is not repeated.
     again = 2 if layout.recompute == "full" else 1
@@ -377,9 +384,8 @@ def cp_traffic(config, layout, layers):
         return Counter()
     c, a = config, layout.activation_bytes
     kv_elements = tokens_per_rank(c, layout) * c.kv_dim // layout.tp  # this rank's K (or V)
-    accumulator = max(a, 4)  # dK, dV accumulate in float32 or wider
     forward = (n - 1) * 2 * kv_elements * a
-    backward = (n - 1) * 2 * kv_elements * a + n * 2 * kv_elements * accumulator
+    backward = (n - 1) * 2 * kv_elements * a + n * 2 * kv_elements * a  # dK, dV travel in K's and V's dtype
     forward_passes = 1 if layout.recompute == "none" else 2  # both modes run the ring again
     return Counter(send_recv=len(layers) * (forward_passes * forward + backward))
 
@@ -422,32 +428,27 @@ def block_activations(c, layout, layer):
     tokens = tokens_per_rank(c, layout)
     sharded = tokens // t if layout.sp else tokens  # the residual stream: a sequence shard under sp
     h, head_dim, wide = c.d_model, c.d_model // c.n_head, max(a, 4)
-    # A norm keeps its input and its statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms and x/rms).
-    norm = sharded * (h * w + 2 * w if c.norm == "layer" else 2 * h * w + w)
+    norm = sharded * norm_activations(c, layout)
     attention = (tokens * h * a                            # qkv's input (gathered under sp)
                  + tokens * (h + 2 * c.kv_dim) // t * a    # q | k | v, which the attention core keeps
-                 + tokens * (h + c.n_head) // t * wide)    # the core's output and log-sum-exp per head
+                 + tokens * h // t * a                     # the core's output
+                 + tokens * c.n_head // t * wide)          # and its log-sum-exp per head
     if c.position == "rope":  # rotated q and k, and the cos and sin tables of q's and k's rotations
         attention += tokens * (h + c.kv_dim) // t * a + 2 * (c.seq_len // layout.cp) * head_dim * wide
     if proj_copies_heads(c, layout):
         attention += tokens * h // t * a
     mlp = moe_activations(c, layout, tokens) if c.is_moe(layer) else tokens * h * a + mlp_activations(c, tokens, t, a)
-    return 2 * norm + attention + mlp + autocast_weights(c, layout, layer)
+    return 2 * norm + attention + mlp
 
 
-def autocast_weights(c, layout, layer):
-    """Under bf16 autocast every linear layer keeps the bf16 copy of its weight that it multiplied by, once
-    per forward (autocast caches the cast within one): the block's share of them, 2 bytes each."""
-    if layout.dtype != "bfloat16":
-        return 0
-    n_in = 2 if c.mlp == "swiglu" else 1
-    mlp = (n_in + 1) * c.d_model * c.d_ff // layout.tp
-    weights = c.d_model * (c.d_model + 2 * c.kv_dim + c.d_model) // layout.tp
-    if c.is_moe(layer):
-        weights += c.d_model * c.n_experts + mlp * (c.n_experts // layout.ep + c.n_shared_experts)
-    else:
-        weights += mlp
-    return 2 * weights
+def norm_activations(c, layout):
+    """What a norm keeps per token: LayerNorm's kernel its input and statistics (mean, 1/std) in the input's
+    dtype; RMSNorm (PyTorch's composite on CPUs) its input and x/rms in float32 or wider (an input
+    narrower than float32 is cast up first), and 1/rms."""
+    if c.norm == "layer":
+        return c.d_model * layout.weight_bytes + 2 * layout.weight_bytes
+    wide = max(layout.weight_bytes, 4)
+    return 2 * c.d_model * wide + wide
 
 
 def proj_copies_heads(c, layout):
@@ -470,7 +471,7 @@ def moe_activations(c, layout, tokens):
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
     h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
     router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64) + balance_statistics(c, layout)
-    experts = assignments * (3 * h * a + wide + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)
+    experts = assignments * (3 * h * a + a + 2 * INT64 + BOOL)  # (the gate: cast to the tokens' dtype) + mlp_activations(c, assignments, t, a)
     shared = 0
     if c.n_shared_experts:
         shared = mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
@@ -492,7 +493,7 @@ def recomputed_block(c, layout, layer):
     if layout.recompute == "selective":  # the core's log-sum-exp goes, and its output unless proj keeps it
         core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4)
         if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
-            core += tokens * c.d_model // layout.tp * max(layout.activation_bytes, 4)
+            core += tokens * c.d_model // layout.tp * layout.activation_bytes
         return full - core, core
     return full, 0
 
@@ -508,9 +509,8 @@ def edge_activations(c, layout, first, last):
             embedding = tokens * INT64
     if last:
         sharded = tokens // t if layout.sp else tokens
-        norm = sharded * (c.d_model * w + 2 * w if c.norm == "layer" else 2 * c.d_model * w + w)
-        weight_copy = 2 * c.vocab_size * c.d_model // t if layout.dtype == "bfloat16" else 0  # autocast_weights
-        head = norm + tokens * c.d_model * a + weight_copy
+        norm = sharded * norm_activations(c, layout)
+        head = norm + tokens * c.d_model * a
         softmax = tokens * c.vocab_size // t * max(a, 4)
         # The cross-entropy keeps a flat copy of the targets (tp: local targets, and which are its own).
         targets = tokens * (INT64 + BOOL if t > 1 else INT64) if not batch_view_targets(layout) else 0
@@ -674,7 +674,7 @@ def zero3_working(params, group, layout):
     if layout.zero != 3 or not params:
         return 0
     units = [b.padded for b in zero3_buckets(params, group)]
-    return 2 * max(a + b for a, b in zip(units, units[1:] or [0])) * layout.weight_bytes
+    return max(a + b for a, b in zip(units, units[1:] or [0])) * (layout.weight_bytes + layout.reduce_bytes)
 
 
 def largest_piece(params, group, layout):
@@ -686,14 +686,15 @@ def largest_piece(params, group, layout):
     if not layout.zero:
         return max(sizes)
     buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(
-        sizes, layout.bucket_bytes, layout.weight_bytes, group)
+        sizes, layout.bucket_bytes, layout.reduce_bytes, group)
     return min(max(sizes), max(b.padded for b in buckets) // group)
 
 
 def norm_working(params, group, layout):
     """The gradient norm sums squares in float64, a gradient piece at a time: the largest, cast (unless it is
     float64) and squared."""
-    return largest_piece(params, group, layout) * INT64 * (1 if layout.dtype == "float64" else 2)
+    grads = layout.master_dtype if layout.zero else layout.reduce_dtype  # ZeRO's shards, or the buckets
+    return largest_piece(params, group, layout) * INT64 * (1 if grads == "float64" else 2)
 
 
 def written_by(layout, where, expert):
@@ -728,23 +729,8 @@ def working_sets(config, layout, stage):
     zero3 = sum(zero3_working(p, g, layout) for p, g in groups.values())
     return dict(largest=max(numel for _, numel in dense + expert), zero3=zero3,
                 piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
-                autocast=autocast_cache(dense + expert, layout, zero3),
                 norm=max(norm_working(p, g, layout) for p, g in groups.values()),
                 moment={kind: state_memory(p, g, layout, False)[2] // 2 for kind, (p, g) in groups.items()})
-
-
-def autocast_cache(params, layout, zero3):
-    """bf16 autocast keeps a bf16 copy of every weight a matrix product used until its forward ends. Under
-    full recomputation the block saves none of them for backward (activation_peak leaves them out), so the
-    copies of the whole stage's weights (ZeRO-3: of the two units gathered) are extra while it computes;
-    otherwise they are saved, and counted as activations."""
-    if layout.dtype != "bfloat16" or layout.recompute != "full":
-        return 0
-    if layout.zero == 3:
-        return zero3 // 4  # two units' weights, in 2 bytes instead of 4
-    cast = sum(numel for name, numel in params if name.endswith(".weight") and "norm" not in name
-               and not name.startswith(("tok_emb.", "pos_emb.")))  # embeddings are looked up, not multiplied
-    return 2 * cast
 
 
 def phase_peaks(layout, figures, working, where):
@@ -760,13 +746,13 @@ def phase_peaks(layout, figures, working, where):
     buckets = layout.zero or layout.dense_group > 1  # (else gradients come with the first backward)
     startup = figures["param_bytes"] + (figures["grad_bytes"] if buckets else 0) + chunk_bytes(largest) + \
         flat.get(layout.zero, 0)
-    computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero3"] + working["autocast"]
+    computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero3"]
     step = state + max(computing, working["norm"])  # (the norm comes once backward has freed everything)
     save = state + copied
     # Loading builds the rank as start-up does, then reads its optimizer state a chunk at a time, with the
     # range of the saved piece holding the chunk: the chunk itself when the checkpoint was split alike, up
     # to tp times it when it was saved whole and is read back as a tp slice.
-    load = startup + figures["optim_bytes"] + min(INIT_CHUNK, largest) * layout.weight_bytes * layout.tp
+    load = startup + figures["optim_bytes"] + min(INIT_CHUNK, largest) * layout.master_bytes * layout.tp
     peaks = dict(startup_peak_bytes=startup, step_peak_bytes=step, save_peak_bytes=save, load_peak_bytes=load)
     peaks = {field: PROCESS_BYTES + value for field, value in peaks.items()}
     return dict(peaks, peak_bytes=max(peaks.values()))
