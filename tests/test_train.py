@@ -1,5 +1,4 @@
 """train.py end to end: refused flags, the run log, resuming, real data."""
-import functools
 import json
 import math
 import os
@@ -8,7 +7,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -113,37 +111,6 @@ def test_text_file_data_on_two_ranks_matches_single_device(tmp_path):
     assert results[0]["state_dict"]["tok_emb.weight"].shape[0] == 256  # bytes are tokens
     assert results[0]["entropy_floor"] is None
     assert_matches_oracle(results[0], reference_run(argv))
-
-
-BF16 = [*QUICK, "--steps", "3", "--layers", "4", "--micro-batches", "2", "--eval-interval", "1000"]
-MOE = ["--experts", "4"]
-
-
-@pytest.mark.parametrize("world,flags,model", [(1, [], []), (4, ["--tp", "2", "--pp", "2"], []), (2, ["--cp", "2"], []),
-                                              (4, ["--ep", "2", "--pp", "2"], MOE), (4, ["--tp", "2", "--cp", "2"], MOE)],
-                         ids=["one-rank", "tp2-pp2", "cp2", "moe-ep2-pp2", "moe-tp2-cp2"])
-def test_bfloat16_trains_close_to_float32(tmp_path, world, flags, model):
-    """bf16 autocast over float32 weights: finite losses within 5e-3 (relative) of float32 over 3 steps.
-
-    bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 2e-3) in every matmul; on the loss of one forward
-    that rounding mostly averages out (1e-5 here), but it reaches the gradients (3e-3), so the updates and
-    then the losses drift apart step by step, more with experts, where rounding flips near-tied routing
-    choices: over many seeds the largest difference measured in 3 steps was 1.0e-3 dense and 1.3e-3 MoE.
-    Parallel runs round at other places (tp all-reduces bf16 partial sums), as far from one device as from
-    float32, so one float32 run on one rank is the reference for all.
-    """
-    bf16 = run_on_ranks(world, train_worker, [*BF16, *model, *flags, "--dtype", "bfloat16", "--out", str(tmp_path)])[0]
-    fp32 = float32_reference(tuple(model))
-    assert bf16["state_dict"]["lm_head.weight"].dtype == torch.float32  # weights stay float32
-    assert all(math.isfinite(loss) for loss in bf16["losses"])
-    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32), rtol=5e-3, atol=0)
-    assert bf16["losses"] != fp32  # autocast really ran in bfloat16
-
-
-@functools.lru_cache
-def float32_reference(model):
-    with tempfile.TemporaryDirectory() as out:
-        return run_on_ranks(1, train_worker, [*BF16, *model, "--out", out])[0]["losses"]
 
 
 def free_port():
