@@ -221,6 +221,63 @@ def pipeline_schedules(out, rounds=3, steps=4, schedules=("gpipe", "1f1b", "inte
                            for m in per_round])
 
 
+# The last commit whose --dtype bfloat16 meant float32 weights under torch.autocast (before train.Precision).
+AUTOCAST_COMMIT = "4f6e0f2"
+PRECISION_LAYOUTS = [(1, []), (2, []), (2, ["--tp", "2"]), (2, ["--pp", "2"]), (2, ["--cp", "2"]),
+                     (2, ["--ep", "2", "--experts", "4"]), (2, ["--zero", "3"])]
+
+
+def precision_check(settings, out, rounds=3, steps=6):
+    """--dtype bfloat16 before (float32 weights under autocast, train.py of AUTOCAST_COMMIT, checked out
+    beside this one) and after (bfloat16 weights, float32 master), each small layout run by both in turn,
+    the order alternated by round: per layout and version the median step time (the first step left out),
+    the largest peak resident memory and per-rank counters, and after/before step-time ratios per round."""
+    before = os.path.join(out, "precision", "before")
+    shutil.rmtree(before, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=True)
+    subprocess.run(["git", "worktree", "add", "--detach", before, AUTOCAST_COMMIT], cwd=REPO, check=True,
+                   capture_output=True)
+    versions = {"before": before, "after": REPO}
+    common = ["--model", settings["model"], "--arch", settings.get("arch", "gpt"), "--dtype", "bfloat16",
+              "--batch-size", str(settings["batch_size"]), "--micro-batches", str(settings["micro_batches"]),
+              "--steps", str(steps), "--eval-interval", str(steps), "--log-interval", str(steps)]
+    measured = {}
+    try:
+        for r in range(rounds):
+            for world, flags in PRECISION_LAYOUTS:
+                layout = " ".join(flags) or ("one rank" if world == 1 else f"DP={world}")
+                order = list(versions) if r % 2 == 0 else list(versions)[::-1]
+                for version in order:
+                    print(f"bench: bfloat16 {version}, {layout}, round {r + 1} of {rounds}", flush=True)
+                    runs = os.path.join(out, "precision", "runs", version)
+                    name = f"{world}{'_'.join(flags)}{r}"
+                    out_json = subprocess.run(
+                        torchrun_command(world, os.path.join(versions[version], "train.py"), *common, *flags,
+                                         "--out", runs, "--name", name),
+                        cwd=versions[version], env=ENV, capture_output=True, text=True, timeout=1800)
+                    if out_json.returncode:
+                        raise RuntimeError(f"bfloat16 {version} {layout} failed:\n{out_json.stderr[-3000:]}")
+                    log = read_log(os.path.join(runs, name, "log.jsonl"))
+                    peak = next(line for line in out_json.stdout.splitlines() if line.startswith("peak "))
+                    measured.setdefault(layout, {}).setdefault(version, []).append(dict(
+                        step_s=statistics.median(e["step_s"] for e in log[1:]),
+                        peak_resident_gib=max(float(x) for x in peak.split(":")[1].split()),
+                        **{key: max(log[-1][key]) for key in ("param_bytes", "grad_bytes", "optim_bytes",
+                                                              "activation_peak_bytes")},
+                        comm_bytes=max(sum(log[-1][key][rank] for key in log[-1] if key.startswith("comm_"))
+                                       for rank in range(world)),
+                        final_loss=log[-1]["loss"]))
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", before], cwd=REPO, capture_output=True)
+    summary = {}
+    for layout, by_version in measured.items():
+        ratios = [a["step_s"] / b["step_s"] for a, b in zip(by_version["after"], by_version["before"])]
+        summary[layout] = dict(step_time_ratio=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
+                               **{version: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+                                  for version, runs in by_version.items()})
+    return dict(before_commit=AUTOCAST_COMMIT, rounds=rounds, steps=steps, flags=common, layouts=summary)
+
+
 def tokens_per_s(records):
     """Tokens per second over these steps of a log (the steady ones: start-up left out)."""
     return sum(e["tokens_per_s"] * e["step_s"] for e in records) / sum(e["step_s"] for e in records)
@@ -883,14 +940,15 @@ def main():
                                              "scaling check, 'recompute' for the recomputation modes, 'planner' for plan.py's "
                                              "strategies measured, 'checkpoint' for sharded against "
                                              "consolidated checkpoints, 'pipeline' for the four schedules' "
-                                             "timelines); the rest "
+                                             "timelines, 'precision' for bfloat16 before and after its "
+                                             "mixed-precision policy); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one device, for MFU (default: train.py's table of GPUs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="of the table's runs (bfloat16: autocast, for GPUs)")
+                   help="of the table's runs (bfloat16: bfloat16 weights with float32 master weights)")
     p.add_argument("--soak", action="store_true",
                    help="only the soak: repeated self-checks and launches, and a run killed every few dozen steps")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -943,6 +1001,14 @@ def main():
             print(f"checkpoint {kind:17s} {row['seconds']:7.1f} s, peak resident {row['peak_bytes'] / 2**30:.2f} GiB")
     if not args.only or "planner" in args.only:
         write_json(os.path.join(args.out, "planner.json"), planner_check(args.out))
+    if not args.only or "precision" in args.only:
+        precision = precision_check(settings, args.out)
+        write_json(os.path.join(args.out, "precision.json"), precision)
+        for layout, row in precision["layouts"].items():
+            print(f"bfloat16 {layout:22s} step {row['before']['step_s']:.3f} s -> {row['after']['step_s']:.3f} s "
+                  f"(x{row['step_time_ratio']:.2f}, {row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}), peak "
+                  f"{row['before']['peak_resident_gib']:.2f} -> {row['after']['peak_resident_gib']:.2f} GiB, sent "
+                  f"{row['before']['comm_bytes']:,} -> {row['after']['comm_bytes']:,} bytes")
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])
     elif "scaling" in earlier["machine.json"]:
