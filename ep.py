@@ -188,7 +188,7 @@ class ExpertParallelMoE(nn.Module):
             rows = [pieces[src * self.per_rank + e] for src in range(n)]
             if not sum(len(r) for r in rows):  # no token: not run, so no gradient, as on one device
                 with torch.no_grad():
-                    dtype = expert(rows[0]).dtype  # the dtype a run would give (bf16 under autocast)
+                    dtype = expert(rows[0]).dtype  # the dtype a run would give (the activations')
                 outputs = [row.to(dtype) for row in rows]  # empty, so that every rank sends the same dtype
             else:
                 outputs = expert(torch.cat(rows)).split([len(r) for r in rows])

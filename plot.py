@@ -239,7 +239,7 @@ def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**
                 ax.set_ylabel(f"recompute {mode}\nGiB per GPU")
     fig.legend(loc="upper center", ncol=5, fontsize=9, bbox_to_anchor=(0.5, 0.965))
     fig.suptitle(f"plan.py: memory per GPU of {model} (Llama-3 8B) by sequence length, each strategy alone "
-                 "(one sequence per rank and micro-batch, bf16 autocast, float32 weights); dashed: 80 GiB", y=0.995)
+                 "(one sequence per rank and micro-batch, bf16 weights, float32 master weights and gradients); dashed: 80 GiB", y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(os.path.join(results, "memory_planned.png"), dpi=80)
     plt.close(fig)

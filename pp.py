@@ -554,7 +554,7 @@ class _Stage:
         returns its output, and keeps what its backward needs."""
         last = c * self.n_stages + self.rank == self.n_model_chunks - 1
         x = self.micro_batches[m][0] if activation is None else activation.requires_grad_()
-        with self.forward_context():  # the losses too (autocast)
+        with self.forward_context():  # the losses too (activation counting)
             y = self.chunks[c](x)
             y, side = y if isinstance(y, tuple) else (y, None)
             roots = self._loss_roots(m, side, y if last else None)
@@ -638,7 +638,7 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     reduced only during the last backward (ZB-H1: weight pass) of each chunk, once per step, and only
     the rank's last one launches what is left (the other chunks' last ones leave it to a later one).
     Without backward actions this is an inference pass.
-    forward_context: entered around every forward (autocast, activation counting).
+    forward_context: entered around every forward (activation counting).
     """
     n_stages, rank, n_chunks = dist.get_world_size(group), dist.get_rank(group), len(chunks)
     actions, stats = schedules[rank], stats or PipelineStats(device)

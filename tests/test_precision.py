@@ -78,7 +78,7 @@ def test_float32_weights_with_a_float64_master_equal_one_device_under_the_same_p
 # bfloat16 trains as one device does, and as float32 does, within bfloat16's rounding
 # ---------------------------------------------------------------------------
 
-TREND = [*BASE, "--steps", "16"]
+TREND = [*BASE, "--steps", "16", "--lr", "3e-3"]
 ARCHS = {"gpt": (), "llama": ("--arch", "llama")}
 
 
@@ -92,26 +92,24 @@ def model_flags(arch, flags, model):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("world,flags,model", TABLE, ids=[row_name(w, f) for w, f, _ in TABLE])
 def test_bfloat16_trains_within_its_rounding_of_one_device_and_of_float32(tmp_path, arch, world, flags, model):
-    """16 steps in bfloat16 (the loss falls from 4.1 to about 3): at every step within 0.1 of one device in
-    bfloat16 and of float32.
+    """16 steps in bfloat16 at train.py's default learning rate (the loss falls by 0.6 to 0.7): at every step
+    within 0.005 of one device in bfloat16 and of float32 (dense), 0.02 with experts.
 
     bfloat16 keeps 8 bits of mantissa: every weight, activation and message is rounded by up to 2^-9
     relative, the residual stream too. Layouts round at different places (tp's partial sums are added in
-    bfloat16, ring attention merges blocks, dp averages), so a layout is about as far from one device in
-    bfloat16 as both are from float32, and at this learning rate (1e-2) the differences grow for a few
-    steps before training pulls them back. Measured over the table's rows, the largest: GPT blocks 0.01;
-    Llama blocks with 2 key/value heads 0.013, with 1 (every query head's gradient summed into it) 0.075;
-    with experts 0.06, a rounding flipping near-tied routing choices (a token sent to another expert
-    changes its output wholesale). Autocast over float32 weights, which kept the residual stream in
-    float32, measured 0.02 and 0.03 on the same Llama and expert runs.
+    bfloat16, ring attention merges blocks, dp averages), yet stay closer to one device in bfloat16 (at
+    most 0.0006 dense, measured over the table's rows and both blocks) than it is to float32 (0.0019).
+    With experts a rounding flips near-tied routing choices, and a token sent to another expert changes
+    its output wholesale: up to 0.0081 measured. (At lr 1e-2 the same runs drift chaotically: one Llama
+    run's bfloat16 and float32 trajectories part by 0.1 for a dozen steps, other seeds by 0.01.)
     """
     argv = [*TREND, *model_flags(arch, flags, model)]
     losses = run_on_ranks(world, train_worker, [*argv, *flags, "--dtype", "bfloat16", "--out", str(tmp_path)],
                           timeout=300)[0]["losses"]
     one_device, float32 = (one_rank((*argv, "--dtype", dtype))["losses"] for dtype in ("bfloat16", "float32"))
-    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.8  # it trains
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.5  # it trains
     for reference in (one_device, float32):
-        assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.1, (losses, reference)
+        assert max(abs(a - b) for a, b in zip(losses, reference)) < (0.02 if model else 0.005), (losses, reference)
     assert losses != float32  # it did compute in bfloat16
 
 
