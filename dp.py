@@ -28,6 +28,9 @@ g_avg = 1/N sum_i g_i) keeps the replicas identical after each optimizer step.
    order (or not at all, as for an expert that received no token).
    `no_sync()` skips the all-reduce for gradient accumulation: gradients of
    several micro-batches add up locally and are averaged once, after the last.
+   With bfloat16 weights the buckets may be float32 (`reduce_dtype`, Megatron-
+   LM's main_grad): each gradient is then added into its bucket and dropped,
+   so micro-batches accumulate, and ranks average, in float32.
    With `find_unused_parameters=True` (as DDP's), a parameter that no rank of
    the group gave a gradient this step (an expert no token reached) keeps
    `grad = None`, as in a single process, so the optimizer skips it (no weight
@@ -45,6 +48,12 @@ g_avg = 1/N sum_i g_i) keeps the replicas identical after each optimizer step.
        ZeRO1  optimizer state sharded            4 + 12/N  bytes per parameter
        ZeRO2  ... and gradients                  2 + 14/N
        ZeRO3  ... and the parameters themselves       16/N  (what PyTorch calls FSDP)
+
+   `master_dtype=torch.float32` under bfloat16 weights makes that accounting
+   real: each rank keeps its shard of the weights in float32 beside them (the
+   master the optimizer steps, 4 of Adam's 12 bytes), and gathers the
+   bfloat16 weights; its gradients are float32 unless `reduce_dtype` says
+   bfloat16 (4 bytes, as Megatron-LM's main_grad, rather than the paper's 2).
 
    A ring all-reduce is a reduce-scatter followed by an all-gather, so stages
    1 and 2 communicate what plain data parallelism does (2 Psi per step: the
