@@ -264,7 +264,8 @@ def precision_check(settings, out, rounds=3, steps=6):
                         peak_resident_gib=max(float(x) for x in peak.split(":")[1].split()),
                         **{key: max(log[-1][key]) for key in ("param_bytes", "grad_bytes", "optim_bytes",
                                                               "activation_peak_bytes")},
-                        comm_bytes=max(sum(log[-1][key][rank] for key in log[-1] if key.startswith("comm_"))
+                        comm_bytes=max(sum(log[-1][key][rank] for key in log[-1]
+                                           if key.startswith("comm_") and key.endswith("_bytes"))
                                        for rank in range(world)),
                         final_loss=log[-1]["loss"]))
     finally:

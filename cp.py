@@ -34,8 +34,9 @@ K/V block, picking up each rank's contribution, until they are back home.
 
 Each block is computed by one of PyTorch's fused attention kernels that
 return the log-sum-exp the merge needs and whose backward takes the merged
-output and log-sum-exp (`default_kernels` picks): on CPUs its flash kernel,
-in every dtype; on CUDA FlashAttention-2 for float16/bfloat16 and the
+output and log-sum-exp (`default_kernels` picks): on CPUs its flash kernel
+(half-precision blocks widened to float32: its backward is slow in them); on
+CUDA FlashAttention-2 for float16/bfloat16 and the
 memory-efficient kernel for float32. A block's (s/2N)² scores are never
 materialised, so memory grows linearly with the sequence. The same
 computation written out (`block_attention`, `block_attention_backward`) is
@@ -211,6 +212,19 @@ def cpu_flash_block_backward(grad_out, q, k, v, out, lse, causal):
                                                                                causal)
 
 
+def cpu_flash_block_in_float32(q, k, v, causal):
+    """cpu_flash_block on q, k, v widened to float32: in half precision the CPU kernel's backward is many
+    times slower than in float32 (20x measured at head size 32, PyTorch 2.13), and a CPU gains nothing
+    from computing the block narrower. (What travels round the ring stays in the inputs' dtype.)"""
+    return cpu_flash_block(*(_widened(t) for t in (q, k, v)), causal)
+
+
+def cpu_flash_block_backward_in_float32(grad_out, q, k, v, out, lse, causal):
+    """cpu_flash_block_backward on its tensors widened to float32 (its gradients come back in float32,
+    which the ring sums in anyway)."""
+    return cpu_flash_block_backward(*(_widened(t) for t in (grad_out, q, k, v, out)), lse, causal)
+
+
 def cuda_flash_block(q, k, v, causal):
     """block_attention by FlashAttention-2 on CUDA (float16 and bfloat16 only)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal)[:2]
@@ -245,6 +259,7 @@ def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, causal):
 # fused (memory linear in the sequence: the (s/2N)² scores of a block are never materialised).
 EXPLICIT = (block_attention, block_attention_backward)
 FUSED = (cpu_flash_block, cpu_flash_block_backward)  # on CPUs
+FUSED_IN_FLOAT32 = (cpu_flash_block_in_float32, cpu_flash_block_backward_in_float32)  # on CPUs, half precision
 CUDA_FLASH = (cuda_flash_block, cuda_flash_block_backward)
 CUDA_EFFICIENT = (cuda_efficient_block, cuda_efficient_block_backward)
 
@@ -257,13 +272,15 @@ def _have(ops):
 def default_kernels(device, dtype, head_dim):
     """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
 
-    CPU: its flash kernel, in every dtype. CUDA: flash attention for float16/bfloat16 (Ampere or later,
+    CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for float16/bfloat16 (Ampere or later,
     heads up to 256), the memory-efficient kernel for float32 and the half-precision blocks flash cannot
     take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
     alignment: SDPA pads them, this file does not) and other devices: the written-out blocks.
     """
     if device.type == "cpu":
-        return FUSED if _have(_CPU_FLASH) else EXPLICIT
+        if not _have(_CPU_FLASH):
+            return EXPLICIT
+        return FUSED if dtype in (torch.float32, torch.float64) else FUSED_IN_FLOAT32
     if device.type != "cuda" or dtype == torch.float64 or head_dim % 8:
         return EXPLICIT
     ampere = torch.cuda.get_device_capability(device) >= (8, 0)

@@ -91,7 +91,7 @@ def mixed_precision_worker(seq_len, kernels):
     return results
 
 
-@pytest.mark.parametrize("kernels", ["FUSED", "EXPLICIT"])
+@pytest.mark.parametrize("kernels", ["FUSED", "FUSED_IN_FLOAT32", "EXPLICIT"])
 def test_ring_attention_in_bfloat16_sends_half_the_bytes_and_stays_within_its_rounding(kernels):
     for r in run_on_ranks(2, mixed_precision_worker, 32, kernels):
         fp32, bf16 = r[torch.float32], r[torch.bfloat16]
@@ -142,10 +142,11 @@ def test_memory_efficient_backward_gets_the_log_sum_exp_its_forward_lays_out():
 
 
 def test_kernels_chosen_by_device_and_dtype():
-    """CPUs: the fused kernel in every dtype. Elsewhere (here the meta device stands for one with no fused
-    kernels): the written-out blocks; CUDA's choice is checked in test_cuda.py."""
+    """CPUs: the fused kernel, half precision widened to float32 for it. Elsewhere (here the meta device
+    stands for one with no fused kernels): the written-out blocks; CUDA's choice is checked in test_cuda.py."""
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
-        assert cp.default_kernels(torch.device("cpu"), dtype, 8) is cp.FUSED
+        expected = cp.FUSED_IN_FLOAT32 if dtype == torch.bfloat16 else cp.FUSED
+        assert cp.default_kernels(torch.device("cpu"), dtype, 8) is expected
         assert cp.default_kernels(torch.device("meta"), dtype, 8) is cp.EXPLICIT
 
 
