@@ -217,3 +217,20 @@ def test_no_activation_holds_a_copy_of_a_weight(tmp_path, world, flags):
     argv = [*BASE, *flags, "--steps", "1", "--dtype", "bfloat16", "--out", str(tmp_path)]
     for found in run_on_ranks(world, weight_copies_saved, argv, timeout=300):
         assert found == []
+
+
+# ---------------------------------------------------------------------------
+# Nothing lost at a checkpoint: it keeps the float32 master, and the bfloat16 weights are its rounding
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world,flags", [(2, ["--zero", "1"]), (2, ["--tp", "2"])], ids=["zero1-dp2", "tp2"])
+def test_bfloat16_run_stopped_and_resumed_equals_the_run_uninterrupted(tmp_path, world, flags):
+    argv = [*BASE, *flags, "--steps", "4", "--dtype", "bfloat16", "--checkpoint-interval", "2"]
+    whole = run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path / "whole")], timeout=300)[0]
+    resumed = tmp_path / "resumed"
+    first = run_on_ranks(world, train_worker, [*argv, "--stop-at", "2", "--out", str(resumed)], timeout=300)[0]
+    second = run_on_ranks(world, train_worker, [*argv, "--resume", "auto", "--out", str(resumed)], timeout=300)[0]
+    assert first["losses"] + second["losses"] == whole["losses"]  # bitwise: the same arithmetic
+    assert second["state_dict"]["lm_head.weight"].dtype == torch.bfloat16
+    for name, expected in whole["state_dict"].items():
+        assert torch.equal(second["state_dict"][name], expected), name
