@@ -20,10 +20,10 @@ Where the numbers come from:
   pack them into (padded to a multiple of the group, as dp.py pads them).
 - Memory per parameter follows the article's accounting (params, grads,
   AdamW's two moments; ZeRO-1/2/3 divide them by the data-parallel size),
-  in the dtypes of train.Precision: under bfloat16, the article's 16 bytes
-  (2 for the bf16 weights, 4 for their float32 master copy, 4 for the
-  float32 gradient buckets, 8 for the moments; the article counts 2 for
-  gradients, Megatron-LM's float32 main_grad 4).
+  in the dtypes of train.Precision: under bfloat16, 18 bytes a parameter
+  without ZeRO (2 for the bf16 weights, 4 for their float32 master copy,
+  4 for the float32 gradient buckets, 8 for the moments): the article's 16
+  with float32 gradients, as Megatron-LM's main_grad keeps them.
 - Traffic counts what each collective sends as a ring algorithm does, as
   the runs count it: an all-reduce of n bytes over N ranks sends 2(N-1)/N n,
   a reduce-scatter or an all-gather (N-1)/N n; point-to-point and
@@ -111,7 +111,7 @@ class Layout:
     def weight_bytes(self):  # the weights, every activation and every message
         return cli.DTYPES[self.dtype].itemsize
 
-    activation_bytes = weight_bytes
+    activation_bytes = weight_bytes  # (the same: activations are computed in the weights' dtype)
 
     @property
     def master_bytes(self):  # the optimizer's weights and moments, ZeRO's gradient shards
@@ -471,7 +471,7 @@ def moe_activations(c, layout, tokens):
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
     h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
     router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64) + balance_statistics(c, layout)
-    experts = assignments * (3 * h * a + a + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)  # (gates: a)
+    experts = assignments * (3 * h * a + a + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)  # gates cast to a
     shared = 0
     if c.n_shared_experts:
         shared = mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
