@@ -250,24 +250,8 @@ def precision_check(settings, out, rounds=3, steps=6):
                 for version in order:
                     print(f"bench: bfloat16 {version}, {layout}, round {r + 1} of {rounds}", flush=True)
                     runs = os.path.join(out, "precision", "runs", version)
-                    name = f"{world}{'_'.join(flags)}{r}"
-                    out_json = subprocess.run(
-                        torchrun_command(world, os.path.join(versions[version], "train.py"), *common, *flags,
-                                         "--out", runs, "--name", name),
-                        cwd=versions[version], env=ENV, capture_output=True, text=True, timeout=1800)
-                    if out_json.returncode:
-                        raise RuntimeError(f"bfloat16 {version} {layout} failed:\n{out_json.stderr[-3000:]}")
-                    log = read_log(os.path.join(runs, name, "log.jsonl"))
-                    peak = next(line for line in out_json.stdout.splitlines() if line.startswith("peak "))
-                    measured.setdefault(layout, {}).setdefault(version, []).append(dict(
-                        step_s=statistics.median(e["step_s"] for e in log[1:]),
-                        peak_resident_gib=max(float(x) for x in peak.split(":")[1].split()),
-                        **{key: max(log[-1][key]) for key in ("param_bytes", "grad_bytes", "optim_bytes",
-                                                              "activation_peak_bytes")},
-                        comm_bytes=max(sum(log[-1][key][rank] for key in log[-1]
-                                           if key.startswith("comm_") and key.endswith("_bytes"))
-                                       for rank in range(world)),
-                        final_loss=log[-1]["loss"]))
+                    measured.setdefault(layout, {}).setdefault(version, []).append(
+                        measured_run(versions[version], world, [*common, *flags], runs, f"{world}{'_'.join(flags)}{r}"))
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", before], cwd=REPO, capture_output=True)
     summary = {}
@@ -277,6 +261,25 @@ def precision_check(settings, out, rounds=3, steps=6):
                                **{version: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                                   for version, runs in by_version.items()})
     return dict(before_commit=AUTOCAST_COMMIT, rounds=rounds, steps=steps, flags=common, layouts=summary)
+
+
+def measured_run(repo, world, argv, runs, name):
+    """train.py of the checkout `repo` on `world` ranks: its median step time (the first step left out), its
+    ranks' largest peak resident memory, and its last step's largest counters, loss."""
+    done = subprocess.run(torchrun_command(world, os.path.join(repo, "train.py"), *argv, "--out", runs, "--name", name),
+                          cwd=repo, env=ENV, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"train.py of {repo} {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    log = read_log(os.path.join(runs, name, "log.jsonl"))
+    peak = next(line for line in done.stdout.splitlines() if line.startswith("peak "))
+    last = log[-1]
+    return dict(step_s=statistics.median(e["step_s"] for e in log[1:]),
+                peak_resident_gib=max(float(x) for x in peak.split(":")[1].split()),
+                **{key: max(last[key])
+                   for key in ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes")},
+                comm_bytes=max(sum(last[key][rank] for key in last
+                                   if key.startswith("comm_") and key.endswith("_bytes")) for rank in range(world)),
+                final_loss=last["loss"])
 
 
 def tokens_per_s(records):

@@ -272,9 +272,9 @@ def _have(ops):
 def default_kernels(device, dtype, head_dim):
     """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
 
-    CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for float16/bfloat16 (Ampere or later,
-    heads up to 256), the memory-efficient kernel for float32 and the half-precision blocks flash cannot
-    take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
+    CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for
+    float16/bfloat16 (Ampere or later, heads up to 256), the memory-efficient kernel for float32 and the
+    half-precision blocks flash cannot take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
     alignment: SDPA pads them, this file does not) and other devices: the written-out blocks.
     """
     if device.type == "cpu":

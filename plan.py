@@ -471,7 +471,8 @@ def moe_activations(c, layout, tokens):
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
     h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
     router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64) + balance_statistics(c, layout)
-    experts = assignments * (3 * h * a + a + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)  # gates cast to a
+    # (the gates are cast to the tokens' dtype)
+    experts = assignments * (3 * h * a + a + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)
     shared = 0
     if c.n_shared_experts:
         shared = mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)

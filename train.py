@@ -403,7 +403,8 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
     if experts:
         syncs.append(average(experts, find_unused_parameters=True, **expert_group))
     grad_sync = GradientSync(syncs)
-    return [ReplicatedOptimizer(model, partial(make_optimizer, args=args), grad_sync, precision.master, share)], grad_sync
+    optimizer = ReplicatedOptimizer(model, partial(make_optimizer, args=args), grad_sync, precision.master, share)
+    return [optimizer], grad_sync
 
 
 # ---------------------------------------------------------------------------
