@@ -49,9 +49,12 @@ def one_rank(argv):
 # ---------------------------------------------------------------------------
 
 STRUCTURE = [*BASE, "--steps", "2", "--dtype", "float32", "--master-dtype", "float64"]
+# ZeRO keeps its master shards apart from the weights (dp.Shard), each stage its own way, experts too.
+ZERO = [(2, ["--zero", "1"], ()), (2, ["--zero", "2"], ()), (2, ["--zero", "3"], ()),
+        (4, ["--ep", "2", "--zero", "3"], MOE), (8, ["--tp", "2", "--pp", "2", "--ep", "2", "--zero", "1"], MOE)]
 
 
-@pytest.mark.parametrize("world,flags,model", TABLE, ids=[row_name(w, f) for w, f, _ in TABLE])
+@pytest.mark.parametrize("world,flags,model", TABLE + ZERO, ids=[row_name(w, f) for w, f, _ in TABLE + ZERO])
 def test_float32_weights_with_a_float64_master_equal_one_device_under_the_same_policy(tmp_path, world, flags, model):
     """Every layout keeps a float64 master copy beside float32 weights, as one device does, and updates them
     alike. The weights, activations and messages are float32, so the layouts differ from one device by
@@ -90,7 +93,7 @@ def model_flags(arch, flags, model):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("world,flags,model", TABLE, ids=[row_name(w, f) for w, f, _ in TABLE])
+@pytest.mark.parametrize("world,flags,model", TABLE + ZERO, ids=[row_name(w, f) for w, f, _ in TABLE + ZERO])
 def test_bfloat16_trains_within_its_rounding_of_one_device_and_of_float32(tmp_path, arch, world, flags, model):
     """16 steps in bfloat16 at train.py's default learning rate (the loss falls by 0.6 to 0.7): at every step
     within 0.005 of one device in bfloat16 and of float32 (dense), 0.02 with experts.
