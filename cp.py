@@ -75,6 +75,7 @@ batch; gradients are then averaged over the group as data parallelism does.
 
 Self-check: torchrun --nproc_per_node 4 cp.py
 """
+import functools
 import math
 import os
 from collections import Counter
@@ -129,7 +130,8 @@ def sum_groups(t, heads_per_kv):
 
 
 def _widened(t):
-    """t in float32, or in its own dtype if that is wider (float64 checks)."""
+    """t in float32, or in its own dtype if that is wider (float64 checks). (model.py's at_least_float32:
+    a deliberate copy, each dimension file standing alone.)"""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
@@ -269,6 +271,7 @@ def _have(ops):
     return all(hasattr(torch.ops.aten, op) for op in ops)
 
 
+@functools.lru_cache  # chosen once per (device, dtype, head size), not at every layer's call: it asks the GPU
 def default_kernels(device, dtype, head_dim):
     """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
 

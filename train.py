@@ -244,7 +244,7 @@ class Share:
     the flattened local tensor into ranges (elements()).
     """
 
-    def __init__(self, tp_layouts, mesh, values, device, master_dtype=torch.float64):
+    def __init__(self, tp_layouts, mesh, values, device, master_dtype):
         self.tp_layouts, self.values, self.device, self.master_dtype = tp_layouts, values, device, master_dtype
         self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
 
