@@ -235,8 +235,9 @@ class Saver:
 def write_manifest(folder, records, meta):
     """The manifest from every rank's record: what makes the checkpoint complete (once the ranks' files,
     flushed already, are in the folder for good)."""
-    manifest = dict(step=meta["step"], skipped_steps=meta["skipped_steps"], args=meta["args"], tensors={},
-                    steps={}, pieces=[], files={})
+    manifest = dict(step=meta["step"], skipped_steps=meta["skipped_steps"], args=meta["args"],
+                    model=meta.get("model"), hf_config=meta.get("hf_config"), tensors={}, steps={}, pieces=[],
+                    files={})
     for record in records:
         manifest["tensors"].update(record["layouts"])
         manifest["steps"].update(record["steps"])

@@ -9,11 +9,12 @@ import argparse
 import torch
 import torch.distributed as dist
 
+import hf
 import pp
 import tp
 from data import split_lengths, vocab_size_of
 from mesh import mesh_shape
-from model import GPTConfig
+from model import GPTConfig, pad_vocabulary
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
     "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
@@ -60,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads of grouped-query attention (default: all heads with --arch gpt, the "
                         "preset's with --arch llama)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2): "
+                        "its config.json sets the model (not --model, --arch, --layers, --kv-heads); see hf.py")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -172,14 +176,20 @@ def check_args(args, world):
     if args.sp and args.tp == 1:
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")
-    check_pipeline(args)
     check_data(args)
     config = model_config(args, data_vocab_size(args))
+    check_pipeline(args, config.n_layer)
     if args.tp > 1:
-        problem = tp.check_tensor_parallel(args.tp, config.n_head, config.d_ff, config.vocab_size,
+        problem = tp.check_tensor_parallel(args.tp, config.n_head, config.d_ff, config.padded_vocab_size,
                                            args.seq_len // args.cp if args.sp else None, config.n_kv_heads)
         if problem:
             raise ConfigError(f"--tp {args.tp}: {problem}")
+    if config.tie_embeddings and args.zero == 3:
+        raise ConfigError("--zero 3 with a tied output layer is not supported: ZeRO-3 gathers the embedding and "
+                          "the output layer as two units, and a tied weight would have to be both")
+    if data_vocab_size(args) > config.vocab_size:
+        raise ConfigError(f"the data's vocabulary ({data_vocab_size(args)} ids) is larger than the model's "
+                          f"({config.vocab_size}, from --init-from {args.init_from})")
     return shape
 
 
@@ -207,7 +217,7 @@ def check_vocabulary(data, rank, world):
                           f"{data.vocab_size} (meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
 
 
-def check_pipeline(args):
+def check_pipeline(args, n_layer):
     if args.pp == 1:
         if args.schedule == "interleaved" or args.virtual_stages > 1:
             raise ConfigError("--schedule interleaved and --virtual-stages need pipeline parallelism (--pp > 1)")
@@ -221,34 +231,45 @@ def check_pipeline(args):
                           f"and ZeRO-3 would gather every stage's weights per micro-batch); use --zero 1")
     try:
         pp.make_schedule(args.schedule, args.micro_batches, args.pp, 0, args.virtual_stages)
-        pp.split_layers(args.layers, args.pp * args.virtual_stages)
+        pp.split_layers(n_layer, args.pp * args.virtual_stages)
     except ValueError as e:
         raise ConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
 
 
 def data_vocab_size(args):
     """The vocabulary of the training data, known before anything is loaded (see data.vocab_size_of)."""
-    synthetic = args.vocab_size or PRESETS[args.model]["vocab_size"]
+    synthetic = args.vocab_size or (hf_vocab_size(args.init_from) if args.init_from
+                                    else PRESETS[args.model]["vocab_size"])
     return vocab_size_of(args.data, synthetic if args.data is None else args.vocab_size)
 
 
-def padded_vocab(vocab_size):
-    """The vocabulary rounded up to a multiple of 64 (as nanoGPT does), so it splits over tensor-parallel ranks."""
-    return -(-vocab_size // 64) * 64
+def hf_vocab_size(folder):
+    try:
+        return hf.read_config(folder)["vocab_size"]
+    except (hf.UnsupportedModel, KeyError) as e:
+        raise ConfigError(f"--init-from {folder}: {e}") from None
 
 
 def model_config(args, vocab_size):
-    """The model the flags describe (a ConfigError if they describe none)."""
+    """The model the flags describe (a ConfigError if they describe none); vocab_size: the data's."""
+    # Mixtures of experts: how they are balanced is a training choice, with a model from anywhere.
+    moe = dict(aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0,
+               bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
+    if args.init_from:
+        try:
+            return hf.config_from_hf(hf.read_config(args.init_from), args.seq_len, **moe)
+        except hf.UnsupportedModel as e:
+            raise ConfigError(f"--init-from {args.init_from}: {e}") from None
     if args.model in LLAMA_ONLY and args.arch != "llama":
         raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
-    shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=padded_vocab(vocab_size))
+    shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=vocab_size,
+                 padded_vocab_size=pad_vocabulary(vocab_size))
     if args.arch == "llama":
         shape.update(LLAMA, **LLAMA_SHAPES[args.model])
     if args.kv_heads:
         shape.update(n_kv_heads=args.kv_heads)
     try:
         return GPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
-                         aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0,
-                         bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
+                         **moe)
     except ValueError as e:
         raise ConfigError(f"--model {args.model} --arch {args.arch}: {e}") from None

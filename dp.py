@@ -372,6 +372,12 @@ class DataParallel:
     def _complete(self, bucket):
         bucket.grad.div_(self.divide_by)
 
+    @property
+    def averaged_gradients(self):
+        """The tensors holding this rank's averaged gradients after finish_grad_sync: the buckets (ZeRO: its
+        shards of them)."""
+        return [bucket.grad for bucket in self.buckets]
+
     # -- experts: parameters no rank used keep no gradient ------------------------------
 
     def _keep_used_grads(self, used_somewhere):
@@ -558,6 +564,8 @@ class ZeRO1(DataParallel):
     @property
     def grad_shards(self):
         return [shard.grad for shard in self.shards.values()]
+
+    averaged_gradients = grad_shards
 
     # -- gradients: reduce-scatter instead of all-reduce (a ring all-reduce's first half) ----------
 

@@ -92,7 +92,7 @@ class Mesh:
             raise RuntimeError("Mesh needs torch.distributed to be initialised first")
         if dist.get_world_size() != shape.world:
             raise ValueError(f"mesh of {shape.world} ranks launched on {dist.get_world_size()}")
-        self.shape = shape
+        self.shape, self.backend, self.timeout = shape, backend, timeout
         self.rank = dist.get_rank()
         self.coord = coordinates(shape, self.rank)
         self.groups, self.ranks = {}, {}
@@ -102,6 +102,15 @@ class Mesh:
                 group = dist.new_group(ranks, backend=backend, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name], self.ranks[name] = group, ranks
+
+    def add_pipeline_ends(self):
+        """The group of each pipeline's first and last stage (Megatron-LM's embedding group, where a tied
+        output layer's two copies live), as groups["pp_ends"]; made only when needed (call on every rank)."""
+        for ranks in group_ranks(self.shape, ("pp",)):
+            ends = [ranks[0], ranks[-1]]
+            group = dist.new_group(ends, backend=self.backend, timeout=self.timeout)
+            if self.rank in ends:
+                self.groups["pp_ends"], self.ranks["pp_ends"] = group, ends
 
     def size(self, name):
         return len(self.ranks[name])

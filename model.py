@@ -41,7 +41,9 @@ from torch.utils.checkpoint import checkpoint
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
-    seq_len: int = 128           # the longest sequence (size of the position table)
+    padded_vocab_size: int = 0   # rows of the embedding and output tables (see cross_entropy); 0: vocab_size
+    seq_len: int = 128           # tokens per training sequence
+    max_seq_len: int = 0         # the longest sequence: rows of the learned position table; 0: seq_len
     n_layer: int = 4
     n_head: int = 4
     n_kv_heads: int = 0          # key/value heads (grouped-query attention); 0 means n_head
@@ -49,9 +51,16 @@ class GPTConfig:
     d_ff: int = 0                # MLP hidden size; 0 means 4 * d_model
     position: str = "learned"    # "learned" (a position table, GPT-2) or "rope" (rotary, Llama)
     rope_theta: float = 10000.0  # rotary base: pair i of a head turns by pos * theta^(-2i/head_dim)
+    rope_factor: float = 1.0     # Llama 3.1's scaling of the rotary frequencies (1: none; see rotary_frequencies)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
-    mlp: str = "gelu"            # "gelu" or "swiglu"
+    norm_eps: float = 1e-5       # added to the variance (mean square) under the norms' square root
+    mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation) or "swiglu"
     bias: bool = True            # biases in the linear layers and LayerNorms
+    qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
+    tie_embeddings: bool = False  # the output layer's weight is the embedding's (GPT-2, Llama 3.2 1B and 3B)
     n_experts: int = 0           # 0: every MLP is dense; > 0: mixture of experts
     top_k: int = 2               # experts chosen per token
     moe_layers: tuple = field(default_factory=tuple)  # which blocks are MoE; empty: all of them
@@ -62,17 +71,24 @@ class GPTConfig:
     def __post_init__(self):
         self.d_ff = self.d_ff or 4 * self.d_model
         self.n_kv_heads = self.n_kv_heads or self.n_head
+        self.padded_vocab_size = self.padded_vocab_size or self.vocab_size
+        self.max_seq_len = self.max_seq_len or self.seq_len
+        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
         self.moe_layers = tuple(self.moe_layers)
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if not 1 <= self.n_kv_heads <= self.n_head or self.n_head % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}")
         for name, value, allowed in [("position", self.position, ("learned", "rope")),
-                                     ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, ("gelu", "swiglu"))]:
+                                     ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, tuple(ACTIVATIONS))]:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
         if self.position == "rope" and (self.d_model // self.n_head) % 2:
             raise ValueError(f"rotary embeddings turn pairs of features: head size {self.d_model // self.n_head} is odd")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
+        if self.seq_len > self.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len} is longer than max_seq_len={self.max_seq_len}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         bad = [i for i in self.moe_layers if not 0 <= i < self.n_layer]
@@ -99,7 +115,13 @@ class GPTConfig:
         moe = (self.top_k + self.n_shared_experts) * mlp + d * self.n_experts
         attention = 2 * d * d + 2 * d * self.kv_dim + 2 * d * self.seq_len  # q, proj; k, v; the two products
         per_layer = [attention + (moe if self.is_moe(i) else mlp) for i in range(self.n_layer)]
-        return 6 * (sum(per_layer) + d * self.vocab_size)
+        return 6 * (sum(per_layer) + d * self.padded_vocab_size)
+
+
+def pad_vocabulary(vocab_size, multiple=64):
+    """The tables' rows for vocab_size ids: a multiple of 64 (as nanoGPT pads GPT-2's 50257 to 50304), so that
+    they split evenly over tensor-parallel ranks; the padding is never predicted (see without_padding)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 def at_least_float32(t):
@@ -107,9 +129,19 @@ def at_least_float32(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def cross_entropy(logits, targets):
-    """Mean cross-entropy over all tokens, computed in float32 or better."""
-    return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten())
+def without_padding(logits, vocab_size, first_id=0):
+    """logits of the ids past the vocabulary (the tables' padding rows) set to -inf: no probability goes there,
+    so a padded model predicts what the unpadded one does. logits: of ids first_id, first_id + 1, ...
+    (a rank's share of the vocabulary under tensor parallelism). Untouched when none is padding."""
+    real = max(0, vocab_size - first_id)
+    if real >= logits.shape[-1]:
+        return logits
+    return logits.index_fill(-1, torch.arange(real, logits.shape[-1], device=logits.device), float("-inf"))
+
+
+def cross_entropy(logits, targets, vocab_size):
+    """Mean cross-entropy over all tokens of logits over vocab_size ids (and padding), in float32 or better."""
+    return F.cross_entropy(without_padding(at_least_float32(logits.flatten(0, 1)), vocab_size), targets.flatten())
 
 
 def causal_attention(q, k, v):
@@ -121,19 +153,33 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def rotary(x, pos, theta):
+def rotary_frequencies(config, head_dim, dtype, device):
+    """How fast each feature pair of a head turns with the position: pair i by theta^(-2i/head_dim) a token.
+
+    With Llama 3.1's scaling (rope_factor > 1; Meta's `apply_scaling`, transformers' "llama3" rope type), the
+    pairs whose wavelength 2 pi / frequency is longer than the original context over rope_low_freq_factor
+    turn rope_factor times slower, those shorter than it over rope_high_freq_factor are kept, and those
+    between are blended linearly in (original context / wavelength).
+    """
+    half = head_dim // 2
+    frequencies = config.rope_theta ** (-torch.arange(half, dtype=dtype, device=device) / half)
+    if config.rope_factor == 1:
+        return frequencies
+    low, high, context = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_context
+    blend = ((context * frequencies / (2 * math.pi) - low) / (high - low)).clamp(0, 1)  # 0: slowed, 1: kept
+    return (1 - blend) * frequencies / config.rope_factor + blend * frequencies
+
+
+def rotary(x, pos, frequencies):
     """Rotary position embedding (RoFormer, as Llama lays it out) of x (batch, heads, seq, head_dim).
 
     Feature pairs (i, i + head_dim/2) of the token at position p are turned by the
-    angle p * theta^(-2i/head_dim), so q . k depends on positions only through
+    angle p * frequencies[i], so q . k depends on positions only through
     their difference. Positions come from `pos`, never from the place in x.
     """
-    half = x.shape[-1] // 2
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    frequencies = theta ** (-torch.arange(half, dtype=dtype, device=x.device) / half)
-    angles = pos.to(dtype).unsqueeze(-1) * frequencies  # (seq, half)
-    cos, sin = angles.cos(), angles.sin()
     x1, x2 = at_least_float32(x).chunk(2, dim=-1)
+    angles = pos.to(x1.dtype).unsqueeze(-1) * frequencies.to(x1.dtype)  # (seq, half)
+    cos, sin = angles.cos(), angles.sin()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
@@ -144,9 +190,9 @@ class CausalSelfAttention(nn.Module):
         self.group = config.n_head // config.n_kv_heads  # query heads per key/value head
         # Output laid out as (q heads | k heads | v heads) x head_dim; with grouped-query attention
         # the k and v parts are smaller than q's.
-        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * config.kv_dim, bias=config.bias)
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * config.kv_dim, bias=config.qkv_bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.rope_theta = config.rope_theta if config.position == "rope" else None
+        self.frequencies = partial(rotary_frequencies, config, self.head_dim) if config.position == "rope" else None
         self.core = causal_attention  # the swappable seam (see the module docstring)
 
     def forward(self, x, pos):
@@ -157,8 +203,9 @@ class CausalSelfAttention(nn.Module):
         heads = qkv.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (batch, heads, seq, head_dim)
         n_kv = heads.shape[1] // (self.group + 2)
         q, k, v = heads.split([self.group * n_kv, n_kv, n_kv], dim=1)
-        if self.rope_theta:
-            q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
+        if self.frequencies:
+            frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
+            q, k = rotary(q, pos, frequencies), rotary(k, pos, frequencies)
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -169,6 +216,9 @@ def swiglu(h):
     return F.silu(gate) * up
 
 
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "swiglu": swiglu}
+
+
 class MLP(nn.Module):
     """proj(act(fc(x))): GELU, or SwiGLU, whose fc holds the gate and up matrices as (gate | up)."""
 
@@ -177,7 +227,7 @@ class MLP(nn.Module):
         d_ff = d_ff or config.d_ff
         n_inputs = 2 if config.mlp == "swiglu" else 1
         self.fc = nn.Linear(config.d_model, n_inputs * d_ff, bias=config.bias)
-        self.act = swiglu if config.mlp == "swiglu" else F.gelu
+        self.act = ACTIVATIONS[config.mlp]
         self.proj = nn.Linear(d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x):
@@ -272,8 +322,8 @@ def update_route_biases(model):
 def make_norm(config: GPTConfig):
     """LayerNorm (GPT-2), or RMSNorm (Llama: x / rms(x) * weight; no mean subtracted, no bias)."""
     if config.norm == "rms":
-        return nn.RMSNorm(config.d_model, eps=1e-5)
-    return nn.LayerNorm(config.d_model, bias=config.bias)
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -388,6 +438,13 @@ def initial_values(name, positions, n_layer, seed):
     return std * counter_normal(seed, name, positions)
 
 
+def tied_name(name, config):
+    """The name parameter `name` goes by in values and checkpoints: with a tied output layer, the embedding's.
+    (Held together on one device, the two are one parameter, tok_emb.weight; a pipeline's last stage holds the
+    weight alone, as lm_head.weight.)"""
+    return "tok_emb.weight" if config.tie_embeddings and name == "lm_head.weight" else name
+
+
 def fill_in_chunks(flat, values_at, positions):
     """flat[start:end] = values_at(positions(start, end)), a chunk at a time: positions maps flat's elements
     to their flat indices in the full tensor (the whole tensor's, or a shard's own map)."""
@@ -400,13 +457,16 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed=0):
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.tok_emb = nn.Embedding(config.padded_vocab_size, config.d_model)
         # Learned positions are added to the input; rotary ones turn q and k inside every block.
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.position == "learned" else None
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.position == "learned" else None
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = make_norm(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.loss_fn = cross_entropy  # the swappable seam (see the module docstring)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:  # one parameter, named tok_emb.weight (see tied_name)
+            self.lm_head.weight = self.tok_emb.weight
+        # the swappable seam (see the module docstring)
+        self.loss_fn = partial(cross_entropy, vocab_size=config.vocab_size)
         if self.lm_head.weight.device.type != "meta":  # on the meta device there is nothing to fill yet
             self.reset_parameters(seed)
 
@@ -449,8 +509,8 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Sample max_new_tokens continuations of idx (batch, seq), one at a time."""
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.seq_len:]
-            logits = self(context)[0][:, -1, :] / temperature
+            context = idx[:, -self.config.max_seq_len:]
+            logits = without_padding(self(context)[0][:, -1, :], self.config.vocab_size) / temperature
             if top_k is not None:
                 kth_largest = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -340,15 +340,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
+    def forward(ctx, logits, targets, vocab_start, group, vocab_size=None):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         per_rank = logits.shape[-1]
+        real = per_rank if vocab_size is None else max(0, vocab_size - vocab_start)  # the rest is padding
+        if real < per_rank:  # rows past the vocabulary, which the tables hold to split evenly: no probability
+            logits = logits.index_fill(-1, torch.arange(real, per_rank, device=logits.device), float("-inf"))
         logits_max = all_reduce(logits.max(-1).values, group, op=dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - vocab_start
         inside = (local_target >= 0) & (local_target < per_rank)
         local_target = local_target.clamp(0, per_rank - 1)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
         exp = shifted.exp()
         # One all-reduce for both sums: the target's logit (on one rank) and the sum of exponentials.
         target_logit, sum_exp = all_reduce(torch.stack([target_logit, exp.sum(-1)]), group)
@@ -361,12 +364,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_target, inside = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
-        return grad * grad_loss.unsqueeze(-1), None, None, None
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, vocab_start, group):
-    """Mean over all tokens: a drop-in for the single device's cross-entropy."""
-    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group).mean()
+def vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size=None):
+    """Mean over all tokens: a drop-in for the single device's cross-entropy. vocab_size: the ids that exist,
+    when the tables hold padding rows past them (None: none)."""
+    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, vocab_size).mean()
 
 
 # ---------------------------------------------------------------------------
@@ -431,11 +435,12 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
     """Shard a GPT in place across `group`: heads, key/value heads, MLP units and vocabulary split N ways."""
     c = model.config
     n = dist.get_world_size(group)
-    problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.vocab_size, c.seq_len if sequence_parallel else None,
-                                    c.n_kv_heads)
+    problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.padded_vocab_size,
+                                    c.seq_len if sequence_parallel else None, c.n_kv_heads)
     if problem:
         raise ValueError(problem)
     sp = sequence_parallel
+    tied = model.lm_head.weight is model.tok_emb.weight
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
     if sp and model.pos_emb is not None:
         model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
@@ -444,7 +449,10 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
     if sp:
         sequence_parallel_norm(model.norm, group)
     model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
-    model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
+    if tied:  # the output layer's slice of the vocabulary is the embedding's: the same rows, one parameter
+        model.lm_head.weight = model.tok_emb.weight
+    model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group,
+                            vocab_size=c.vocab_size)
     return model
 
 

@@ -36,16 +36,17 @@ import torch.distributed as dist
 import checkpoint
 import cp
 import ep
+import hf
 import pp
 import tp
 from cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
 from data import load_data
-from dp import ZERO_STAGES, DataParallel, ZeRO3, gpt_units, unallocated
+from dp import ZERO_STAGES, DataParallel, ZeRO3, gpt_units, ring_bytes_sent, unallocated
 from launch import Preemption, exit_with_error, in_collective, init_distributed, where
 from mesh import Mesh
 from meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
                    peak_resident_bytes, tensor_bytes)
-from model import GPT, apply_recomputation, fill_in_chunks, initial_values, update_route_biases
+from model import GPT, apply_recomputation, fill_in_chunks, initial_values, tied_name, update_route_biases
 
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
@@ -54,7 +55,7 @@ PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a p
 COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<kind>_bytes
     "dp": ("all_reduce", "all_gather", "reduce_scatter"),
     "tp": ("all_reduce", "all_gather", "reduce_scatter"),
-    "pp": ("send_recv",),
+    "pp": ("send_recv", "all_reduce"),
     "cp": ("send_recv",),
     "ep": ("all_to_all",),
 }
@@ -170,6 +171,7 @@ class Parallelized:
     chunks: list | None             # this rank's model chunks under pipeline parallelism (None: the model)
     optimizers: list                # dp.py's ZeRO instances, or one ReplicatedOptimizer: the same interface
     grad_sync: "GradientSync"       # the data-parallel averaging of the gradients
+    tied: "TiedOutputLayer"         # the sum of a tied output layer's gradients over the pipeline's ends
     share: "Share"                  # what this rank holds of each parameter, as positions in the full tensor
 
 
@@ -199,11 +201,11 @@ def parallelize(model, mesh, args, values, device, precision):
     apply_recomputation(model, args.recompute)
     # What this rank holds now exists: allocated on its device and filled (under ZeRO-3 only the shards,
     # which ZeRO-3 fills itself).
-    share = Share(tp_layouts, mesh, values, device, precision.master)
+    share = Share(tp_layouts, mesh, values, device, precision.master, model.config)
     share.materialize(model, fill=args.zero != 3)
     # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
-    optimizers, grad_sync = data_parallel(model, mesh, args, moe_layers, share, precision)
-    return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, share)
+    optimizers, grad_sync, tied = data_parallel(model, mesh, args, moe_layers, share, precision)
+    return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, tied, share)
 
 
 class InitialValues:
@@ -218,6 +220,16 @@ class InitialValues:
 
     def buffer(self, name, empty):
         return torch.zeros_like(empty)  # the routing biases and the step's expert loads start at zero
+
+
+def starting_values(args, config, saved):
+    """Where the weights come from: the checkpoint resumed, else the Hugging Face folder --init-from names,
+    else model.py's initial values."""
+    if saved:
+        return SavedValues(saved)
+    if args.init_from:
+        return hf.HuggingFaceValues(args.init_from, config)
+    return InitialValues(config, args.seed)
 
 
 class SavedValues:
@@ -237,16 +249,18 @@ class SavedValues:
 
 class Share:
     """This rank's share of every parameter, as positions in the full tensor: how it is filled from values
-    (InitialValues or SavedValues) without the full tensor ever existing.
+    (InitialValues, SavedValues, hf.HuggingFaceValues) without the full tensor ever existing.
 
     Of the dimensions, tensor parallelism alone cuts a parameter (along one dim, block by block: tp_layouts);
     the pipeline, experts and ZeRO keep or drop whole parameters under their full names, and ZeRO-3 cuts
-    the flattened local tensor into ranges (elements()).
+    the flattened local tensor into ranges (elements()). A tied output layer goes by the embedding's name
+    (model.tied_name) in values and checkpoints, wherever it is held.
     """
 
-    def __init__(self, tp_layouts, mesh, values, device, master_dtype):
+    def __init__(self, tp_layouts, mesh, values, device, master_dtype, config):
         self.tp_layouts, self.values, self.device, self.master_dtype = tp_layouts, values, device, master_dtype
         self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
+        self.name = partial(tied_name, config=config)
 
     def full_shape(self, name, shape):
         """The full tensor's shape, of `name` whose slice here has `shape`."""
@@ -286,7 +300,7 @@ class Share:
         """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`), from
         values(positions) (default: the share's values of the parameter), rounded to the master weights'
         dtype first: bfloat16 weights are then their float32 master's rounding, whichever fills them."""
-        values = values or partial(self.values.parameter, name)
+        values = values or partial(self.values.parameter, self.name(name))
         fill_in_chunks(flat, lambda positions: values(positions).to(self.master_dtype),
                        lambda a, b: self.positions(name, shape, start + a, start + b))
 
@@ -296,20 +310,28 @@ class Share:
         self.fill(flat, name, shape, start)
         return flat
 
+    def _real(self, name, p, fill):
+        """Meta parameter p, allocated on the run's device (and filled)."""
+        if fill:
+            tensor = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            self.fill(tensor.view(-1), name, p.shape)
+        else:
+            tensor = unallocated(p.shape, p.dtype, self.device)
+        real = torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
+        # Gradient hooks a dimension put on the meta parameter go with it (sequence parallelism's norms
+        # sum their gradients over the tp group); PyTorch keeps a tensor's hooks in this dict.
+        real._backward_hooks = p._backward_hooks
+        return real
+
     def materialize(self, model, fill=True):
         """Every meta parameter and buffer of `model` allocated on the run's device; the parameters filled,
-        or (fill False: ZeRO-3 fills its shards) left without memory."""
-        for name, p in list(model.named_parameters()):
-            if fill:
-                tensor = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                self.fill(tensor.view(-1), name, p.shape)
-            else:
-                tensor = unallocated(p.shape, p.dtype, self.device)
-            real = torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
-            # Gradient hooks a dimension put on the meta parameter go with it (sequence parallelism's norms
-            # sum their gradients over the tp group); PyTorch keeps a tensor's hooks in this dict.
-            real._backward_hooks = p._backward_hooks
-            set_tensor(model, "_parameters", name, real)
+        or (fill False: ZeRO-3 fills its shards) left without memory. A parameter held under two names (a
+        tied output layer) stays one."""
+        made = {}
+        for name, p in list(model.named_parameters(remove_duplicate=False)):
+            if p not in made:
+                made[p] = self._real(name, p, fill)
+            set_tensor(model, "_parameters", name, made[p])
         for name, b in list(model.named_buffers()):
             set_tensor(model, "_buffers", name, self.values.buffer(name, torch.empty_like(b, device=self.device)))
 
@@ -350,6 +372,8 @@ def pipeline_parallel(model, mesh, args, positions):
     """Only this rank's stage of layers kept; returns its model chunks."""
     if mesh.size("pp") == 1:
         return None
+    if positions is None:  # every token of a training sequence (the model may know longer ones)
+        positions = torch.arange(args.seq_len)
     return pp.apply_pipeline_parallel(model, mesh.groups["pp"], args.virtual_stages, positions)
 
 
@@ -372,7 +396,8 @@ def compile_blocks(model):
 
 
 def data_parallel(model, mesh, args, moe_layers, share, precision):
-    """The optimizers of this rank's parameters and the averaging of their gradients: (optimizers, sync).
+    """The optimizers of this rank's parameters, the averaging of their gradients, and the sum of a tied output
+    layer's: (optimizers, sync, tied).
 
     Dense gradients are averaged over the dense-gradient group, expert gradients over the expert-gradient
     group (divided by the dense group's size, see ep.py). With --zero, one ZeRO instance shards the dense
@@ -380,10 +405,17 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
     DataParallel averages, and one optimizer, the same on every replica, updates every parameter. On a
     single data rank too: its buckets are where the micro-batches' gradients accumulate, in the policy's
     reduce dtype. Nothing is broadcast: every replica filled its share from the same values.
+
+    A tied output layer held by two pipeline stages (the embedding on the first, the output layer on the
+    last) is averaged by an instance of its own, so that its gradients (under ZeRO its shards of them) are
+    the same elements on both stages, which TiedOutputLayer then sums.
     """
     group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
     named = list(model.named_parameters())
-    dense = [p for name, p in named if not ep.is_expert_parameter(name)]
+    tied_names = {name for name, _ in named if model.config.tie_embeddings and mesh.size("pp") > 1
+                  and share.name(name) == "tok_emb.weight"}
+    dense = [p for name, p in named if not ep.is_expert_parameter(name) and name not in tied_names]
+    tied = [p for name, p in named if name in tied_names]
     experts = [p for name, p in named if ep.is_expert_parameter(name)]
     expert_group = dict(group=mesh.groups["expert"], divide_by=mesh.size("dense"))
     if args.zero:
@@ -394,17 +426,41 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
                 model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
                 broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
                 initial_values=share.elements, **options)
-        zeros = [shard(dense, gpt_units(model), group)]
+        zeros = [shard(params, gpt_units(model), group) for params in (dense, tied) if params]
         if experts:
             zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
-        return zeros, GradientSync(zeros)
+        return zeros, GradientSync(zeros), TiedOutputLayer(zeros[1] if tied else None, tied_names, mesh)
     average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
-    syncs = [average(dense, group)]
+    syncs = [average(params, group) for params in (dense, tied) if params]
     if experts:
         syncs.append(average(experts, find_unused_parameters=True, **expert_group))
     grad_sync = GradientSync(syncs)
     optimizer = ReplicatedOptimizer(model, partial(make_optimizer, args=args), grad_sync, precision.master, share)
-    return [optimizer], grad_sync
+    return [optimizer], grad_sync, TiedOutputLayer(syncs[1] if tied else None, tied_names, mesh)
+
+
+class TiedOutputLayer:
+    """A tied output layer under pipeline parallelism (Megatron-LM's embedding group): the first stage holds
+    the embedding, the last the output layer, two copies of one weight, each of whose gradients holds its
+    own stage's part. Once data parallelism has averaged them, one all-reduce over the two stages sums
+    them, so both copies take the same step. With no such copies here (sync None) it does nothing.
+    """
+
+    def __init__(self, sync, names, mesh):
+        self.names, self.bytes_sent = names, 0
+        self.gradients = sync.averaged_gradients if sync else []
+        if names:
+            mesh.add_pipeline_ends()
+        self.group = mesh.groups.get("pp_ends")
+
+    def sum_gradients(self):
+        for grad in self.gradients:
+            dist.all_reduce(grad, group=self.group)
+            self.bytes_sent += ring_bytes_sent("all_reduce", grad.nbytes, 2)
+
+    def copies(self, name):
+        """How many pipeline stages hold parameter `name`."""
+        return 2 if name in self.names else 1
 
 
 # ---------------------------------------------------------------------------
@@ -688,10 +744,11 @@ class Trainer:
             self.model = precision.apply(GPT(config))
         self.n_params = sum(p.numel() for p in self.model.parameters())
         saved = checkpoint.Checkpoint(args.resume) if args.resume else None
-        values = SavedValues(saved) if saved else InitialValues(config, args.seed)
-        parallel = parallelize(self.model, mesh, args, values, device, precision)
+        # The Hugging Face config a run started from, kept in its checkpoints for hf.py's export.
+        self.hf_config = saved.manifest.get("hf_config") if saved else args.init_from and hf.read_config(args.init_from)
+        parallel = parallelize(self.model, mesh, args, starting_values(args, config, saved), device, precision)
         self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
-        self.optimizers, self.grad_sync = parallel.optimizers, parallel.grad_sync
+        self.optimizers, self.grad_sync, self.tied = parallel.optimizers, parallel.grad_sync, parallel.tied
         self.routing = RoutingCounts(parallel.moe_layers, args.experts)
         self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, device)
         self.start_step, self.skipped_steps = 0, 0
@@ -717,6 +774,7 @@ class Trainer:
         grad_wait = pp.Stopwatch(self.device)  # device time, not host time (see pp.Stopwatch)
         wait_start = grad_wait.now()
         self.grad_sync.finish_grad_sync()
+        self.tied.sum_gradients()
         grad_wait.add(wait_start, grad_wait.now())
         for group in (group for optimizer in self.optimizers for group in optimizer.optimizer.param_groups):
             group["lr"] = lr_at(step, args)
@@ -778,10 +836,10 @@ class Trainer:
         return total_norm
 
     def copies(self, name):
-        """How many ranks of the tp and ep groups hold a copy of parameter `name` (1: each holds its own)."""
+        """How many ranks of the tp, ep and pp groups hold a copy of parameter `name` (1: each its own)."""
         tp_copies = 1 if name in self.tp_layouts else self.mesh.size("tp")
         ep_copies = 1 if ep.is_expert_parameter(name) else self.mesh.size("ep")
-        return tp_copies * ep_copies
+        return tp_copies * ep_copies * self.tied.copies(name)
 
     @torch.no_grad()
     def validation_loss(self):
@@ -797,7 +855,8 @@ class Trainer:
 
     def comm_counters(self):
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
-        sources = {"dp": self.grad_sync.comm_bytes, "tp": tp.comm_bytes, "pp": {"send_recv": self.runner.bytes_sent},
+        sources = {"dp": self.grad_sync.comm_bytes, "tp": tp.comm_bytes,
+                   "pp": {"send_recv": self.runner.bytes_sent, "all_reduce": self.tied.bytes_sent},
                    "cp": cp.comm_bytes, "ep": ep.comm_bytes}
         return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
                 for dim, kinds in COMM_KINDS.items() for kind in kinds}
@@ -856,13 +915,15 @@ class Trainer:
         pieces, layouts, steps = [], {}, {}
         params = dict(self.model.named_parameters())
         for optimizer in self.optimizers:
-            for name, start, end, piece in optimizer.pieces():  # of the master weights, in their dtype
-                layouts[name] = self.share.layout(name, params[name].shape, piece.dtype)
+            for held_as, start, end, piece in optimizer.pieces():  # of the master weights, in their dtype
+                name = self.share.name(held_as)  # (a tied output layer: the embedding's)
+                layouts[name] = self.share.layout(held_as, params[held_as].shape, piece.dtype)
                 state = dict(optimizer.optimizer.state.get(piece, {}))
                 if "step" in state:
                     steps[name] = state.pop("step").item()
                 for key, value in [("model", piece), *state.items()]:
-                    pieces.append((checkpoint.Piece(name, key, self.share.part(name), start, end), value.reshape(-1)))
+                    part = self.share.part(held_as)
+                    pieces.append((checkpoint.Piece(name, key, part, start, end), value.reshape(-1)))
         saved = self.model.state_dict(keep_vars=True)
         for name, buffer in self.model.named_buffers():  # whole on every rank
             if name in saved:
@@ -874,11 +935,11 @@ class Trainer:
         """The optimizer state of this rank's pieces, read from a checkpoint saved under any layout."""
         shapes = {name: p.shape for name, p in self.model.named_parameters()}
         for optimizer in self.optimizers:
-            for name, start, end, piece in optimizer.pieces():
-                state = {}
+            for held_as, start, end, piece in optimizer.pieces():
+                name, state = self.share.name(held_as), {}
                 for key in saved.optimizer_keys(name):
                     state[key] = torch.empty_like(piece)
-                    self.share.fill(state[key].view(-1), name, shapes[name], start, partial(saved.read, name, key))
+                    self.share.fill(state[key].view(-1), held_as, shapes[held_as], start, partial(saved.read, name, key))
                 if state:  # the step count goes to the parameter's device too (fused AdamW wants it there)
                     state["step"] = torch.tensor(saved.steps[name], dtype=torch.float32, device=piece.device)
                     optimizer.optimizer.state[piece] = state
@@ -886,7 +947,8 @@ class Trainer:
     def save_checkpoint(self, saver, folder, step, keep):
         """Start saving the state after `step` steps into folder (every rank must call this)."""
         pieces, layouts, steps = self.checkpoint_pieces()
-        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps)
+        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps,
+                    model=asdict(self.model.config), hf_config=self.hf_config or None)
         saver.save(folder, pieces, layouts, meta, keep)
 
 

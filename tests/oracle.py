@@ -9,6 +9,7 @@ in both.
 import torch
 
 import cli
+import hf
 import model as model_lib
 import train
 
@@ -43,7 +44,10 @@ def reference_run(argv, skipped_steps=()):
     The steps in skipped_steps make no update (as train.py skips a step whose gradient is not finite)."""
     args = cli.parse_args([*argv, "--dtype", "float64"])
     data = train.load_training_data(args)
-    model = train.build_model(cli.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
+    config = cli.model_config(args, data.vocab_size)
+    model = train.build_model(config, args.seed, torch.float64, torch.device("cpu"))
+    if args.init_from:  # a Hugging Face folder's weights (read whole, as one device can)
+        model.load_state_dict(hf.load_state_dict(args.init_from, config))
     optimizer = train.make_optimizer(model.parameters(), args)
     losses, grad_norms = [], []
     for step in range(args.steps):

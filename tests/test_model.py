@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from meter import ActivationMeter
 from model import (GPT, MoE, GPTConfig, apply_recomputation, causal_attention, load_balancing_loss, route, rotary,
-                   update_route_biases)
+                   rotary_frequencies, update_route_biases)
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
@@ -349,12 +349,13 @@ def test_grouped_query_attention_equals_attention_with_repeated_key_value_heads(
 def test_rotary_scores_depend_only_on_the_difference_of_positions():
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 1, 1, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    frequencies = rotary_frequencies(GPTConfig(), 8, torch.float64, "cpu")
     def score(p_q, p_k):
-        return (rotary(q, torch.tensor([p_q]), 10000.0) * rotary(k, torch.tensor([p_k]), 10000.0)).sum().item()
+        return (rotary(q, torch.tensor([p_q]), frequencies) * rotary(k, torch.tensor([p_k]), frequencies)).sum().item()
     assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-12)
     assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-6)
-    torch.testing.assert_close(rotary(q, torch.tensor([0]), 10000.0), q)  # position 0: no turn
-    turned = rotary(q, torch.tensor([5]), 10000.0)
+    torch.testing.assert_close(rotary(q, torch.tensor([0]), frequencies), q)  # position 0: no turn
+    turned = rotary(q, torch.tensor([5]), frequencies)
     torch.testing.assert_close(turned.norm(), q.norm())  # a rotation keeps lengths
 
 

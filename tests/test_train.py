@@ -162,7 +162,7 @@ def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
 
 def test_vocabulary_flags(tmp_path):
     """The synthetic language's vocabulary is the preset's or --vocab-size; a token directory's its meta.pkl's,
-    else --vocab-size, else GPT-2's; the model's embedding is that, padded to a multiple of 64."""
+    else --vocab-size, else GPT-2's; the model's embedding is that, padded to a multiple of 64 (rows never predicted)."""
     assert cli.data_vocab_size(cli.parse_args(QUICK)) == 64
     assert cli.data_vocab_size(cli.parse_args([*QUICK, "--vocab-size", "100"])) == 100
     tokens = tmp_path / "tokens"
@@ -175,7 +175,8 @@ def test_vocabulary_flags(tmp_path):
     with open(tokens / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 65}, f)
     assert cli.data_vocab_size(cli.parse_args([*on_tokens, "--vocab-size", "70"])) == 65
-    assert cli.model_config(cli.parse_args(on_tokens), 65).vocab_size == 128
+    config = cli.model_config(cli.parse_args(on_tokens), 65)
+    assert (config.vocab_size, config.padded_vocab_size) == (65, 128)
 
 
 @pytest.mark.parametrize("world,flags,model", [(2, ["--cp", "2", "--zero", "3"], []),

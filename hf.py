@@ -1,0 +1,424 @@
+"""Hugging Face model folders in and out: continue training a released model, and hand the result back.
+
+    torchrun --nproc_per_node 8 train.py --init-from Llama-3.2-1B --tp 2 --pp 2 ...   # start from its weights
+    python hf.py export runs/x/checkpoint-00000100 llama-continued [--dtype bfloat16]  # any layout's checkpoint
+
+A Hugging Face model folder holds config.json (the architecture and its shape) and the weights in the
+safetensors format: one model.safetensors, or model-0000N-of-0000M.safetensors with
+model.safetensors.index.json naming the file of every tensor. This file reads GPT-2, Llama (2, 3, 3.1,
+3.2), Mistral, Mixtral and Qwen2 folders, and writes any run's checkpoint as one.
+
+Three things translate:
+- the config (config_from_hf): each setting mapped to model.py's GPTConfig, and one it cannot represent
+  refused by name (never approximated). Settings that only shape training (dropout, the router's
+  auxiliary-loss coefficient, initialisation) are not the model's: they come from train.py's flags.
+- the names (TABLES, one per architecture): each of model.py's tensors is made of Hugging Face tensors
+  stacked along its rows (attention's q | k | v, SwiGLU's gate | up), stored transposed in GPT-2's
+  Conv1D layers, and for the vocabulary tables padded with zero rows past the vocabulary (model.py
+  keeps the padding out of every prediction, so the logits are the released model's).
+- the values: `HuggingFaceValues` gives any elements of any of model.py's tensors, read from the files
+  without loading a whole tensor (train.py's Share asks each rank's own elements, so a rank reads only
+  what it will hold), and `export` writes a checkpoint back one tensor at a time.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+import checkpoint
+from model import GPT, GPTConfig, pad_vocabulary, tied_name
+
+
+class UnsupportedModel(ValueError):
+    """A Hugging Face config with a setting model.py cannot represent."""
+
+
+# ---------------------------------------------------------------------------
+# Names: model.py's tensor <- the Hugging Face tensors it is made of
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    """model.py's tensor is `names` stacked along its rows (dim 0); `transposed`: each is stored as (in,
+    out), as GPT-2's Conv1D layers keep their weights, where model.py's nn.Linear keeps (out, in)."""
+    names: tuple
+    transposed: bool = False
+
+
+def conv1d(name):
+    return Source((name,), transposed=True)
+
+
+def one(name):
+    return Source((name,))
+
+
+GPT2 = {  # transformers' GPT2LMHeadModel
+    "tok_emb.weight": one("transformer.wte.weight"),
+    "pos_emb.weight": one("transformer.wpe.weight"),
+    "blocks.{i}.norm1.weight": one("transformer.h.{i}.ln_1.weight"),
+    "blocks.{i}.norm1.bias": one("transformer.h.{i}.ln_1.bias"),
+    "blocks.{i}.attn.qkv.weight": conv1d("transformer.h.{i}.attn.c_attn.weight"),  # q | k | v already
+    "blocks.{i}.attn.qkv.bias": one("transformer.h.{i}.attn.c_attn.bias"),
+    "blocks.{i}.attn.proj.weight": conv1d("transformer.h.{i}.attn.c_proj.weight"),
+    "blocks.{i}.attn.proj.bias": one("transformer.h.{i}.attn.c_proj.bias"),
+    "blocks.{i}.norm2.weight": one("transformer.h.{i}.ln_2.weight"),
+    "blocks.{i}.norm2.bias": one("transformer.h.{i}.ln_2.bias"),
+    "blocks.{i}.mlp.fc.weight": conv1d("transformer.h.{i}.mlp.c_fc.weight"),
+    "blocks.{i}.mlp.fc.bias": one("transformer.h.{i}.mlp.c_fc.bias"),
+    "blocks.{i}.mlp.proj.weight": conv1d("transformer.h.{i}.mlp.c_proj.weight"),
+    "blocks.{i}.mlp.proj.bias": one("transformer.h.{i}.mlp.c_proj.bias"),
+    "norm.weight": one("transformer.ln_f.weight"),
+    "norm.bias": one("transformer.ln_f.bias"),
+    "lm_head.weight": one("lm_head.weight"),  # only when not tied (GPT-2's is)
+}
+
+LAYER = "model.layers.{i}."
+ATTENTION = LAYER + "self_attn."
+LLAMA = {  # transformers' LlamaForCausalLM, and Mistral's, Qwen2's and Mixtral's, which name alike
+    "tok_emb.weight": one("model.embed_tokens.weight"),
+    "blocks.{i}.norm1.weight": one(LAYER + "input_layernorm.weight"),
+    "blocks.{i}.attn.qkv.weight": Source(tuple(ATTENTION + f"{x}_proj.weight" for x in "qkv")),
+    "blocks.{i}.attn.qkv.bias": Source(tuple(ATTENTION + f"{x}_proj.bias" for x in "qkv")),  # Qwen2
+    "blocks.{i}.attn.proj.weight": one(ATTENTION + "o_proj.weight"),
+    "blocks.{i}.attn.proj.bias": one(ATTENTION + "o_proj.bias"),  # attention_bias
+    "blocks.{i}.norm2.weight": one(LAYER + "post_attention_layernorm.weight"),
+    "blocks.{i}.mlp.fc.weight": Source((LAYER + "mlp.gate_proj.weight", LAYER + "mlp.up_proj.weight")),
+    "blocks.{i}.mlp.fc.bias": Source((LAYER + "mlp.gate_proj.bias", LAYER + "mlp.up_proj.bias")),  # mlp_bias
+    "blocks.{i}.mlp.proj.weight": one(LAYER + "mlp.down_proj.weight"),
+    "blocks.{i}.mlp.proj.bias": one(LAYER + "mlp.down_proj.bias"),
+    # Mixtral's sparse MLP: the router, and per expert w1 (gate), w3 (up) and w2 (down)
+    "blocks.{i}.mlp.router.weight": one(LAYER + "block_sparse_moe.gate.weight"),
+    "blocks.{i}.mlp.experts.{e}.fc.weight": Source((LAYER + "block_sparse_moe.experts.{e}.w1.weight",
+                                                    LAYER + "block_sparse_moe.experts.{e}.w3.weight")),
+    "blocks.{i}.mlp.experts.{e}.proj.weight": one(LAYER + "block_sparse_moe.experts.{e}.w2.weight"),
+    "norm.weight": one("model.norm.weight"),
+    "lm_head.weight": one("lm_head.weight"),
+}
+
+TABLES = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "mixtral": LLAMA}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+INDEXED = re.compile(r"(blocks|experts)\.(\d+)")
+
+
+def source(model_type, name):
+    """The Hugging Face tensors of model.py's `name` (say blocks.3.attn.qkv.weight) in a model_type folder."""
+    numbers = {"blocks": "i", "experts": "e"}
+    pattern = INDEXED.sub(lambda m: f"{m.group(1)}.{{{numbers[m.group(1)]}}}", name)
+    indices = {numbers[kind]: int(index) for kind, index in INDEXED.findall(name)}
+    if pattern not in TABLES[model_type]:
+        raise UnsupportedModel(f"{model_type} has no tensor for model.py's {name}")
+    entry = TABLES[model_type][pattern]
+    return Source(tuple(n.format(**indices) for n in entry.names), entry.transposed)
+
+
+# ---------------------------------------------------------------------------
+# Configs: Hugging Face's config.json <-> model.py's GPTConfig
+# ---------------------------------------------------------------------------
+
+def read_config(folder):
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UnsupportedModel(f"{folder}: not a Hugging Face model folder (no config.json)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def refuse(hf, setting, why):
+    raise UnsupportedModel(f"{hf.get('model_type')} with {setting}={hf.get(setting)!r}: {why}")
+
+
+def config_from_hf(hf, seq_len, **training):
+    """model.py's GPTConfig of a Hugging Face config (a dict), for training on sequences of seq_len tokens;
+    `training`: the GPTConfig fields that are training choices (the MoE balancing), from the flags."""
+    model_type = hf.get("model_type")
+    if model_type not in TABLES:
+        raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(TABLES)}")
+    fields = gpt2_fields(hf) if model_type == "gpt2" else llama_fields(hf, seq_len)
+    vocab = hf["vocab_size"]
+    fields.update(vocab_size=vocab, padded_vocab_size=pad_vocabulary(vocab), seq_len=seq_len)
+    if not fields.get("n_experts"):
+        training = {}
+    try:
+        return GPTConfig(**fields, **training)
+    except ValueError as e:
+        raise UnsupportedModel(f"{model_type}: {e}") from None
+
+
+GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def gpt2_fields(hf):
+    for setting, allowed, why in [
+            ("activation_function", GELU, "model.py has GELU, exact or tanh-approximated"),
+            ("scale_attn_weights", (True, None), "model.py scales attention by 1/sqrt(head size)"),
+            ("scale_attn_by_inverse_layer_idx", (False, None), "model.py does not scale by the layer index"),
+            ("add_cross_attention", (False, None), "model.py is a decoder alone")]:
+        if hf.get(setting) not in allowed:
+            refuse(hf, setting, why)
+    d = hf["n_embd"]
+    return dict(n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=d, d_ff=hf.get("n_inner") or 4 * d,
+                max_seq_len=hf["n_positions"], position="learned", norm="layer",
+                norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp=GELU[hf.get("activation_function")],
+                bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
+
+
+def llama_fields(hf, seq_len):
+    model_type, d, heads = hf["model_type"], hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(hf, "hidden_act", "model.py's gated MLP is SwiGLU (silu)")
+    if hf.get("head_dim") not in (None, d // heads):
+        refuse(hf, "head_dim", f"model.py's heads are hidden_size / num_attention_heads = {d // heads} wide")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window is not None and window < seq_len:
+        refuse(hf, "sliding_window", f"model.py attends to the whole sequence, longer ({seq_len}) than the window")
+    bias = hf.get("attention_bias", False)
+    if model_type == "llama" and hf.get("mlp_bias", False) != bias:
+        refuse(hf, "mlp_bias", "model.py has biases in every linear layer or in none (besides q, k, v)")
+    fields = dict(n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+                  d_model=d, d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+                  position="rope", rope_theta=hf.get("rope_theta", 10000.0), norm="rms",
+                  norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", bias=bias,
+                  qkv_bias=True if model_type == "qwen2" else bias,
+                  tie_embeddings=hf.get("tie_word_embeddings", False), **rope_scaling_fields(hf))
+    if model_type == "mixtral":
+        fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+    return fields
+
+
+def rope_scaling_fields(hf):
+    scaling = hf.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        refuse(hf, "rope_scaling", "model.py's rotary scaling is Llama 3.1's alone")
+    return dict(rope_factor=scaling["factor"], rope_low_freq_factor=scaling["low_freq_factor"],
+                rope_high_freq_factor=scaling["high_freq_factor"],
+                rope_original_context=scaling["original_max_position_embeddings"])
+
+
+def hf_from_config(config, dtype):
+    """A Hugging Face config (dict) for a model.py config that did not come from one (a run trained from
+    scratch): GPT-2 for the GPT-2 block, Llama, Qwen2 (biases on q, k, v alone) or Mixtral for the Llama one."""
+    c, common = config, dict(vocab_size=config.vocab_size, torch_dtype=str(dtype).removeprefix("torch."),
+                             tie_word_embeddings=config.tie_embeddings)
+    if c.position == "learned" and c.norm == "layer" and c.mlp in ("gelu", "gelu_tanh") and c.bias \
+            and c.n_kv_heads == c.n_head and not c.n_experts:
+        activation = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
+        return dict(model_type="gpt2", n_layer=c.n_layer, n_head=c.n_head, n_embd=c.d_model, n_inner=c.d_ff,
+                    n_positions=c.max_seq_len, activation_function=activation, layer_norm_epsilon=c.norm_eps,
+                    **common)
+    if not (c.position == "rope" and c.norm == "rms" and c.mlp == "swiglu") or c.n_shared_experts \
+            or (c.n_experts and c.moe_layers and len(c.moe_layers) != c.n_layer):
+        raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, or the "
+                               "Llama block (with Mixtral's experts in every layer, no shared expert)")
+    model_type = "mixtral" if c.n_experts else "qwen2" if c.qkv_bias and not c.bias else "llama"
+    fields = dict(model_type=model_type, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                  num_key_value_heads=c.n_kv_heads, hidden_size=c.d_model, intermediate_size=c.d_ff,
+                  max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
+                  hidden_act="silu", **common)
+    if model_type == "llama":
+        fields.update(attention_bias=c.bias, mlp_bias=c.bias)
+    if model_type == "mixtral":
+        fields.update(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k)
+    if c.rope_factor != 1:
+        fields["rope_scaling"] = dict(rope_type="llama3", factor=c.rope_factor,
+                                      low_freq_factor=c.rope_low_freq_factor,
+                                      high_freq_factor=c.rope_high_freq_factor,
+                                      original_max_position_embeddings=c.rope_original_context)
+    return fields
+
+
+# ---------------------------------------------------------------------------
+# Reading: any elements of model.py's tensors, from the folder's files
+# ---------------------------------------------------------------------------
+
+class Folder:
+    """A Hugging Face model folder's tensors, read a range of elements at a time."""
+
+    def __init__(self, folder):
+        self.folder, self.config = folder, read_config(folder)
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise UnsupportedModel(f"{folder}: no model.safetensors nor model.safetensors.index.json")
+        self.file_of = {}
+        for name in files:
+            file = checkpoint.SafetensorsFile(os.path.join(folder, name))
+            self.file_of.update({entry: file for entry in file.header})
+
+    def _entry(self, name):
+        """The entry of tensor `name` (GPT-2's first release names its tensors without "transformer.")."""
+        for entry in (name, name.removeprefix("transformer.")):
+            if entry in self.file_of:
+                return entry
+        raise UnsupportedModel(f"{self.folder}: no tensor {name}")
+
+    def shape(self, name):
+        entry = self._entry(name)
+        return self.file_of[entry].header[entry]["shape"]
+
+    def read(self, name, start, end):
+        entry = self._entry(name)
+        return self.file_of[entry].read(entry, start, end)
+
+
+class HuggingFaceValues:
+    """The values of model.py's tensors in a Hugging Face folder, for train.py's Share, as InitialValues
+    and SavedValues give them: parameter(name, positions) reads the elements at flat `positions` of the
+    full tensor, from the ranges of the files that hold them."""
+
+    def __init__(self, folder, config):
+        self.folder, self.config = Folder(folder), config
+        self.model_type = self.folder.config["model_type"]
+
+    def parameter(self, name, positions):
+        parts, positions = source(self.model_type, tied_name(name, self.config)), positions.cpu()
+        shapes = [self.folder.shape(n) for n in parts.names]
+        rows = [shape[-1] if parts.transposed else shape[0] for shape in shapes]
+        columns = math.prod(shapes[0]) // rows[0]
+        row, column = positions // columns, positions % columns
+        values = torch.zeros(positions.shape, dtype=torch.float64)  # past the last part: vocabulary padding
+        first_row = 0
+        for name_k, rows_k in zip(parts.names, rows):
+            here = (row >= first_row) & (row < first_row + rows_k)
+            if here.any():
+                local = row[here] - first_row
+                flat = column[here] * rows_k + local if parts.transposed else local * columns + column[here]
+                start, end = flat.min().item(), flat.max().item() + 1
+                values[here] = self.folder.read(name_k, start, end)[flat - start].to(torch.float64)
+            first_row += rows_k
+        return values
+
+    def buffer(self, name, empty):
+        return torch.zeros_like(empty)  # the routing biases (DeepSeek-V3's balancing) start at zero
+
+
+def load_state_dict(folder, config):
+    """model.py's whole state dict (on the CPU, float64) from a Hugging Face folder: for one device and tests."""
+    values = HuggingFaceValues(folder, config)
+    with torch.device("meta"):
+        model = GPT(config)
+    state = {name: values.parameter(name, torch.arange(p.numel())).view(p.shape)
+             for name, p in model.named_parameters(remove_duplicate=False)}
+    return state | {name: torch.zeros(b.shape, dtype=torch.float64) for name, b in model.state_dict().items()
+                    if name not in state}
+
+
+# ---------------------------------------------------------------------------
+# Writing: a checkpoint of any layout as a Hugging Face folder
+# ---------------------------------------------------------------------------
+
+def export(path, out, dtype=None, max_shard_bytes=5 * 10**9):
+    """Write the checkpoint at path as a Hugging Face model folder `out`, a tensor at a time: the weights
+    in dtype (default: as saved), in files of at most max_shard_bytes (as save_pretrained names them), and
+    config.json (the one the run started from, or one made for its model)."""
+    saved = checkpoint.Checkpoint(path)
+    checkpoint.verify(path)
+    config = GPTConfig(**saved.manifest["model"])
+    hf = saved.manifest.get("hf_config") or hf_from_config(config, dtype or torch.float32)
+    tensors = hf_tensors(saved, config, hf["model_type"], dtype)
+    files = shard_files(tensors, max_shard_bytes)
+    os.makedirs(out, exist_ok=True)
+    for file, entries in files.items():
+        checkpoint.write_safetensors(os.path.join(out, file), entries, dict(format="pt"))
+    if len(files) > 1:
+        total = sum(shape.numel() * dtype_.itemsize for entries in files.values() for _, (shape, dtype_, _) in entries)
+        weight_map = {entry: file for file, entries in files.items() for entry, _ in entries}
+        write_json(os.path.join(out, "model.safetensors.index.json"),
+                   dict(metadata=dict(total_size=total), weight_map=weight_map))
+    dtypes = {d for entries in files.values() for _, (_, d, _) in entries}
+    write_json(os.path.join(out, "config.json"), dict(hf, architectures=[ARCHITECTURES[hf["model_type"]]],
+                                                      torch_dtype=str(max(dtypes, key=lambda d: d.itemsize))
+                                                      .removeprefix("torch.")))
+
+
+def hf_tensors(saved, config, model_type, dtype):
+    """[(Hugging Face name, (shape, dtype, a function giving the tensor))] of a checkpoint, in model.py's
+    order: each of model.py's tensors cut back into the Hugging Face tensors it was made of."""
+    with torch.device("meta"):
+        model = GPT(config)
+    for name in dict(model.named_buffers()):
+        if name in saved.tensors and saved.full(name).count_nonzero():
+            raise UnsupportedModel(f"{name} is not zero, and {model_type} has no such tensor: it would be lost")
+    full = lru_cache(maxsize=1)(saved.full)  # one read of a tensor for its q, k and v
+    entries = []
+    for name, p in model.named_parameters():  # a tied output layer once, as the embedding
+        parts = source(model_type, name)
+        as_dtype = dtype or checkpoint.TORCH_DTYPES[saved.tensors[name]["dtype"]]
+        start = 0
+        for hf_name, rows in zip(parts.names, part_rows(name, p.shape, config, len(parts.names))):
+            shape = (p.shape[1], rows) if parts.transposed else (rows, *p.shape[1:])
+
+            def tensor(name=name, start=start, rows=rows, transposed=parts.transposed, as_dtype=as_dtype):
+                t = full(name)[start:start + rows]
+                return (t.t() if transposed else t).contiguous().to(as_dtype)
+            entries.append((hf_name, (torch.Size(shape), as_dtype, tensor)))
+            start += rows
+    return entries
+
+
+def part_rows(name, shape, config, n_parts):
+    """The rows of model.py's `name` that each of its n_parts Hugging Face tensors holds, in order (the
+    vocabulary tables' padding rows in none)."""
+    if name in ("tok_emb.weight", "lm_head.weight"):
+        return [config.vocab_size]
+    if name.endswith(("qkv.weight", "qkv.bias")) and n_parts == 3:
+        return [config.d_model, config.kv_dim, config.kv_dim]
+    if ".fc." in name and n_parts == 2:  # SwiGLU's gate | up
+        return [config.d_ff, config.d_ff]
+    return [shape[0]]
+
+
+def shard_files(tensors, max_shard_bytes):
+    """{file: its tensors}: in order, a new file when the next tensor would pass max_shard_bytes."""
+    shards, size = [[]], 0
+    for entry in tensors:
+        nbytes = entry[1][0].numel() * entry[1][1].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    return {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": s for k, s in enumerate(shards)}
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Write a checkpoint of a run as a Hugging Face model folder.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    out = commands.add_parser("export", help="a checkpoint folder (any layout) -> a Hugging Face model folder")
+    out.add_argument("checkpoint")
+    out.add_argument("folder")
+    out.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
+                     help="the weights' dtype in the folder (default: as the checkpoint holds them)")
+    out.add_argument("--max-shard-gb", type=float, default=5.0, help="the largest safetensors file, in GB")
+    args = parser.parse_args(argv)
+    try:
+        export(args.checkpoint, args.folder, args.dtype and getattr(torch, args.dtype),
+               int(args.max_shard_gb * 10**9))
+    except (checkpoint.BadCheckpoint, UnsupportedModel) as e:
+        sys.exit(f"hf.py: error: {e}")
+    print(f"wrote {args.folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Tiny Hugging Face model folders and an independent reference forward, for tests.
+
+make_folder writes a folder laid out as transformers' save_pretrained writes it (config.json,
+model.safetensors or shards with model.safetensors.index.json, tensors under Hugging Face names)
+for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2 and Mixtral. reference_logits reads such a folder
+and computes its logits with a plain float64 functional forward following the semantics of
+transformers' modeling code. Nothing from the repository is imported here on purpose: these
+functions check the repository's own name/layout mapping, so they must not share it.
+"""
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral")
+
+_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
+              max_position_embeddings=64, initializer_range=0.02, rms_norm_eps=1e-6,
+              rope_theta=10000.0, rope_scaling=None, attention_dropout=0.0,
+              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, use_cache=True)
+# Llama 3 scaling on a tiny model: at head_dim 8 and theta 5e5 the wavelengths are about
+# 6.3, 167, 4443, 118000; with these values the first is kept, the second smoothed
+# (smooth ~0.53) and the last two divided by factor (see _rope_inv_freq).
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0625,
+                   "high_freq_factor": 0.125, "original_max_position_embeddings": 16}
+
+
+def tiny_config(arch: str) -> dict:
+    """A tiny config.json dict for arch, as transformers writes it."""
+    if arch == "gpt2":
+        return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=61,
+                    n_positions=32, n_embd=32, n_layer=4, n_head=4, n_inner=None,
+                    activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1,
+                    attn_pdrop=0.1, layer_norm_epsilon=1e-5, initializer_range=0.02,
+                    summary_type="cls_index", summary_use_proj=True, summary_activation=None,
+                    summary_proj_to_labels=True, summary_first_dropout=0.1,
+                    scale_attn_weights=True, use_cache=True, bos_token_id=50256,
+                    eos_token_id=50256, scale_attn_by_inverse_layer_idx=False,
+                    reorder_and_upcast_attn=False, tie_word_embeddings=True,
+                    torch_dtype="float32", transformers_version="4.46.0")
+    base = dict(_LLAMA, head_dim=8, attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if arch in ("llama3.1", "llama3.2"):
+        base.update(rope_theta=500000.0, rope_scaling=dict(_LLAMA3_SCALING), rms_norm_eps=1e-5,
+                    tie_word_embeddings=arch == "llama3.2")
+    if arch in ("llama", "llama3.1", "llama3.2"):
+        return dict(model_type="llama", architectures=["LlamaForCausalLM"], **base,
+                    torch_dtype="float32", transformers_version="4.46.0")
+    mistral = dict(_LLAMA, head_dim=8, rope_theta=1000000.0, sliding_window=None,
+                   rms_norm_eps=1e-5)
+    del mistral["rope_scaling"]
+    if arch == "mistral":
+        return dict(model_type="mistral", architectures=["MistralForCausalLM"], **mistral,
+                    torch_dtype="float32", transformers_version="4.46.0")
+    if arch == "mixtral":
+        return dict(model_type="mixtral", architectures=["MixtralForCausalLM"], **mistral,
+                    num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                    output_router_logits=False, router_jitter_noise=0.0,
+                    torch_dtype="float32", transformers_version="4.46.0")
+    if arch == "qwen2":
+        qwen = dict(_LLAMA, rope_theta=1000000.0, tie_word_embeddings=True,
+                    use_sliding_window=False, sliding_window=None, max_window_layers=4)
+        return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **qwen,
+                    torch_dtype="float32", transformers_version="4.46.0")
+    raise ValueError(f"unknown architecture {arch!r}")
+
+
+# ---------------------------------------------------------------- writing a folder
+
+def _gpt2_shapes(cfg):
+    """(name, shape, kind) in GPT2LMHeadModel's state_dict order (modeling_gpt2)."""
+    e, inner = cfg["n_embd"], cfg.get("n_inner") or 4 * cfg["n_embd"]
+    out = [("transformer.wte.weight", (cfg["vocab_size"], e), "w"),
+           ("transformer.wpe.weight", (cfg["n_positions"], e), "w")]
+    for i in range(cfg["n_layer"]):
+        p = f"transformer.h.{i}."
+        out += [(p + "ln_1.weight", (e,), "norm"), (p + "ln_1.bias", (e,), "b"),
+                (p + "attn.c_attn.weight", (e, 3 * e), "w"), (p + "attn.c_attn.bias", (3 * e,), "b"),
+                (p + "attn.c_proj.weight", (e, e), "w"), (p + "attn.c_proj.bias", (e,), "b"),
+                (p + "ln_2.weight", (e,), "norm"), (p + "ln_2.bias", (e,), "b"),
+                (p + "mlp.c_fc.weight", (e, inner), "w"), (p + "mlp.c_fc.bias", (inner,), "b"),
+                (p + "mlp.c_proj.weight", (inner, e), "w"), (p + "mlp.c_proj.bias", (e,), "b")]
+    out += [("transformer.ln_f.weight", (e,), "norm"), ("transformer.ln_f.bias", (e,), "b")]
+    if not cfg.get("tie_word_embeddings", True):
+        out.append(("lm_head.weight", (cfg["vocab_size"], e), "w"))
+    return out
+
+
+def _linear(name, n_out, n_in, bias):
+    return [(name + ".weight", (n_out, n_in), "w")] + ([(name + ".bias", (n_out,), "b")] if bias else [])
+
+
+def _llama_shapes(cfg):
+    """(name, shape, kind) in *ForCausalLM's state_dict order (modeling_llama/qwen2/mixtral)."""
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    nq, nkv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    qkv_bias, o_bias = _attention_biases(cfg)
+    out = [("model.embed_tokens.weight", (v, h), "w")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += _linear(p + "self_attn.q_proj", nq, h, qkv_bias)
+        out += _linear(p + "self_attn.k_proj", nkv, h, qkv_bias)
+        out += _linear(p + "self_attn.v_proj", nkv, h, qkv_bias)
+        out += _linear(p + "self_attn.o_proj", h, nq, o_bias)
+        if cfg["model_type"] == "mixtral":
+            out.append((p + "block_sparse_moe.gate.weight", (cfg["num_local_experts"], h), "w"))
+            for e in range(cfg["num_local_experts"]):
+                q = p + f"block_sparse_moe.experts.{e}."
+                out += [(q + "w1.weight", (f, h), "w"), (q + "w2.weight", (h, f), "w"),
+                        (q + "w3.weight", (f, h), "w")]
+        else:
+            mb = cfg["model_type"] == "llama" and cfg.get("mlp_bias", False)
+            out += _linear(p + "mlp.gate_proj", f, h, mb) + _linear(p + "mlp.up_proj", f, h, mb)
+            out += _linear(p + "mlp.down_proj", h, f, mb)
+        out += [(p + "input_layernorm.weight", (h,), "norm"),
+                (p + "post_attention_layernorm.weight", (h,), "norm")]
+    out.append(("model.norm.weight", (h,), "norm"))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h), "w"))
+    return out
+
+
+def _attention_biases(cfg):
+    """(q/k/v have a bias, o_proj has one): Qwen2Attention always q/k/v only (modeling_qwen2);
+    LlamaAttention all four by config.attention_bias (modeling_llama); Mistral/Mixtral none."""
+    if cfg["model_type"] == "qwen2":
+        return True, False
+    b = bool(cfg.get("attention_bias", False)) and cfg["model_type"] == "llama"
+    return b, b
+
+
+def make_folder(path, arch, seed=0, dtype=torch.float64, shards=1, config=None) -> dict:
+    """Write config.json and seeded random weights under Hugging Face names into `path`."""
+    cfg = dict(config if config is not None else tiny_config(arch))
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    g = torch.Generator().manual_seed(seed)
+    shapes = _gpt2_shapes(cfg) if cfg["model_type"] == "gpt2" else _llama_shapes(cfg)
+    tensors = {}
+    for name, shape, kind in shapes:
+        r = torch.randn(shape, generator=g, dtype=torch.float64)
+        r = {"w": 0.02 * r, "b": 0.1 * r, "norm": 1 + 0.1 * r}[kind]
+        tensors[name] = r.to(dtype).contiguous()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return cfg
+    weight_map, per = {}, math.ceil(len(names) / shards)
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        save_file(part, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    return cfg
+
+
+# ---------------------------------------------------------------- the reference forward
+
+def _load(path):
+    """config dict and {name: float64 tensor}, from model.safetensors or the sharded index."""
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    w = {}
+    for f in files:
+        w.update(load_file(os.path.join(path, f)))
+    return cfg, {k: v.to(torch.float64) for k, v in w.items()}
+
+
+# transformers.activations.ACT2FN
+_ACT = {"gelu_new": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+        "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+        "relu": torch.relu, "silu": lambda x: x * torch.sigmoid(x)}
+_ACT["gelu_pytorch_tanh"], _ACT["swish"] = _ACT["gelu_new"], _ACT["silu"]
+
+
+def _attend(q, k, v, scale, window=None):
+    """Causal softmax attention, written out. q (B, H, T, D); k, v (B, Hkv, T, D): kv head j
+    serves query heads j*group..(j+1)*group-1 (repeat_kv in modeling_llama). window: keys with
+    q_idx - window < kv_idx only (sliding_window_causal mask of transformers.masking_utils)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    t = q.shape[2]
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    allowed = (j <= i) if window is None else (j <= i) & (j > i - window)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _heads(x, n):
+    b, t, _ = x.shape
+    return x.view(b, t, n, -1).transpose(1, 2)
+
+
+def _merge(x):
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _gpt2_logits(cfg, w, ids):
+    """modeling_gpt2.GPT2LMHeadModel: Conv1D is x @ W + b, W stored (in, out)."""
+    if "wte.weight" in w:  # the original openai-community/gpt2 files have no "transformer."
+        w = {k if k.startswith("lm_head") else "transformer." + k: v for k, v in w.items()}
+    e, nh, eps = cfg["n_embd"], cfg["n_head"], cfg.get("layer_norm_epsilon", 1e-5)
+    act = _ACT[cfg.get("activation_function", "gelu_new")]
+
+    def ln(x, p):
+        return torch.nn.functional.layer_norm(x, (e,), w[p + ".weight"], w[p + ".bias"], eps)
+
+    def conv(x, p):
+        return x @ w[p + ".weight"] + w[p + ".bias"]
+
+    x = w["transformer.wte.weight"][ids] + w["transformer.wpe.weight"][torch.arange(ids.shape[1])]
+    for i in range(cfg["n_layer"]):
+        p = f"transformer.h.{i}."
+        q, k, v = conv(ln(x, p + "ln_1"), p + "attn.c_attn").split(e, dim=-1)
+        scale = 1 / math.sqrt(e // nh) if cfg.get("scale_attn_weights", True) else 1.0
+        if cfg.get("scale_attn_by_inverse_layer_idx", False):
+            scale /= i + 1
+        a = _attend(_heads(q, nh), _heads(k, nh), _heads(v, nh), scale)
+        x = x + conv(_merge(a), p + "attn.c_proj")
+        x = x + conv(act(conv(ln(x, p + "ln_2"), p + "mlp.c_fc")), p + "mlp.c_proj")
+    x = ln(x, "transformer.ln_f")
+    head = w["transformer.wte.weight"] if cfg.get("tie_word_embeddings", True) else w["lm_head.weight"]
+    return x @ head.T
+
+
+def _rope_inv_freq(cfg, d):
+    """modeling_rope_utils: _compute_default_rope_parameters and _compute_llama3_parameters."""
+    inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.get("rope_scaling") or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_type {kind!r}")
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate(x, cos, sin):
+    """apply_rotary_pos_emb with rotate_half(x) = cat(-x2, x1) (modeling_llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rms(x, weight, eps):
+    """LlamaRMSNorm / Qwen2RMSNorm / MixtralRMSNorm."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _lin(w, x, name, bias=False):
+    """nn.Linear: weight (out, in); the bias read only where the module has one."""
+    y = x @ w[name + ".weight"].T
+    return y + w[name + ".bias"] if bias else y
+
+
+def _moe(cfg, w, x, p):
+    """MixtralSparseMoeBlock: softmax over all experts, top-k, weights renormalised to sum 1."""
+    probs = torch.softmax(x @ w[p + "gate.weight"].T, dim=-1)
+    top, chosen = probs.topk(cfg["num_experts_per_tok"], dim=-1)
+    top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(cfg["num_local_experts"]):
+        q = p + f"experts.{e}."
+        y = _lin(w, torch.nn.functional.silu(_lin(w, x, q + "w1")) * _lin(w, x, q + "w3"), q + "w2")
+        out = out + y * (top * (chosen == e)).sum(-1, keepdim=True)
+    return out
+
+
+def _llama_logits(cfg, w, ids):
+    """modeling_llama / modeling_mistral / modeling_qwen2 / modeling_mixtral *ForCausalLM."""
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, eps = cfg.get("head_dim") or h // nh, cfg["rms_norm_eps"]
+    qkv_bias, o_bias = _attention_biases(cfg)
+    mlp_bias = cfg["model_type"] == "llama" and cfg.get("mlp_bias", False)
+    if cfg["model_type"] == "qwen2" and cfg.get("use_sliding_window"):
+        raise NotImplementedError("Qwen2 sliding window")
+    window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "mixtral") else None
+    angles = torch.arange(ids.shape[1], dtype=torch.float64)[:, None] * _rope_inv_freq(cfg, d)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    act = _ACT[cfg.get("hidden_act", "silu")]
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = _rotate(_heads(_lin(w, a, p + "self_attn.q_proj", qkv_bias), nh), cos, sin)
+        k = _rotate(_heads(_lin(w, a, p + "self_attn.k_proj", qkv_bias), nkv), cos, sin)
+        v = _heads(_lin(w, a, p + "self_attn.v_proj", qkv_bias), nkv)
+        o = _merge(_attend(q, k, v, d ** -0.5, window))
+        x = x + _lin(w, o, p + "self_attn.o_proj", o_bias)
+        m = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        if cfg["model_type"] == "mixtral":
+            x = x + _moe(cfg, w, m, p + "block_sparse_moe.")
+        else:
+            g = act(_lin(w, m, p + "mlp.gate_proj", mlp_bias)) * _lin(w, m, p + "mlp.up_proj", mlp_bias)
+            x = x + _lin(w, g, p + "mlp.down_proj", mlp_bias)
+    x = _rms(x, w["model.norm.weight"], eps)
+    tied = cfg.get("tie_word_embeddings", False)
+    return x @ (w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]).T
+
+
+def reference_logits(path, input_ids) -> torch.Tensor:
+    """Logits (batch, seq, vocab_size) in float64 of the model in folder `path` for input_ids
+    (batch, seq) at positions 0..seq-1, by a functional forward with Hugging Face's semantics."""
+    cfg, w = _load(path)
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if cfg["model_type"] == "gpt2":
+        return _gpt2_logits(cfg, w, ids)
+    if cfg["model_type"] in ("llama", "mistral", "qwen2", "mixtral"):
+        return _llama_logits(cfg, w, ids)
+    raise NotImplementedError(f"model_type {cfg['model_type']!r}")
