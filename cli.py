@@ -144,7 +144,11 @@ def parse_args(argv=None):
 
 
 def check_args(args, world):
-    """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong."""
+    """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong. With --init-from, the
+    folder's config sets the flags that describe the model (--layers, --experts, --top-k) first."""
+    if args.init_from:
+        config = model_config(args, data_vocab_size(args))
+        args.layers, args.experts, args.top_k = config.n_layer, config.n_experts, config.top_k
     if args.ep > 1 and not args.experts:
         raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
     if args.experts and args.experts % args.ep:

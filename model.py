@@ -463,12 +463,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
-        if config.tie_embeddings:  # one parameter, named tok_emb.weight (see tied_name)
-            self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
         # the swappable seam (see the module docstring)
         self.loss_fn = partial(cross_entropy, vocab_size=config.vocab_size)
         if self.lm_head.weight.device.type != "meta":  # on the meta device there is nothing to fill yet
             self.reset_parameters(seed)
+
+    def tie_weights(self):
+        """With a tied output layer, make lm_head's weight the embedding's: one parameter, tok_emb.weight (see
+        tied_name). Again after Module.to_empty, which makes a parameter held twice into two."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
 
     @torch.no_grad()
     def reset_parameters(self, seed=0):

@@ -137,6 +137,7 @@ def build_model(config, seed, dtype, device):
     with torch.device("meta"):
         model = GPT(config).to(dtype)
     model.to_empty(device=device)
+    model.tie_weights()
     model.reset_parameters(seed)
     return model
 
