@@ -174,8 +174,9 @@ def layer_stages(config, n_model_chunks, pp_size):
 
 
 def rank_parameters(config, layout, stage):
-    """(dense, expert): [(name, elements)] this pipeline rank holds, in parameter order (any tp, ep rank:
-    they all hold as many)."""
+    """(dense, expert, tied): [(name, elements)] this pipeline rank holds, in parameter order (any tp, ep rank:
+    they all hold as many); tied: a tied output layer's copy on the first or last of several stages, which
+    train.data_parallel averages on its own."""
     return stage_parameters(config_key(config), layout.tp, layout.pp, layout.virtual_stages,
                             layout.ep)[stage]
 
@@ -186,12 +187,16 @@ def stage_parameters(config_fields, tp, pp_size, virtual_stages, ep):
     config = GPTConfig(**dict(config_fields))
     stages = layer_stages(config, pp_size * virtual_stages, pp_size)
     experts_per_rank = config.n_experts // ep if config.n_experts else 0
-    held = [([], []) for _ in range(pp_size)]
+    held = [([], [], []) for _ in range(pp_size)]
     for name, shape in model_parameters(config_fields):
         if is_expert_parameter(name) and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
-        dense, expert = held[stage_of(name, stages, pp_size - 1)]
         numel = math.prod(shape) // (tp if tp_sharded(name) else 1)
+        if config.tie_embeddings and pp_size > 1 and name == "tok_emb.weight":  # the first and last stage's
+            held[0][2].append((name, numel))
+            held[-1][2].append(("lm_head.weight", numel))
+            continue
+        dense, expert, _ = held[stage_of(name, stages, pp_size - 1)]
         (expert if is_expert_parameter(name) else dense).append((name, numel))
     return held
 
@@ -339,7 +344,7 @@ def tp_traffic(config, layout, layers, first, last):
         else:
             send("all_reduce", enter, 1)
         if layout.sp and c.position == "learned":
-            summed_gradients(c.seq_len * c.d_model)
+            summed_gradients(c.max_seq_len * c.d_model)  # the whole position table's
     for layer in layers:
         region(enter, leave, again, again)  # attention
         if c.is_moe(layer):
@@ -512,11 +517,13 @@ def edge_activations(c, layout, first, last):
         sharded = tokens // t if layout.sp else tokens
         norm = sharded * norm_activations(c, layout)
         head = norm + tokens * c.d_model * a
-        softmax = tokens * c.vocab_size // t * max(a, 4)
+        softmax = tokens * c.padded_vocab_size // t * max(a, 4)
         # The cross-entropy keeps a flat copy of the targets (tp: local targets, and which are its own).
         targets = tokens * (INT64 + BOOL if t > 1 else INT64) if not batch_view_targets(layout) else 0
         mean = max(a, 4) if t == 1 else 0  # cross_entropy's mean keeps a scalar; tp's own mean does not
-        loss = softmax + targets + mean
+        # model.without_padding keeps the index of the padding it fills (tp's cross-entropy saves none of its own)
+        padding = (c.padded_vocab_size - c.vocab_size) * INT64 if t == 1 else 0
+        loss = softmax + targets + mean + padding
     return embedding + head, loss
 
 
@@ -602,29 +609,44 @@ def group_index(layout, group, where):
 def predict_stage(config, layout, stage):
     """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}, 'steps': {group name: f}}
     for the ranks of one pipeline stage (f(i): the step counters of the group's i-th rank)."""
-    dense, expert = rank_parameters(config, layout, stage)
+    dense, expert, tied = rank_parameters(config, layout, stage)
     param, grad, optim, dense_traffic, dense_steps = state_memory(dense, layout.dense_group, layout, False)
     e_param, e_grad, e_optim, expert_traffic, expert_steps = state_memory(expert, layout.expert_group, layout, True)
+    t_param, t_grad, t_optim, tied_traffic, tied_steps = state_memory(tied, layout.dense_group, layout, False)
     chunks = [c * layout.pp + stage for c in range(layout.virtual_stages)]
     split = pp.split_layers(config.n_layer, layout.pp * layout.virtual_stages)
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, layout.pp * layout.virtual_stages - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last),
                        "cp": cp_traffic(config, layout, layers), "ep": ep_traffic(config, layout, layers)}
-    traffic = {"dense": dense_traffic, "expert": expert_traffic, "pp": pp_traffic(config, layout, stage),
+    traffic = {"dense": dense_traffic + tied_traffic, "expert": expert_traffic,
+               "pp": pp_traffic(config, layout, stage) + tied_sum_traffic(tied, layout),
                **{dim: Counter({k: v * layout.micro_batches for k, v in c.items()})
                   for dim, c in per_micro_batch.items()}}
     activations, recomputation = activation_peak(config, layout, stage)
-    return dict(param_bytes=param + e_param, grad_bytes=grad + e_grad, optim_bytes=optim + e_optim,
-                activation_peak_bytes=activations, recompute_bytes=recomputation, traffic=traffic,
-                steps={"dense": dense_steps, "expert": expert_steps})
+    return dict(param_bytes=param + e_param + t_param, grad_bytes=grad + e_grad + t_grad,
+                optim_bytes=optim + e_optim + t_optim, activation_peak_bytes=activations,
+                recompute_bytes=recomputation, traffic=traffic,
+                steps={"dense": dense_steps, "expert": expert_steps, "tied": tied_steps})
+
+
+def tied_sum_traffic(tied, layout):
+    """train.TiedOutputLayer: one all-reduce over the first and last stage of the tied weight's averaged
+    gradient (its bucket, or under ZeRO its shard in the master's dtype)."""
+    if not tied:
+        return Counter()
+    (_, numel), = tied
+    bucket = padded(numel, layout.dense_group)
+    averaged = bucket // layout.dense_group * layout.master_bytes if layout.zero else bucket * layout.reduce_bytes
+    return Counter(all_reduce=ring_bytes_sent("all_reduce", averaged, 2))
 
 
 def rank_figures(stage_prediction, layout, where):
     """The stage's figures for the rank at grid coordinates `where`: its optimizer adds its step counters."""
     fields = {k: v for k, v in stage_prediction.items() if k not in ("traffic", "steps")}
     steps = stage_prediction["steps"]
-    counters = sum(steps[group](group_index(layout, group, where)) for group in ("dense", "expert"))
+    counters = sum(steps[group](group_index(layout, "dense" if group == "tied" else group, where))
+                   for group in ("dense", "expert", "tied"))
     fields["optim_bytes"] += counters * ADAM_STEP_BYTES
     return fields
 
@@ -725,10 +747,11 @@ def predict_peaks(args, world):
 def working_sets(config, layout, stage):
     """What a rank of this pipeline stage holds beyond its state at some moment: ZeRO-3's units gathered, the
     gradient norm's squares, and the bytes of one optimizer moment of its dense and of its expert pieces."""
-    dense, expert = rank_parameters(config, layout, stage)
-    groups = {"dense": (dense, layout.dense_group), "expert": (expert, layout.expert_group)}
+    dense, expert, tied = rank_parameters(config, layout, stage)
+    groups = {"dense": (dense, layout.dense_group), "expert": (expert, layout.expert_group),
+              "tied": (tied, layout.dense_group)}
     zero3 = sum(zero3_working(p, g, layout) for p, g in groups.values())
-    return dict(largest=max(numel for _, numel in dense + expert), zero3=zero3,
+    return dict(largest=max(numel for _, numel in dense + expert + tied), zero3=zero3,
                 piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
                 norm=max(norm_working(p, g, layout) for p, g in groups.values()),
                 moment={kind: state_memory(p, g, layout, False)[2] // 2 for kind, (p, g) in groups.items()})
@@ -739,7 +762,7 @@ def phase_peaks(layout, figures, working, where):
     state = figures["param_bytes"] + figures["grad_bytes"] + figures["optim_bytes"]
     # A save copies aside the weights and both moments of the pieces the rank writes: 3 moments' bytes.
     copied = sum(3 * moment for kind, moment in working["moment"].items()
-                 if written_by(layout, where, expert=kind == "expert"))
+                 if written_by(layout, where, expert=kind == "expert") and (kind != "tied" or where["pp"] == 0))
     # At start-up ZeRO-1 and 2 copy each bucket into their flat buffer, one at a time; ZeRO-3 draws each
     # piece of its shards in float64 before keeping it in the run's dtype.
     largest, weights = working["largest"], figures["param_bytes"]

@@ -22,6 +22,7 @@ import hf_models
 from distributed import run_on_ranks
 from model import GPT
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from planned import assert_matches_plan
 
 ARGS = [*EQUIVALENCE, "--seq-len", "16", "--steps", "2", "--batch-size", "8"]
 
@@ -69,6 +70,7 @@ def test_layouts_train_as_one_device_from_the_folder(tmp_path, folders, arch, wo
     results = run_on_ranks(world, train_worker, [*argv, *flags, "--out", str(tmp_path)], timeout=300)
     for result in results:
         assert_matches_oracle(result, oracle(argv))
+    assert_matches_plan(tmp_path, [*argv, *flags], world)
 
 
 EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.1", 1, []),
