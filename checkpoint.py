@@ -9,6 +9,8 @@ A checkpoint is a folder, runs/<name>/checkpoint-<step>/, named by the step it r
                            temporary name, flushed with fsync and renamed: a rename is atomic). Its
                            presence marks the checkpoint complete; it holds
         step, skipped_steps, args   where the run resumes
+        model, hf_config   model.py's config of the run, and the Hugging Face config.json it started from
+                  (--init-from; else null), for hf.py's export
         tensors   {name: {shape, dtype, split}}: every tensor of model.py's state dict, at full size (dtype
                   as safetensors names it: F32, BF16...);
                   split (tensor parallelism, tp.shard): {dim, blocks, parts}: along dim, each block (their

@@ -144,8 +144,6 @@ def config_from_hf(hf, seq_len, **training):
     fields = gpt2_fields(hf) if model_type == "gpt2" else llama_fields(hf, seq_len)
     vocab = hf["vocab_size"]
     fields.update(vocab_size=vocab, padded_vocab_size=pad_vocabulary(vocab), seq_len=seq_len)
-    if not fields.get("n_experts"):
-        training = {}
     try:
         return GPTConfig(**fields, **training)
     except ValueError as e:

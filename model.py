@@ -492,7 +492,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, pos=None):
         """Logits for token ids idx (batch, seq); with targets, also the loss.
 
-        pos holds each token's position (default 0..seq-1). The loss is the
+        The logits cover the tables' padded_vocab_size rows; those past vocab_size are padding, which the
+        loss and generate leave out. pos holds each token's position (default 0..seq-1). The loss is the
         mean cross-entropy over all tokens plus aux_loss_coef times the sum of
         the MoE layers' load-balancing losses.
         """

@@ -427,17 +427,19 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
                 model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
                 broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
                 initial_values=share.elements, **options)
-        zeros = [shard(params, gpt_units(model), group) for params in (dense, tied) if params]
+        tied_zero = shard(tied, gpt_units(model), group) if tied else None
+        zeros = [shard(dense, gpt_units(model), group), *([tied_zero] if tied else [])]
         if experts:
             zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
-        return zeros, GradientSync(zeros), TiedOutputLayer(zeros[1] if tied else None, tied_names, mesh)
+        return zeros, GradientSync(zeros), TiedOutputLayer(tied_zero, tied_names, mesh)
     average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
-    syncs = [average(params, group) for params in (dense, tied) if params]
+    tied_sync = average(tied, group) if tied else None
+    syncs = [average(dense, group), *([tied_sync] if tied else [])]
     if experts:
         syncs.append(average(experts, find_unused_parameters=True, **expert_group))
     grad_sync = GradientSync(syncs)
     optimizer = ReplicatedOptimizer(model, partial(make_optimizer, args=args), grad_sync, precision.master, share)
-    return [optimizer], grad_sync, TiedOutputLayer(syncs[1] if tied else None, tied_names, mesh)
+    return [optimizer], grad_sync, TiedOutputLayer(tied_sync, tied_names, mesh)
 
 
 class TiedOutputLayer:
@@ -746,7 +748,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         saved = checkpoint.Checkpoint(args.resume) if args.resume else None
         # The Hugging Face config a run started from, kept in its checkpoints for hf.py's export.
-        self.hf_config = saved.manifest.get("hf_config") if saved else args.init_from and hf.read_config(args.init_from)
+        self.hf_config = (saved.manifest.get("hf_config") if saved
+                          else hf.read_config(args.init_from) if args.init_from else None)
         parallel = parallelize(self.model, mesh, args, starting_values(args, config, saved), device, precision)
         self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
         self.optimizers, self.grad_sync, self.tied = parallel.optimizers, parallel.grad_sync, parallel.tied
@@ -949,7 +952,7 @@ class Trainer:
         """Start saving the state after `step` steps into folder (every rank must call this)."""
         pieces, layouts, steps = self.checkpoint_pieces()
         meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps,
-                    model=asdict(self.model.config), hf_config=self.hf_config or None)
+                    model=asdict(self.model.config), hf_config=self.hf_config)
         saver.save(folder, pieces, layouts, meta, keep)
 
 
