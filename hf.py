@@ -203,11 +203,10 @@ def rope_scaling_fields(hf):
                 rope_original_context=scaling["original_max_position_embeddings"])
 
 
-def hf_from_config(config, dtype):
+def hf_from_config(config):
     """A Hugging Face config (dict) for a model.py config that did not come from one (a run trained from
     scratch): GPT-2 for the GPT-2 block, Llama, Qwen2 (biases on q, k, v alone) or Mixtral for the Llama one."""
-    c, common = config, dict(vocab_size=config.vocab_size, torch_dtype=str(dtype).removeprefix("torch."),
-                             tie_word_embeddings=config.tie_embeddings)
+    c, common = config, dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings)
     if c.position == "learned" and c.norm == "layer" and c.mlp in ("gelu", "gelu_tanh") and c.bias \
             and c.n_kv_heads == c.n_head and not c.n_experts:
         activation = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
@@ -325,9 +324,12 @@ def export(path, out, dtype=None, max_shard_bytes=5 * 10**9):
     config.json (the one the run started from, or one made for its model)."""
     saved = checkpoint.Checkpoint(path)
     checkpoint.verify(path)
+    if not saved.manifest.get("model"):
+        raise UnsupportedModel(f"{path} does not record its model's config (saved before hf.py, or imported): "
+                               f"resume the run from it and save again")
     config = GPTConfig(**saved.manifest["model"])
-    hf = saved.manifest.get("hf_config") or hf_from_config(config, dtype or torch.float32)
-    tensors = hf_tensors(saved, config, hf["model_type"], dtype)
+    hf_config = saved.manifest.get("hf_config") or hf_from_config(config)
+    tensors = hf_tensors(saved, config, hf_config["model_type"], dtype)
     files = shard_files(tensors, max_shard_bytes)
     os.makedirs(out, exist_ok=True)
     for file, entries in files.items():
@@ -337,10 +339,10 @@ def export(path, out, dtype=None, max_shard_bytes=5 * 10**9):
         weight_map = {entry: file for file, entries in files.items() for entry, _ in entries}
         write_json(os.path.join(out, "model.safetensors.index.json"),
                    dict(metadata=dict(total_size=total), weight_map=weight_map))
-    dtypes = {d for entries in files.values() for _, (_, d, _) in entries}
-    write_json(os.path.join(out, "config.json"), dict(hf, architectures=[ARCHITECTURES[hf["model_type"]]],
-                                                      torch_dtype=str(max(dtypes, key=lambda d: d.itemsize))
-                                                      .removeprefix("torch.")))
+    written = tensors[0][1][1]  # (every tensor is in the master weights' dtype, or in dtype)
+    write_json(os.path.join(out, "config.json"),
+               dict(hf_config, architectures=[ARCHITECTURES[hf_config["model_type"]]],
+                    torch_dtype=str(written).removeprefix("torch.")))
 
 
 def hf_tensors(saved, config, model_type, dtype):

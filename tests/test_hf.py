@@ -134,3 +134,11 @@ def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(trained(ids)[0], hf_models.reference_logits(str(tmp_path / "exported"), ids),
                                rtol=1e-12, atol=1e-14)
+
+
+def test_zero3_with_a_tied_output_layer_is_refused(folders):
+    """ZeRO-3 gathers the embedding and the output layer as two units: a weight both hold is refused, not
+    gathered twice."""
+    with pytest.raises(cli.ConfigError, match="tied output layer"):
+        cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["gpt2"], "--zero", "3"]), 2)
+    cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["llama"], "--zero", "3"]), 2)  # untied: fine
