@@ -126,7 +126,7 @@ def parse_args(argv=None):
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--schedule", choices=sorted(pp.SCHEDULES), default="1f1b", help="pipeline schedule")
     p.add_argument("--virtual-stages", type=int, default=None,
-                   help="model chunks per pipeline rank (interleaved schedule; default 2 there, else 1)")
+                   help="model chunks per pipeline rank (interleaved schedule, default 2; zbv: 2; else 1)")
     p.add_argument("--pp-debug", action="store_true", help="print every pipeline send and receive")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                    help="activation recomputation: full (each block keeps only its input), selective (the "
@@ -137,7 +137,7 @@ def parse_args(argv=None):
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
     args.layers = args.layers or PRESETS[args.model]["n_layer"]
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-    args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    args.virtual_stages = args.virtual_stages or (2 if args.schedule in ("interleaved", "zbv") else 1)
     args.master_dtype = args.master_dtype or ("float32" if args.dtype == "bfloat16" else args.dtype)
     args.reduce_dtype = args.reduce_dtype or args.master_dtype
     return args
@@ -223,12 +223,12 @@ def check_vocabulary(data, rank, world):
 
 def check_pipeline(args, n_layer):
     if args.pp == 1:
-        if args.schedule == "interleaved" or args.virtual_stages > 1:
-            raise ConfigError("--schedule interleaved and --virtual-stages need pipeline parallelism (--pp > 1)")
+        if args.schedule in ("interleaved", "zbv") or args.virtual_stages > 1:
+            raise ConfigError(f"--schedule {args.schedule} and --virtual-stages need pipeline parallelism (--pp > 1)")
         return
-    if args.schedule == "zb1" and args.recompute != "none":
-        raise ConfigError("--schedule zb1 with --recompute is not supported: ZB-H1 splits every backward in two "
-                          "(B, then W later), and a recomputed block would run its forward again in each half")
+    if args.schedule in ("zb1", "zbv") and args.recompute != "none":
+        raise ConfigError(f"--schedule {args.schedule} with --recompute is not supported: it splits every backward "
+                          f"in two (B, then W later), and a recomputed block would run its forward again in each half")
     if args.zero >= 2:
         raise ConfigError(f"--zero {args.zero} with --pp is not supported: ZeRO-2/3 reduce gradients in every "
                           f"backward, which a pipeline runs once per micro-batch and stage (M times the traffic, "

@@ -96,6 +96,10 @@ class Layout:
     bucket_bytes: int
 
     @property
+    def placement(self):  # which pipeline rank holds which model chunk (pp.py)
+        return pp.Placement.of(self.schedule, self.pp, self.virtual_stages)
+
+    @property
     def dense_group(self):  # ranks averaging dense gradients (mesh.py's "dense")
         return self.dp * self.ep * self.cp
 
@@ -158,45 +162,47 @@ def tp_sharded(name):
     return name.endswith(".weight") and not any(part in name for part in ("norm", "pos_emb", "router"))
 
 
-def stage_of(name, layer_stage, last_stage):
-    """The pipeline rank that holds this parameter (pp.py: rank 0 the embeddings, the last the head)."""
+def stage_of(name, layer_stage, placement):
+    """The pipeline rank that holds this parameter (pp.py: the first model chunk's the embeddings, the last's
+    the head)."""
     if name.startswith(("tok_emb.", "pos_emb.")):
-        return 0
+        return placement.holder(0)[0]
     if name.startswith(("norm.", "lm_head.")):
-        return last_stage
+        return placement.holder(placement.n_model_chunks - 1)[0]
     return layer_stage[int(name.split(".")[1])]
 
 
-def layer_stages(config, n_model_chunks, pp_size):
-    """{layer: pipeline rank}: model chunk c lives on rank c mod P (pp.split_layers)."""
-    chunks = pp.split_layers(config.n_layer, n_model_chunks)
-    return {layer: c % pp_size for c, layers in enumerate(chunks) for layer in layers}
+def layer_stages(config, placement):
+    """{layer: pipeline rank}: the rank holding its model chunk (pp.split_layers, pp.Placement)."""
+    chunks = pp.split_layers(config.n_layer, placement.n_model_chunks)
+    return {layer: placement.holder(k)[0] for k, layers in enumerate(chunks) for layer in layers}
 
 
 def rank_parameters(config, layout, stage):
     """(dense, expert, tied): [(name, elements)] this pipeline rank holds, in parameter order (any tp, ep rank:
     they all hold as many); tied: a tied output layer's copy on the first or last of several stages, which
     train.data_parallel averages on its own."""
-    return stage_parameters(config_key(config), layout.tp, layout.pp, layout.virtual_stages,
+    return stage_parameters(config_key(config), layout.tp, layout.pp, layout.virtual_stages, layout.schedule,
                             layout.ep)[stage]
 
 
 @functools.lru_cache(maxsize=None)
-def stage_parameters(config_fields, tp, pp_size, virtual_stages, ep):
+def stage_parameters(config_fields, tp, pp_size, virtual_stages, schedule, ep):
     """rank_parameters of every pipeline stage, in one pass over the model's parameters."""
     config = GPTConfig(**dict(config_fields))
-    stages = layer_stages(config, pp_size * virtual_stages, pp_size)
+    placement = pp.Placement.of(schedule, pp_size, virtual_stages)
+    stages = layer_stages(config, placement)
     experts_per_rank = config.n_experts // ep if config.n_experts else 0
     held = [([], [], []) for _ in range(pp_size)]
     for name, shape in model_parameters(config_fields):
         if is_expert_parameter(name) and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
         numel = math.prod(shape) // (tp if tp_sharded(name) else 1)
-        if config.tie_embeddings and pp_size > 1 and name == "tok_emb.weight":  # the first and last stage's
-            held[0][2].append((name, numel))
-            held[-1][2].append(("lm_head.weight", numel))
+        if config.tie_embeddings and placement.ends_apart() and name == "tok_emb.weight":  # one on each end
+            held[stage_of(name, stages, placement)][2].append((name, numel))
+            held[stage_of("lm_head.weight", stages, placement)][2].append(("lm_head.weight", numel))
             continue
-        dense, expert, _ = held[stage_of(name, stages, pp_size - 1)]
+        dense, expert, _ = held[stage_of(name, stages, placement)]
         (expert if is_expert_parameter(name) else dense).append((name, numel))
     return held
 
@@ -416,9 +422,10 @@ def pp_traffic(config, layout, stage):
         return Counter()
     seq = config.seq_len // layout.cp // (layout.tp if layout.sp else 1)
     message = layout.micro_batch * seq * config.d_model * layout.weight_bytes
-    n_model_chunks = layout.pp * layout.virtual_stages
-    chunks = [c * layout.pp + stage for c in range(layout.virtual_stages)]
-    boundaries = sum(k < n_model_chunks - 1 for k in chunks) + sum(k > 0 for k in chunks)
+    placement = layout.placement
+    sent = [placement.holder(k + 1)[0] for k in placement.model_chunks(stage) if k < placement.n_model_chunks - 1]
+    sent += [placement.holder(k - 1)[0] for k in placement.model_chunks(stage) if k > 0]
+    boundaries = sum(destination != stage for destination in sent)  # (the turn of a V stays on its rank)
     return Counter(send_recv=layout.micro_batches * boundaries * message)
 
 
@@ -540,11 +547,11 @@ def shared_activations(c, layout, stage):
     on the last the targets if they are such a view too;
     the positions, if a learned table looks them up or full recomputation keeps them with each block's input
     (under sp a view of them all)."""
-    shared = 0
-    last = stage == layout.pp - 1
-    if (stage == 0 and layout.cp == 1 and layout.tp == 1) or (last and batch_view_targets(layout)):
+    shared, placement = 0, layout.placement
+    first, last = stage == placement.holder(0)[0], stage == placement.holder(placement.n_model_chunks - 1)[0]
+    if (first and layout.cp == 1 and layout.tp == 1) or (last and batch_view_targets(layout)):
         shared += layout.batch_size * (c.seq_len + 1) * INT64
-    if (stage == 0 and c.position == "learned") or layout.recompute == "full":
+    if (first and c.position == "learned") or layout.recompute == "full":
         shared += c.seq_len // layout.cp * INT64
     return shared
 
@@ -553,9 +560,10 @@ def chunk_activations(c, layout, model_chunk):
     """(kept until the weights' gradients, of which the losses': freed at B by ZB-H1, the most held by one
     recomputation) of one model chunk and micro-batch. The losses' share is the cross-entropy's and the
     load-balancing losses' statistics: it lies above every weight's branch."""
-    layers = pp.split_layers(c.n_layer, layout.pp * layout.virtual_stages)[model_chunk]
+    n_model_chunks = layout.placement.n_model_chunks
+    layers = pp.split_layers(c.n_layer, n_model_chunks)[model_chunk]
     blocks = [recomputed_block(c, layout, layer) for layer in layers]
-    first, last = model_chunk == 0, model_chunk == layout.pp * layout.virtual_stages - 1
+    first, last = model_chunk == 0, model_chunk == n_model_chunks - 1
     edges, loss = edge_activations(c, layout, first, last)
     kept = sum(kept for kept, _ in blocks) + edges + loss
     if layout.recompute != "full":  # (a recomputed block keeps only its input)
@@ -570,7 +578,7 @@ def activation_peak(c, layout, stage):
     keep, does not see). Under ZB-H1 a micro-batch is held until its W, but its B already frees what lies
     above every weight's branch: the loss's softmax and targets (every node of a block leads to a weight)."""
     n_chunks = layout.virtual_stages
-    sizes = {chunk: chunk_activations(c, layout, chunk * layout.pp + stage) for chunk in range(n_chunks)}
+    sizes = {chunk: chunk_activations(c, layout, k) for chunk, k in enumerate(layout.placement.model_chunks(stage))}
     if layout.pp == 1:
         actions = [(kind, 0, m) for m in range(layout.micro_batches) for kind in ("forward", "backward")]
     else:
@@ -613,10 +621,10 @@ def predict_stage(config, layout, stage):
     param, grad, optim, dense_traffic, dense_steps = state_memory(dense, layout.dense_group, layout, False)
     e_param, e_grad, e_optim, expert_traffic, expert_steps = state_memory(expert, layout.expert_group, layout, True)
     t_param, t_grad, t_optim, tied_traffic, tied_steps = state_memory(tied, layout.dense_group, layout, False)
-    chunks = [c * layout.pp + stage for c in range(layout.virtual_stages)]
-    split = pp.split_layers(config.n_layer, layout.pp * layout.virtual_stages)
+    chunks, n_model_chunks = layout.placement.model_chunks(stage), layout.placement.n_model_chunks
+    split = pp.split_layers(config.n_layer, n_model_chunks)
     layers = [layer for chunk in chunks for layer in split[chunk]]
-    first, last = 0 in chunks, layout.pp * layout.virtual_stages - 1 in chunks
+    first, last = 0 in chunks, n_model_chunks - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last),
                        "cp": cp_traffic(config, layout, layers), "ep": ep_traffic(config, layout, layers)}
     traffic = {"dense": dense_traffic + tied_traffic, "expert": expert_traffic,

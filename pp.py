@@ -6,7 +6,8 @@ The article's section "Pipeline Parallelism" ("5D Parallelism from Scratch"); th
 Training") with a flush at the end of each step as in PipeDream-Flush (Narayanan et al., 2021,
 "Memory-Efficient Pipeline-Parallel DNN Training"), interleaved 1F1B Megatron-LM's (Narayanan et al.,
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
-2.2.2), and ZB-H1 Zero Bubble's (Qi et al., 2023, "Zero Bubble Pipeline Parallelism").
+2.2.2), ZB-H1 Zero Bubble's (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"), and ZB-V its V-shaped
+follow-up (the same paper's section 6; Qi et al., 2024, "Pipeline Parallelism with Controllable Memory").
 
 The article's assembly line. P ranks each hold a contiguous slice of the
 layers; rank 0 also the embedding, rank P-1 the final norm, the head and the
@@ -20,7 +21,7 @@ GPipe's bubble overhead, (K-1)/(M+K-1) for K partitions; Megatron-LM's "bubble t
 (p-1)/m (its section 2.2.1) is the same idle time over the ideal time instead of the total
 (`bubble_formula`).
 
-Four schedules, each a flat function that lists what this rank does, in
+Five schedules, each a flat function that lists what this rank does, in
 order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
 
 - GPipe: every forward, then every backward. M micro-batches' activations
@@ -45,6 +46,20 @@ order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
   the stage's input only, keeping the graph, and records the gradient where
   each weight's branch leaves that path; W runs those branches alone
   (`backward_input`, `backward_weight`).
+- ZB-V: on the first stage ZB-H1's split gains nothing, since its input is
+  token ids and its B has nothing to compute. ZB-V gives each rank two chunks
+  of half a stage placed as a V: rank r holds model chunks r and 2P-1-r, so
+  a micro-batch goes down the ranks and back up, and rank 0 also holds the
+  last chunk, whose B is real work. With F, B and W of a chunk one unit each
+  a rank idles P-1 units out of 6M+P-1 (a sixth of 1F1B's idle time), at
+  1F1B's activation memory: rank 0 holds at most 2P chunks of half a stage.
+
+Where the chunks are is one rule, a `Placement`: which rank holds model chunk
+k, and as which of its chunks. Interleaving places them in a loop (rank k mod
+P), ZB-V in a V (`interleaved_placement`, `v_placement`); every message goes to
+the holder of the next or previous chunk, so nothing else differs. At the turn
+of the V chunks P-1 and P are on the same rank, and their messages are handed
+over instead of sent.
 
 `run_schedule` executes any such list. First it places every rank's actions
 on common time steps (`timeline`): at each step a rank runs its next action
@@ -83,9 +98,17 @@ from torch.autograd.graph import GradientEdge
 def bubble_formula(n_stages, n_micro, n_chunks=1, schedule=None):
     """The ideal idle fraction (P-1) / (V*M + P-1) of a stage (V = 1 without interleaving: GPipe's bubble
     overhead; with V: Megatron-LM's (1/v)(p-1)/m over the total time); for ZB-H1 (P-1) / (3M + P-1), its
-    idle (P-1)(F+B-W) (Qi et al.) over 3M units of work when F, B and W take one each."""
+    idle (P-1)(F+B-W) (Qi et al.) over 3M units of work when F, B and W take one each.
+
+    ZB-V: a rank's work is F, B and W of two chunks of half a stage each, 6M units of one chunk's pass;
+    with at least 2P-1 micro-batches the V's warm-up is full and a rank idles P-1 units, (P-1) / (6M + P-1),
+    a sixth of 1F1B's idle time (P-1)(F+B) in those units, 6(P-1); with fewer micro-batches the gaps are
+    those of its timeline, counted there."""
     if schedule == "zb1":
         return (n_stages - 1) / (3 * n_micro + n_stages - 1)
+    if schedule == "zbv":
+        schedules = [zero_bubble_v(n_micro, n_stages, rank) for rank in range(n_stages)]
+        return 1 - 6 * n_micro / len(timeline(schedules, Placement(n_stages, 2, v_placement)))
     return (n_stages - 1) / (n_chunks * n_micro + n_stages - 1)
 
 
@@ -141,6 +164,39 @@ def zero_bubble_h1(n_micro, n_stages, rank):
     return actions + deferred
 
 
+def zero_bubble_v(n_micro, n_stages, rank):
+    """ZB-V: two chunks a rank placed as a V (`v_placement`), chunk 0 on the way down the ranks, chunk 1 on the
+    way back up, with every backward split in B and W as in ZB-H1.
+
+    A warm-up fills the V: 2(P-r)-1 forwards of chunk 0, then r pairs of forwards (chunk 1, then chunk 0),
+    then P-r rounds of chunk 1's F, B and W. In the steady state each round runs F, B and W of chunk 0,
+    then of chunk 1. The cool-down runs what B is left (r pairs with their W deferred, then P-r B's of
+    chunk 0 each followed by a deferred W), then the W's still held. It is written for at least 2P-1
+    micro-batches (what rank 0's warm-up fills); with fewer, the missing ones' actions are left out.
+    """
+    if n_stages < 2:
+        raise ValueError("ZB-V needs at least two pipeline stages")
+    down, up, filled = 0, 1, max(n_micro, 2 * n_stages - 1)
+    count, actions = defaultdict(int), []  # count[kind, chunk]: that kind's next micro-batch on that chunk
+
+    def run(*steps):
+        for kind, chunk in steps:
+            actions.append((kind, chunk, count[kind, chunk]))
+            count[kind, chunk] += 1
+
+    F, B, W = "forward", "backward", "weight"
+    run(*[(F, down)] * (2 * (n_stages - rank) - 1))                   # warm-up: down the V,
+    run(*[(F, up), (F, down)] * rank)                                 # both ways,
+    run(*[(F, up), (B, up), (W, up)] * (n_stages - rank))            # the first backwards up the V
+    while count[F, down] < filled or count[F, up] < count[F, down]:  # steady state
+        run(*[(F, down)] * (count[F, down] < filled), (B, down), (W, down), (F, up), (B, up), (W, up))
+    run(*[(B, down), (B, up)] * rank)                                 # cool-down: the last B's,
+    run(*[(B, down), (W, down)] * (n_stages - rank))
+    run(*[(W, up)] * (count[B, up] - count[W, up]))                   # the W's held back
+    run(*[(W, down)] * (count[B, down] - count[W, down]))
+    return [action for action in actions if action[2] < n_micro]
+
+
 def virtual_step(k, n_stages, n_chunks, forward=True):
     """(chunk, micro-batch) of a rank's k-th forward (or backward) under interleaving.
 
@@ -176,13 +232,16 @@ def forward_only(n_micro, n_stages, rank, n_chunks=1):
     return [("forward", *virtual_step(k, n_stages, n_chunks)) for k in range(n_micro * n_chunks)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1,
+             "zbv": zero_bubble_v}
 
 
 def make_schedule(name, n_micro, n_stages, rank, n_chunks=1):
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose from {sorted(SCHEDULES)}")
-    if (name == "interleaved") != (n_chunks > 1):
+    if name == "zbv" and n_chunks != 2:
+        raise ValueError(f"ZB-V places exactly two chunks on each rank, not {n_chunks}")
+    if name != "zbv" and (name == "interleaved") != (n_chunks > 1):
         raise ValueError("the interleaved schedule needs more than one virtual stage, and only it can use them")
     if name == "interleaved":
         return interleaved_1f1b(n_micro, n_stages, rank, n_chunks)
@@ -190,69 +249,114 @@ def make_schedule(name, n_micro, n_stages, rank, n_chunks=1):
 
 
 # ---------------------------------------------------------------------------
+# Placement: which rank holds model chunk k (the one rule every message follows)
+# ---------------------------------------------------------------------------
+
+def interleaved_placement(k, n_stages):
+    """(rank, its chunk index) of model chunk k in a loop over the ranks: rank r holds chunks r, r+P, r+2P, ...
+    (Megatron-LM's interleaving; with one chunk a rank, the plain split)."""
+    return k % n_stages, k // n_stages
+
+
+def v_placement(k, n_stages):
+    """(rank, its chunk index) of model chunk k in a V: down the ranks, then back up, so that rank r holds
+    chunks r and 2P-1-r, and rank 0 both the first and the last (ZB-V's placement)."""
+    return (k, 0) if k < n_stages else (2 * n_stages - 1 - k, 1)
+
+
+PLACEMENTS = {"zbv": v_placement}  # every other schedule places its chunks in a loop
+
+
+class Placement:
+    """Where P ranks x V chunks of a model are: `rule(k, P)` gives the rank holding model chunk k and that
+    chunk's index on the rank (an action's chunk)."""
+
+    def __init__(self, n_stages, n_chunks=1, rule=interleaved_placement):
+        self.n_stages, self.n_chunks, self.rule = n_stages, n_chunks, rule
+        self.n_model_chunks = n_stages * n_chunks
+
+    @classmethod
+    def of(cls, schedule, n_stages, n_chunks=1):
+        """The placement a schedule (by name) runs on."""
+        return cls(n_stages, n_chunks, PLACEMENTS.get(schedule, interleaved_placement))
+
+    def holder(self, k):
+        """(rank, chunk index) of model chunk k."""
+        return self.rule(k, self.n_stages)
+
+    def model_chunks(self, rank):
+        """The model chunks `rank` holds, by chunk index."""
+        held = {self.holder(k): k for k in range(self.n_model_chunks)}
+        return [held[rank, c] for c in range(self.n_chunks)]
+
+    def ends_apart(self):
+        """Whether the first and the last model chunk are on two ranks (so a weight both use, a tied embedding
+        and output layer, has a copy on each)."""
+        return self.holder(0)[0] != self.holder(self.n_model_chunks - 1)[0]
+
+
+# ---------------------------------------------------------------------------
 # Messages, and the time steps that make their order the same on both sides
 # ---------------------------------------------------------------------------
 
-def _model_chunk(action, rank, n_stages):
-    return action[1] * n_stages + rank
-
-
-def message_needed(action, rank, n_stages, n_model_chunks):
+def message_needed(action, rank, placement):
     """The message `action` on `rank` must receive before it runs, or None.
 
     A message is named (kind, model chunk that sent it, micro-batch): a forward of model chunk k needs
     the activation of chunk k-1, a backward the gradient of chunk k+1 (the first chunk reads tokens,
     the last chunk's backward starts from the loss).
     """
-    kind, _, m = action
-    k = _model_chunk(action, rank, n_stages)
+    kind, c, m = action
+    k = placement.model_chunks(rank)[c]
     if kind == "forward" and k > 0:
         return ("activation", k - 1, m)
-    if kind == "backward" and k < n_model_chunks - 1:
+    if kind == "backward" and k < placement.n_model_chunks - 1:
         return ("gradient", k + 1, m)
     return None
 
 
-def message_sent(action, rank, n_stages, n_model_chunks):
-    """(destination rank, message) that `action` on `rank` sends when it is done, or None."""
-    kind, _, m = action
-    k = _model_chunk(action, rank, n_stages)
-    if kind == "forward" and k < n_model_chunks - 1:
-        return (rank + 1) % n_stages, ("activation", k, m)
+def message_sent(action, rank, placement):
+    """(destination rank, message) that `action` on `rank` sends when it is done, or None: to the holder of
+    the next model chunk (a forward's activation) or of the previous one (a backward's gradient)."""
+    kind, c, m = action
+    k = placement.model_chunks(rank)[c]
+    if kind == "forward" and k < placement.n_model_chunks - 1:
+        return placement.holder(k + 1)[0], ("activation", k, m)
     if kind == "backward" and k > 0:
-        return (rank - 1) % n_stages, ("gradient", k, m)
+        return placement.holder(k - 1)[0], ("gradient", k, m)
     return None
 
 
-def timeline(schedules, n_chunks=1):
+def timeline(schedules, placement=None):
     """Every rank's actions on common time steps: steps[t][r] is what rank r runs at step t (None: idle).
 
-    schedules[r] is rank r's action list. At each step a rank runs its next action if the message it
-    needs was sent at an earlier step, and idles otherwise. The result is the pipeline diagram of the
-    article (one row per stage, one column per step), and it fixes the order of every message.
+    schedules[r] is rank r's action list; placement says where the chunks are (default: one a rank). At
+    each step a rank runs its next action if the message it needs was sent at an earlier step, and idles
+    otherwise. The result is the pipeline diagram of the article (one row per stage, one column per step),
+    and it fixes the order of every message.
     """
     n_stages = len(schedules)
-    n_model_chunks = n_stages * n_chunks
+    placement = placement or Placement(n_stages)
     position, sent_at, steps = [0] * n_stages, {}, []
     while any(position[r] < len(schedules[r]) for r in range(n_stages)):
         t, row = len(steps), []
         for r, actions in enumerate(schedules):
             action = actions[position[r]] if position[r] < len(actions) else None
-            need = action and message_needed(action, r, n_stages, n_model_chunks)
+            need = action and message_needed(action, r, placement)
             ready = action is not None and (need is None or sent_at.get(need, t) < t)
             row.append(action if ready else None)
             position[r] += ready
         if not any(row):
             raise ValueError(f"the schedule deadlocks: no rank can run its next action at step {t}")
         for r, action in enumerate(row):
-            out = action and message_sent(action, r, n_stages, n_model_chunks)
+            out = action and message_sent(action, r, placement)
             if out:
                 sent_at[out[1]] = t
         steps.append(row)
     return steps
 
 
-def exchanges(steps, rank, n_chunks=1):
+def exchanges(steps, rank, placement=None):
     """What this rank posts after each step: ([(destination, message)], [(source, message)]).
 
     After step t every rank posts, as one batch, the message its own action of step t sends and the
@@ -262,13 +366,14 @@ def exchanges(steps, rank, n_chunks=1):
     That is what NCCL needs: it ignores tags, and it runs the batches of one communicator one after
     the other on one stream, so a receive posted early would block every send queued behind it (with
     1F1B on two stages, a first stage waiting for a gradient before sending the activation that the
-    second stage needs to produce it).
+    second stage needs to produce it). A message from a rank to itself (the turn of a V, from chunk
+    P-1 to chunk P on rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
     """
     n_stages = len(steps[0])
-    n_model_chunks = n_stages * n_chunks
+    placement = placement or Placement(n_stages)
     posted = []
     for row in steps:
-        sent = [message_sent(a, r, n_stages, n_model_chunks) if a else None for r, a in enumerate(row)]
+        sent = [message_sent(a, r, placement) if a else None for r, a in enumerate(row)]
         sends = [sent[rank]] if sent[rank] else []
         receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
         posted.append((sends, receives))
@@ -446,31 +551,44 @@ class _Batch:
         return wait
 
 
+def _already_here(tensor):
+    """A waiter (as _Batch.waiter gives) for a message that needs no waiting."""
+    return lambda: tensor
+
+
 class _P2P:
-    """Point-to-point with the other stages: one batch of sends and receives posted after each step."""
+    """Point-to-point with the other stages: one batch of sends and receives posted after each step. A message
+    to this rank itself (the turn of a V) is handed over as it is: a tensor detached from the graph that made
+    it, as a received one would be."""
 
     def __init__(self, group, shape, dtype, device, debug):
         self.group, self.shape, self.dtype, self.device, self.debug = group, shape, dtype, device, debug
+        self.rank = dist.get_rank(group)
         self.batches = []  # every batch posted; those no receive needed are waited for at the end
         self.bytes_sent = 0
 
     def post(self, sends, receives):
         """Post one batch; returns {message: a function that waits for it and gives the tensor}."""
-        ops, buffers = [], {}
+        ops, buffers, handed_over = [], {}, {}
         for peer, message, tensor in sends:
             tensor = tensor.detach().to(self.dtype).contiguous()
+            if peer == self.rank:
+                handed_over[message] = _already_here(tensor)
+                continue
             ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group))
             self.bytes_sent += tensor.numel() * tensor.element_size()
             self._log(f"send {message} to stage {peer}")
         for peer, message in receives:
+            if peer == self.rank:
+                continue
             buffers[message] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buffers[message], self._global(peer), self.group))
             self._log(f"post receive of {message} from stage {peer}")
         if not ops:
-            return {}
+            return handed_over
         batch = _Batch(dist.batch_isend_irecv(ops))
         self.batches.append(batch)
-        return {message: batch.waiter(buffer) for message, buffer in buffers.items()}
+        return {**handed_over, **{message: batch.waiter(buffer) for message, buffer in buffers.items()}}
 
     def flush(self):
         for batch in self.batches:
@@ -506,22 +624,37 @@ class _ReductionPlan:
         not the chunk's last                      grad_sync.no_sync()                   accumulate only
         the chunk's last, not the rank's final    grad_sync.keep_incomplete_buckets()   launch the full buckets
         the rank's final                          (none)                                launch everything left
+
+    Chunks that share a weight count as one: a tied embedding and output layer, which a V puts on rank 0 in
+    its first and last chunk, is complete only after the later of the two chunks' last sums.
     """
 
-    def __init__(self, actions, summing, grad_sync):
+    def __init__(self, actions, summing, grad_sync, chunks):
         sums = [action for action in actions if action[0] == summing]
-        self.chunk_last = {c: max(m for _, chunk, m in sums if chunk == c) for c in {c for _, c, _ in sums}}
+        self.unit = _weight_sharing(chunks)
+        self.unit_last = {}
+        for action in sums:  # in order: what is left is each unit's last
+            self.unit_last[self.unit[action[1]]] = action
         self.final = sums[-1] if sums else None
         self.grad_sync = grad_sync
 
     def context(self, action):
         """The context around the gradient sums of `action` (one of kind `summing`)."""
-        _, c, m = action
         if action == self.final:
             return nullcontext()
-        if m == self.chunk_last[c]:
+        if action == self.unit_last[self.unit[action[1]]]:
             return self.grad_sync.keep_incomplete_buckets()
         return self.grad_sync.no_sync()
+
+
+def _weight_sharing(chunks):
+    """{chunk index: the first of this rank's chunks it shares a weight with, else itself}; a chunk without
+    parameters() (any callable) shares nothing."""
+    first_user, unit = {}, {}
+    for c, chunk in enumerate(chunks):
+        weights = chunk.parameters() if hasattr(chunk, "parameters") else []
+        unit[c] = min([first_user.setdefault(w, c) for w in weights], default=c)
+    return unit
 
 
 class _Stage:
@@ -533,11 +666,10 @@ class _Stage:
 
     summing = None  # the kind of action that sums the weights' gradients (each subclass names it)
 
-    def __init__(self, chunks, micro_batches, loss_fn, forward_context, reduction, group, stats):
+    def __init__(self, chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats):
         self.chunks, self.micro_batches, self.loss_fn = chunks, micro_batches, loss_fn
         self.forward_context, self.reduction, self.stats = forward_context, reduction, stats
-        self.n_stages, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.n_model_chunks = len(chunks) * self.n_stages
+        self.is_last = is_last  # is_last[c]: chunk c is the model's last (it computes the loss)
         self.saved, self.losses, self.side_losses = {}, [], []
 
     def run(self, action, incoming):
@@ -552,7 +684,7 @@ class _Stage:
     def forward(self, c, m, activation):
         """Chunk c on micro-batch m, from the previous chunk's activation (the first chunk reads the inputs);
         returns its output, and keeps what its backward needs."""
-        last = c * self.n_stages + self.rank == self.n_model_chunks - 1
+        last = self.is_last[c]
         x = self.micro_batches[m][0] if activation is None else activation.requires_grad_()
         with self.forward_context():  # the losses too (activation counting)
             y = self.chunks[c](x)
@@ -622,7 +754,7 @@ class _SplitBackward(_Stage):
 
 
 def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device,
-                 grad_sync=None, stats=None, debug=False, forward_context=nullcontext):
+                 grad_sync=None, stats=None, debug=False, forward_context=nullcontext, placement=None):
     """Execute this rank's actions; returns (losses, side_losses) as floats.
 
     schedules: every rank's action list (schedules[r] for pipeline rank r); all ranks place them on
@@ -631,7 +763,8 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     of each (chunk, micro-batch) whose chunk returned one (an MoE layer's
     load-balancing loss), on any stage: its gradient flows from where it is
     computed, so no stage has to hold every stage's side losses.
-    chunks: this rank's model chunks, callables x -> y or (y, side_loss) (chunk c is model chunk c*P + rank).
+    chunks: this rank's model chunks, callables x -> y or (y, side_loss), in the order of
+    placement.model_chunks(rank) (a Placement; by default chunk c is model chunk c*P + rank).
     micro_batches: (inputs, targets) per micro-batch; the first stage reads inputs, the last targets.
     loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
     grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): gradients are
@@ -640,14 +773,18 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     Without backward actions this is an inference pass.
     forward_context: entered around every forward (activation counting).
     """
-    n_stages, rank, n_chunks = dist.get_world_size(group), dist.get_rank(group), len(chunks)
+    n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
+    placement = placement or Placement(n_stages, len(chunks))
+    if placement.n_chunks != len(chunks):
+        raise ValueError(f"the placement puts {placement.n_chunks} chunks on each rank; this rank has {len(chunks)}")
     actions, stats = schedules[rank], stats or PipelineStats(device)
     # Chosen once: a schedule with weight actions (ZB-H1) splits each backward into B and W.
     Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in actions) else _WholeBackward
-    reduction = _ReductionPlan(actions, Stage.summing, _NoGradSync() if grad_sync is None else grad_sync)
-    stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, group, stats)
+    reduction = _ReductionPlan(actions, Stage.summing, _NoGradSync() if grad_sync is None else grad_sync, chunks)
+    is_last = [k == placement.n_model_chunks - 1 for k in placement.model_chunks(rank)]
+    stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats)
     p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
-    steps, received = timeline(schedules, n_chunks), {}
+    steps, received = timeline(schedules, placement), {}
     if stats.actions is not None:  # a timeline is recorded: the stages start it together
         dist.barrier(group=group)
     start = stats.origin = stats.total.now()
@@ -656,11 +793,11 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     # alone, as NCCL requires (it ignores tags); and nothing deadlocks, even where a communicator runs
     # its batches one after the other (NCCL's stream): batch t needs only every rank to have finished
     # step t, and step t waits only for batches before t.
-    for row, (sends, receives) in zip(steps, exchanges(steps, rank, n_chunks)):
+    for row, (sends, receives) in zip(steps, exchanges(steps, rank, placement)):
         action, output = row[rank], None  # None: this rank idles this step (but still posts its receives)
         if action:
             # (1) wait for the input message: a forward's activation, a backward's gradient (if any)
-            need = message_needed(action, rank, n_stages, stage.n_model_chunks)
+            need = message_needed(action, rank, placement)
             waiting = stats.wait.now()
             incoming = received.pop(need)() if need else None
             # (2) compute
@@ -704,26 +841,35 @@ class GPTChunk:
                if isinstance(getattr(mod, "aux_loss", None), torch.Tensor)]
         return (y, m.config.aux_loss_coef * sum(aux)) if aux else y
 
+    def parameters(self):
+        """The weights this chunk uses (a tied weight in both the first and the last chunk)."""
+        m = self.model
+        modules = [*([m.tok_emb, m.pos_emb] if self.first else []), *(m.blocks[i] for i in self.layers),
+                   *([m.norm, m.lm_head] if self.last else [])]
+        return [p for module in modules if module is not None for p in module.parameters()]
 
-def apply_pipeline_parallel(model, group, n_chunks=1, positions=None):
+
+def apply_pipeline_parallel(model, group, placement=None, positions=None):
     """Keep only this rank's layers of a GPT (others become empty); returns its chunks in order.
 
+    placement: where the model chunks are (a Placement; default: one a rank).
     Parameter names stay those of the full model, so checkpoints merge across stages by name.
     positions: those of the tokens this rank holds, if not 0..seq-1 (context parallelism).
     """
     n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
-    ranges = split_layers(model.config.n_layer, n_stages * n_chunks)
-    mine = [c * n_stages + rank for c in range(n_chunks)]
+    placement = placement or Placement(n_stages)
+    last = placement.n_model_chunks - 1
+    ranges = split_layers(model.config.n_layer, placement.n_model_chunks)
+    mine = placement.model_chunks(rank)
     kept = {i for chunk in mine for i in ranges[chunk]}
     for i in range(model.config.n_layer):
         if i not in kept:
             model.blocks[i] = nn.Identity()
     if 0 not in mine:
         model.tok_emb = model.pos_emb = None
-    if n_stages * n_chunks - 1 not in mine:
+    if last not in mine:
         model.norm = model.lm_head = None
-    return [GPTChunk(model, ranges[chunk], chunk == 0, chunk == n_stages * n_chunks - 1, positions)
-            for chunk in mine]
+    return [GPTChunk(model, ranges[chunk], chunk == 0, chunk == last, positions) for chunk in mine]
 
 
 # ---------------------------------------------------------------------------
@@ -763,18 +909,21 @@ def _self_check():
         ref_loss += loss.item() / n_micro
     ref_grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
 
-    for name, n_chunks in [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2)][:4 if n_stages > 1 else 3]:
+    checked = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2)]
+    for name, n_chunks in checked if n_stages > 1 else checked[:3]:
         for p in (p for layer in layers for p in layer.parameters()):
             p.grad = None
+        placement = Placement.of(name, n_stages, n_chunks)
         ranges = split_layers(n_layers, n_stages * n_chunks)
-        chunks = [nn.Sequential(*[layers[i] for i in ranges[c * n_stages + rank]]) for c in range(n_chunks)]
+        mine = placement.model_chunks(rank)
+        chunks = [nn.Sequential(*[layers[i] for i in ranges[k]]) for k in mine]
         stats = PipelineStats()
         schedules = [make_schedule(name, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
         losses, _ = run_schedule(schedules, chunks, micro_batches, loss_fn, None, (batch, width), torch.float64,
-                                 device, stats=stats)
+                                 device, stats=stats, placement=placement)
         worst = 0.0
-        for c in range(n_chunks):
-            for i in ranges[c * n_stages + rank]:
+        for k in mine:
+            for i in ranges[k]:
                 for p, ref in zip(layers[i].parameters(), ref_grads[2 * i:2 * i + 2]):
                     worst = max(worst, (p.grad - ref).abs().max().item())
         if losses:
@@ -784,7 +933,7 @@ def _self_check():
         if rank == 0:
             print(f"pp.py self-check, {name:11s} on {n_stages} stages x {n_chunks} chunks, {n_micro} micro-batches "
                   f"({backend}): largest difference from one device (loss, gradients, float64) = "
-                  f"{worst_all.item():.3g}; stage 0 held {stats.peak_in_flight} micro-batches' activations at once",
+                  f"{worst_all.item():.3g}; stage 0 held {stats.peak_in_flight} chunks' activations at once",
                   flush=True)
         if worst_all.item() > 1e-12:
             raise SystemExit(f"rank {rank}: the {name} pipeline differs from the single device")

@@ -375,7 +375,18 @@ def pipeline_parallel(model, mesh, args, positions):
         return None
     if positions is None:  # every token of a training sequence (the model may know longer ones)
         positions = torch.arange(args.seq_len)
-    return pp.apply_pipeline_parallel(model, mesh.groups["pp"], args.virtual_stages, positions)
+    return pp.apply_pipeline_parallel(model, mesh.groups["pp"], pipeline_placement(args), positions)
+
+
+def pipeline_placement(args):
+    """Which pipeline rank holds which model chunk: in a loop, or in a V (--schedule zbv)."""
+    return pp.Placement.of(args.schedule, args.pp, args.virtual_stages)
+
+
+def tied_across_stages(config, args):
+    """Whether a tied output layer's two ends (the embedding in the first model chunk, the output layer in the
+    last) are on two pipeline ranks, each holding a copy; in a V (ZB-V) rank 0 holds both, one weight."""
+    return config.tie_embeddings and pipeline_placement(args).ends_apart()
 
 
 def compile_blocks(model):
@@ -413,7 +424,7 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
     """
     group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
     named = list(model.named_parameters())
-    tied_names = {name for name, _ in named if model.config.tie_embeddings and mesh.size("pp") > 1
+    tied_names = {name for name, _ in named if tied_across_stages(model.config, args)
                   and share.name(name) == "tok_emb.weight"}
     dense = [p for name, p in named if not ep.is_expert_parameter(name) and name not in tied_names]
     tied = [p for name, p in named if name in tied_names]
@@ -651,7 +662,8 @@ class PipelineStage:
         """Run a pipeline schedule on this rank's chunks: (last stage's micro-batch losses, side losses)."""
         losses = pp.run_schedule(schedules, self.chunks, micro_batches, self.model.loss_fn, self.group,
                                  self.shape, self.dtype, self.device, grad_sync=self.grad_sync, stats=stats,
-                                 debug=self.args.pp_debug, forward_context=self.forward_context)
+                                 debug=self.args.pp_debug, forward_context=self.forward_context,
+                                 placement=pipeline_placement(self.args))
         self.bytes_sent += stats.bytes_sent
         return losses
 

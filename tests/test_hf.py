@@ -4,7 +4,7 @@
   semantics (tests/hf_models.py), in float64;
 - train.py --init-from trains the same under every layout as one device started from the folder (which
   puts the new config fields through the dimensions they touch: a tied output layer through tp's
-  vocabulary split and across pipeline stages, the tanh GELU and the padded vocabulary through tp, each
+  vocabulary split, across pipeline stages and on rank 0 alone in ZB-V's V, the tanh GELU and the padded vocabulary through tp, each
   norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp, Mixtral's experts under ep);
 - hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
 """
@@ -51,6 +51,7 @@ def test_model_py_gives_the_reference_logits(folders, arch):
 LAYOUTS = [
     ("gpt2", 2, ["--tp", "2"]),                        # tied, vocabulary 61 padded to 64, tanh GELU, split by tp
     ("gpt2", 4, ["--pp", "2", "--zero", "1"]),         # the tied weight's two copies, ZeRO-1 over 2 data ranks
+    ("gpt2", 4, ["--pp", "2", "--schedule", "zbv", "--zero", "1", "--micro-batches", "4"]),  # in a V: one copy
     ("gpt2", 4, ["--tp", "2", "--sp", "--cp", "2"]),   # LayerNorm's epsilon under sp, learned positions under cp
     ("llama3.2", 4, ["--tp", "2", "--pp", "2"]),        # tied and split, across stages; rotary scaling
     ("llama3.1", 4, ["--cp", "2", "--tp", "2", "--sp"]),  # rotary scaling at cp's zigzag positions; RMSNorm 1e-5

@@ -10,6 +10,7 @@ import cli
 import pp
 from distributed import run_on_ranks, self_check_alone
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from planned import assert_matches_plan
 
 # 8 layers, so that 4 stages x 2 virtual stages each hold one; two steps; 24 sequences, so that 2, 3, 4, 6
 # and 8 micro-batches divide them.
@@ -26,6 +27,23 @@ CASES = [(stages, schedule, 2 if schedule == "interleaved" else 1, micro) for st
          for schedule in ("gpipe", "1f1b", "interleaved", "zb1") for micro in (stages, 2 * stages)]  # m = p, m > p
 # Three stages and three virtual stages: the 8 layers split unevenly (3+3+2, 2+2+1+1+1+1).
 CASES += [(3, "gpipe", 1, 3), (3, "1f1b", 1, 6), (3, "interleaved", 2, 6), (2, "interleaved", 3, 4), (3, "zb1", 1, 6)]
+# ZB-V: two chunks a rank in a V, on 2, 3 and 4 stages, m = p and 2p (3 stages: 6 chunks of 2+2+1+1+1+1 layers).
+CASES += [(stages, "zbv", 2, micro) for stages in (2, 3, 4) for micro in (stages, 2 * stages)]
+
+
+def v_model_chunks(stages, rank):
+    """ZB-V's placement, written out: rank r holds model chunks r (down the V) and 2P-1-r (back up)."""
+    return [rank, 2 * stages - 1 - rank]
+
+
+def p2p_sends(schedule, stages, chunks, micro, rank):
+    """Messages a rank sends in a step: an activation and a gradient per micro-batch and chunk boundary, but
+    the last model chunk sends no activation, the first no gradient; under ZB-V rank r's chunks are r and
+    2P-1-r (rank 0: the first and the last), and the turn of the V (chunks P-1 and P, both on rank P-1)
+    sends nothing."""
+    if schedule == "zbv":
+        return 2 * micro * ((rank < stages - 1) + (rank > 0))
+    return micro * (chunks - (rank == stages - 1)) + micro * (chunks - (rank == 0))
 
 
 def in_flight(actions):
@@ -51,9 +69,8 @@ def test_pipeline_matches_single_device(tmp_path, stages, schedule, chunks, micr
     for entry in read_log(tmp_path / f"gpu{stages}_tp1_pp{stages}_cp1_ep1"):
         for rank in range(stages):
             # Point-to-point: b*s*h per micro-batch and chunk boundary, each way.
-            sends_forward = micro * (chunks - (rank == stages - 1))  # the last model chunk sends no activation
-            sends_backward = micro * (chunks - (rank == 0))           # the first sends no gradient
-            assert entry["comm_pp_send_recv_bytes"][rank] == (sends_forward + sends_backward) * micro_bytes
+            sends = p2p_sends(schedule, stages, chunks, micro, rank)
+            assert entry["comm_pp_send_recv_bytes"][rank] == sends * micro_bytes
             # Micro-batches whose activations are alive at once.
             peak = entry["pp_peak_in_flight"][rank]
             if schedule == "gpipe":
@@ -62,9 +79,12 @@ def test_pipeline_matches_single_device(tmp_path, stages, schedule, chunks, micr
                 assert peak == min(stages - rank, micro) <= stages
             elif schedule == "zb1":  # W deferred: more on later stages, never more than 1F1B's first stage
                 assert peak == in_flight(pp.make_schedule("zb1", micro, stages, rank)) <= min(stages, micro)
+            elif schedule == "zbv":  # chunks of half a stage: at most 1F1B's first stage's P micro-batches
+                assert peak == in_flight(pp.make_schedule("zbv", micro, stages, rank, 2)) <= 2 * min(stages, micro)
             assert 0 <= entry["pp_bubble"][rank] <= 1
-        work = 3 * micro if schedule == "zb1" else chunks * micro  # ZB-H1: F, B and W of a unit each
-        assert entry["pp_bubble_formula"] == pytest.approx((stages - 1) / (work + stages - 1))
+        work = {"zb1": 3 * micro, "zbv": 6 * micro}.get(schedule, chunks * micro)  # F, B and W of a unit each
+        if schedule != "zbv" or micro >= 2 * stages - 1:  # (fewer leave ZB-V's warm-up gaps: see the timeline)
+            assert entry["pp_bubble_formula"] == pytest.approx((stages - 1) / (work + stages - 1))
     # The last step's timeline: every rank's actions in its schedule's order, each waiting, then computing,
     # one after the other.
     for rank, actions in enumerate(entry["pp_timeline"]):
@@ -93,16 +113,19 @@ def test_pipeline_with_tensor_and_sequence_parallel(tmp_path):
         assert_matches_oracle(result, oracle([*BASE, "--micro-batches", "4"]))
 
 
+@pytest.mark.parametrize("schedule", ["zb1", "zbv"])
 @pytest.mark.parametrize("flags,model", [
     (["--zero", "1"], []), (["--tp", "2", "--sp"], []), (["--cp", "2"], []),
     (["--ep", "2"], ["--experts", "4", "--shared-experts", "1", "--balance", "both"]),
     (["--tp", "2"], ["--arch", "llama", "--experts", "4"])], ids=["dp2-zero1", "tp2-sp", "cp2", "ep2", "tp2-moe-llama"])
-def test_zero_bubble_with_other_dimensions(tmp_path, flags, model):
-    """ZB-H1's weight passes sum what data parallelism reduces (after the last of each chunk), run tp's
-    collectives of the norms' and biases' gradients, and leave an MoE's all-to-all and the ring in B."""
-    argv = [*BASE, *model, "--micro-batches", "4", "--pp", "2", "--schedule", "zb1", *flags, "--out", str(tmp_path)]
-    for result in run_on_ranks(4, train_worker, argv, timeout=180):
+def test_zero_bubble_with_other_dimensions(tmp_path, flags, model, schedule):
+    """ZB-H1's and ZB-V's weight passes sum what data parallelism reduces (after the last of each chunk), run
+    tp's collectives of the norms' and biases' gradients, and leave an MoE's all-to-all and the ring in B;
+    ZB-V's turn of the V hands its messages over on one rank. Memory and traffic are as plan.py predicts."""
+    argv = [*BASE, *model, "--micro-batches", "4", "--pp", "2", "--schedule", schedule, *flags]
+    for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*BASE, *model, "--micro-batches", "4"]))
+    assert_matches_plan(tmp_path, argv, 4)
 
 
 # -- the schedules themselves, without processes ---------------------------------------
@@ -115,6 +138,10 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
     """
     lists = [pp.make_schedule(schedule, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
     n_model = n_stages * n_chunks
+    if schedule == "zbv":
+        model_chunk = lambda c, r: v_model_chunks(n_stages, r)[c]  # noqa: E731
+    else:
+        model_chunk = lambda c, r: c * n_stages + r  # noqa: E731
     done, position = set(), [0] * n_stages
     while any(position[r] < len(lists[r]) for r in range(n_stages)):
         progressed = False
@@ -122,7 +149,7 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
             if position[r] == len(lists[r]):
                 continue
             kind, c, m = lists[r][position[r]]
-            k = c * n_stages + r
+            k = model_chunk(c, r)
             needs = {"forward": [("forward", k - 1, m)] if k > 0 else [],
                      "backward": [("forward", k, m)] + ([("backward", k + 1, m)] if k < n_model - 1 else []),
                      "weight": [("backward", k, m)]}[kind]
@@ -135,12 +162,12 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
 
 
 @pytest.mark.parametrize("schedule,n_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
-                                              ("zb1", 1)])
+                                              ("zb1", 1), ("zbv", 2)])
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_stages, groups):
     n_micro = groups * n_stages
-    kinds = ("forward", "backward", "weight") if schedule == "zb1" else ("forward", "backward")
+    kinds = ("forward", "backward", "weight") if schedule in ("zb1", "zbv") else ("forward", "backward")
     for rank, actions in enumerate(simulate(schedule, n_micro, n_stages, n_chunks)):
         expected = {(kind, c, m) for kind in kinds for c in range(n_chunks) for m in range(n_micro)}
         assert sorted(actions) == sorted(expected)
@@ -152,12 +179,40 @@ def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_
             held = [sum(k == "backward" for k, _, _ in actions[:i]) - sum(k == "weight" for k, _, _ in actions[:i])
                     for i in range(len(actions)) if actions[i][0] == "forward"]
             assert max(held, default=0) <= rank
+        if schedule == "zbv":  # chunks of half a stage: never more than 1F1B's first stage holds, P micro-batches
+            assert in_flight(actions) <= 2 * in_flight(pp.make_schedule("1f1b", n_micro, n_stages, 0))
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4, 6, 8])
+def test_zbv_idles_a_sixth_of_1f1b_once_its_warm_up_is_full(n_stages):
+    """On the timeline of unit actions (F, B and W of a half-stage chunk one unit each), ZB-V's step takes
+    6M + P - 1 units once M >= 2P-1: a rank idles P-1 units, where 1F1B's stage idles (P-1)(F+B) = 6(P-1)."""
+    for n_micro in range(2 * n_stages - 1, 4 * n_stages):
+        schedules = [pp.make_schedule("zbv", n_micro, n_stages, r, 2) for r in range(n_stages)]
+        steps = pp.timeline(schedules, pp.Placement.of("zbv", n_stages, 2))
+        assert len(steps) == 6 * n_micro + n_stages - 1
+        idle = pp.bubble_formula(n_stages, n_micro, 2, "zbv")
+        assert idle == pytest.approx((n_stages - 1) / (6 * n_micro + n_stages - 1))
+        one_f_one_b = pp.bubble_formula(n_stages, n_micro)
+        assert idle / one_f_one_b == pytest.approx((n_micro + n_stages - 1) / (6 * n_micro + n_stages - 1))
+    for n_micro in range(1, 2 * n_stages - 1):  # fewer: the warm-up's gaps stay, but it still beats 1F1B
+        assert pp.bubble_formula(n_stages, n_micro, 2, "zbv") < pp.bubble_formula(n_stages, n_micro)
+
+
+def test_placements_say_which_rank_holds_each_chunk():
+    loop, v = pp.Placement.of("interleaved", 4, 2), pp.Placement.of("zbv", 4, 2)
+    assert [loop.model_chunks(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [v.model_chunks(r) for r in range(4)] == [v_model_chunks(4, r) for r in range(4)]
+    assert [v.holder(k) for k in (0, 3, 4, 7)] == [(0, 0), (3, 0), (3, 1), (0, 1)]
+    assert loop.ends_apart() and not v.ends_apart()  # in a V, rank 0 holds the first and the last chunk
+    assert pp.Placement.of("1f1b", 4).model_chunks(2) == [2]
 
 
 # -- NCCL's rules: messages match by posting order, batches run one after the other ----------
 
 PLANS = [(schedule, n_chunks, n_stages, groups * n_stages)
-         for schedule, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb1", 1)]
+         for schedule, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb1", 1),
+                                    ("zbv", 2)]
          for n_stages in (2, 3, 4) for groups in (1, 2, 3)]
 
 
@@ -200,20 +255,24 @@ def run_batches_as_nccl(posted):
 @pytest.mark.parametrize("schedule,n_chunks,n_stages,n_micro", PLANS, ids=lambda v: str(v))
 def test_messages_match_by_order_alone_and_never_deadlock_under_nccl(schedule, n_chunks, n_stages, n_micro):
     schedules = [pp.make_schedule(schedule, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
-    steps = pp.timeline(schedules, n_chunks)
+    placement = pp.Placement.of(schedule, n_stages, n_chunks)
+    steps = pp.timeline(schedules, placement)
     for r in range(n_stages):  # every action runs once, in its rank's order
         assert [row[r] for row in steps if row[r]] == schedules[r]
-    posted = [pp.exchanges(steps, r, n_chunks) for r in range(n_stages)]
+    posted = [pp.exchanges(steps, r, placement) for r in range(n_stages)]
     for source in range(n_stages):  # the n-th send from a rank to another is the n-th receive posted there
         for destination in range(n_stages):
             sent = [m for sends, _ in posted[source] for d, m in sends if d == destination]
             received = [m for _, receives in posted[destination] for s, m in receives if s == source]
             assert sent == received
-    arrived = run_batches_as_nccl(posted)
+    # On the wire: a message from a rank to itself (the turn of a V) is handed over (pp._P2P), not posted.
+    wire = [[([s for s in sends if s[0] != r], [x for x in receives if x[0] != r]) for sends, receives in batches]
+            for r, batches in enumerate(posted)]
+    arrived = run_batches_as_nccl(wire)
     for t, row in enumerate(steps):  # and each action's input arrived in a batch posted before it runs
         for r, action in enumerate(row):
-            need = action and pp.message_needed(action, r, n_stages, n_stages * n_chunks)
-            if need:
+            need = action and pp.message_needed(action, r, placement)
+            if need and placement.holder(need[1])[0] != r:
                 assert arrived[r][need] < t
 
 
@@ -221,8 +280,8 @@ def test_two_stages_interleaved_send_both_kinds_over_one_link():
     """Why order matters: with P=2 and V=2, stage 0 sends stage 1 activations (chunk 0 -> 1) and gradients
     (chunk 2 -> 1) over the same link, in shapes alike, so a receive matched out of order would silently
     take a gradient for an activation."""
-    schedules = [pp.make_schedule("interleaved", 4, 2, r, 2) for r in range(2)]
-    sent = [m for sends, _ in pp.exchanges(pp.timeline(schedules, 2), 0, 2) for _, m in sends]
+    schedules, placement = [pp.make_schedule("interleaved", 4, 2, r, 2) for r in range(2)], pp.Placement(2, 2)
+    sent = [m for sends, _ in pp.exchanges(pp.timeline(schedules, placement), 0, placement) for _, m in sends]
     assert {kind for kind, _, _ in sent} == {"activation", "gradient"}
 
 
@@ -250,6 +309,11 @@ def test_forward_only_runs_each_forward_once_in_schedule_order():
     assert pp.forward_only(4, 2, 0, 1) == [("forward", 0, m) for m in range(4)]
     interleaved = [a for a in pp.interleaved_1f1b(4, 2, 0, 2) if a[0] == "forward"]
     assert pp.forward_only(4, 2, 0, 2) == interleaved
+    for n_stages in (2, 3, 4):  # evaluation under ZB-V: the same order, in a V
+        for n_micro in (1, n_stages, 2 * n_stages):
+            forwards = [pp.forward_only(n_micro, n_stages, r, 2) for r in range(n_stages)]
+            steps = pp.timeline(forwards, pp.Placement.of("zbv", n_stages, 2))
+            assert sum(action is not None for row in steps for action in row) == 2 * n_stages * n_micro
 
 
 def test_split_layers_is_as_even_as_possible():
@@ -267,6 +331,10 @@ def test_split_layers_is_as_even_as_possible():
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"], "2 layers cannot fill 4 pipeline chunks"),
     (["--schedule", "interleaved"], "need pipeline parallelism (--pp > 1)"),
     (["--pp", "2", "--schedule", "zb1", "--recompute", "full"], "--schedule zb1 with --recompute is not supported"),
+    (["--pp", "2", "--schedule", "zbv", "--recompute", "full"], "--schedule zbv with --recompute is not supported"),
+    (["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"], "ZB-V places exactly two chunks on each rank, not 3"),
+    (["--schedule", "zbv"], "--schedule zbv and --virtual-stages need pipeline parallelism (--pp > 1)"),
+    (["--pp", "2", "--schedule", "zbv", "--micro-batches", "2"], "2 layers cannot fill 4 pipeline chunks"),
 ])
 def test_refused_pipeline_flags(flags, message):
     with pytest.raises(cli.ConfigError, match=re.escape(message)):
@@ -274,5 +342,5 @@ def test_refused_pipeline_flags(flags, message):
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("pp.py", 4, tmp_path)  # GPipe, 1F1B, ZB-H1, interleaved
-    assert len(differences) == 4 and max(differences) < 1e-12
+    differences = self_check_alone("pp.py", 4, tmp_path)  # GPipe, 1F1B, ZB-H1, interleaved, ZB-V
+    assert len(differences) == 5 and max(differences) < 1e-12
