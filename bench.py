@@ -189,12 +189,16 @@ def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch"
     return dict(model=" ".join(model), strategies=plan.STRATEGIES, points=points)
 
 
-def pipeline_schedules(out, rounds=3, steps=4, schedules=("gpipe", "1f1b", "interleaved", "zb1"),
-                       model=("--model", "medium", "--pp", "2", "--micro-batches", "8", "--batch-size", "32")):
-    """The four schedules on the same model, P and M, in turn in each round (the order rotated, so the
+PIPELINE_MODEL = ("--model", "medium", "--pp", "2", "--micro-batches", "8", "--batch-size", "32")
+
+
+def pipeline_schedules(out, rounds=3, steps=4, schedules=("gpipe", "1f1b", "interleaved", "zb1", "zbv"),
+                       model=PIPELINE_MODEL):
+    """The five schedules on the same model, P and M, in turn in each round (the order rotated, so the
     machine's drift cancels): each run's measured bubble (the mean over its ranks and steps after the first)
-    and step time, ZB-H1's bubble over 1F1B's per round, and the last round's timelines (train.py logs the
-    last step's)."""
+    and step time, the zero-bubble schedules' bubble over 1F1B's per round, and the last round's timelines
+    (train.py logs the last step's); then pp.py's ZB-V beside PyTorch's ScheduleZBVZeroBubble on the same
+    model, P and M."""
     runs, per_round = os.path.join(out, "pipeline"), []
     for r in range(rounds):
         order = schedules[r % len(schedules):] + schedules[:r % len(schedules)]
@@ -209,14 +213,23 @@ def pipeline_schedules(out, rounds=3, steps=4, schedules=("gpipe", "1f1b", "inte
                                       step_s=statistics.mean(e["step_s"] for e in log[1:]),
                                       formula=log[-1]["pp_bubble_formula"], timeline=log[-1]["pp_timeline"])
         per_round.append(measured)
-    ratios = [m["zb1"]["bubble"] / m["1f1b"]["bubble"] for m in per_round]
     summary = {s: dict(bubble=statistics.median(m[s]["bubble"] for m in per_round),
                        bubble_range=[min(m[s]["bubble"] for m in per_round), max(m[s]["bubble"] for m in per_round)],
                        step_s=statistics.median(m[s]["step_s"] for m in per_round),
                        formula=per_round[0][s]["formula"], timeline=per_round[-1][s]["timeline"])
                for s in schedules}
-    return dict(flags=list(model), rounds=rounds, steps=steps, schedules=summary,
-                zb1_over_1f1b=dict(bubble_ratio=statistics.median(ratios), range=[min(ratios), max(ratios)]),
+    over_1f1b = {}
+    for s in ("zb1", "zbv"):
+        ratios = [m[s]["bubble"] / m["1f1b"]["bubble"] for m in per_round]
+        over_1f1b[s] = dict(bubble_ratio=statistics.median(ratios), range=[min(ratios), max(ratios)])
+    flags = dict(zip(model[::2], model[1::2]))
+    settings = dict(model=flags["--model"], batch_size=int(flags["--batch-size"]),
+                    micro_batches=int(flags["--micro-batches"]), rounds=2 * rounds, k=1)
+    print("bench: pp.py's ZB-V against PyTorch's ScheduleZBVZeroBubble", flush=True)
+    stdout = torchrun(2, "bench.py", "--worker", "pp_zbv", "--settings", json.dumps(settings))
+    against_pytorch = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return dict(flags=list(model), rounds=rounds, steps=steps, schedules=summary, over_1f1b=over_1f1b,
+                zbv_against_pytorch=dict(against_pytorch, settings=settings),
                 per_round=[{s: {k: v for k, v in m[s].items() if k != "timeline"} for s in schedules}
                            for m in per_round])
 
@@ -509,34 +522,40 @@ def worker_tp(settings):
 
 
 def worker_pp(settings, schedule):
-    """pp.py's schedule against torch.distributed.pipelining's, on the same two-stage split."""
+    """pp.py's schedule against torch.distributed.pipelining's, on the same split: one stage a rank, or (ZB-V)
+    two in a V."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble)
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
     import pp
     rank, world = dist.get_rank(), dist.get_world_size()
-    n_micro = settings["micro_batches"]
+    n_micro, n_chunks = settings["micro_batches"], 2 if schedule == "zbv" else 1
     ours, args = _gpt(settings)
     theirs = copy.deepcopy(ours)
     data = list(_batches(settings, args, n_batches(settings), 0, 1))  # stages share data
-    our_chunks = pp.apply_pipeline_parallel(ours, None)
-    their_chunk = pp.apply_pipeline_parallel(theirs, None)[0]
+    placement = pp.Placement.of(schedule, world, n_chunks)
+    our_chunks = pp.apply_pipeline_parallel(ours, None, placement)
+    their_chunks = pp.apply_pipeline_parallel(theirs, None, placement)
 
-    class Stage(torch.nn.Module):
-        def __init__(self):
+    class Stage(torch.nn.Module):  # a PipelineStage runs a module holding its own weights
+        def __init__(self, chunk):
             super().__init__()
-            self.model = theirs
+            self.held, self.chunk = torch.nn.ModuleList(chunk.modules()), chunk
 
         def forward(self, x):
-            return their_chunk(x)
+            return self.chunk(x)
 
-    stage = PipelineStage(Stage(), rank, world, torch.device("cpu"))
-    if schedule == "zb1":  # PyTorch's zero-bubble schedule for one stage per rank: ZB-H1's (a list of stages)
-        builtin = ScheduleInterleavedZeroBubble([stage], n_micro, loss_fn=theirs.loss_fn)
+    model_chunks = placement.model_chunks(rank)
+    stages = [PipelineStage(Stage(chunk), k, placement.n_model_chunks, torch.device("cpu"))
+              for k, chunk in zip(model_chunks, their_chunks)]
+    if schedule == "zbv":
+        builtin = ScheduleZBVZeroBubble(stages, n_micro, loss_fn=theirs.loss_fn)
+    elif schedule == "zb1":  # PyTorch's zero-bubble schedule for one stage per rank: ZB-H1's (a list of stages)
+        builtin = ScheduleInterleavedZeroBubble(stages, n_micro, loss_fn=theirs.loss_fn)
     else:
-        builtin = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, n_micro, loss_fn=theirs.loss_fn)
-    schedules = [pp.make_schedule(schedule, n_micro, world, r) for r in range(world)]
+        builtin = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stages[0], n_micro, loss_fn=theirs.loss_fn)
+    schedules = [pp.make_schedule(schedule, n_micro, world, r, n_chunks) for r in range(world)]
     micro = settings["batch_size"] // n_micro
     shape = (micro, args.seq_len, ours.config.d_model)
     opt_ours, opt_theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs))
@@ -550,7 +569,7 @@ def worker_pp(settings, schedule):
         inputs, targets = data[i]
         micro_batches = list(zip(inputs.chunk(n_micro), targets.chunk(n_micro)))
         losses, _ = pp.run_schedule(schedules, our_chunks, micro_batches, ours.loss_fn, None, shape,
-                                    torch.float32, torch.device("cpu"))
+                                    torch.float32, torch.device("cpu"), placement=placement)
         opt_ours.step()
         opt_ours.zero_grad()
         return shared_loss(losses)
@@ -558,12 +577,8 @@ def worker_pp(settings, schedule):
     def theirs_step(i):
         inputs, targets = data[i]
         losses = []
-        if rank == 0:
-            builtin.step(inputs)
-        elif rank == world - 1:
-            builtin.step(target=targets, losses=losses)
-        else:
-            builtin.step()
+        first, last = 0 in model_chunks, placement.n_model_chunks - 1 in model_chunks
+        builtin.step(*([inputs] if first else []), **(dict(target=targets, losses=losses) if last else {}))
         opt_theirs.step()
         opt_theirs.zero_grad()
         return shared_loss([loss.item() for loss in losses])
@@ -577,6 +592,7 @@ WORKERS = {  # name: (ranks, worker)
     "pp_1f1b": (2, lambda settings: worker_pp(settings, "1f1b")),
     "pp_gpipe": (2, lambda settings: worker_pp(settings, "gpipe")),
     "pp_zb1": (2, lambda settings: worker_pp(settings, "zb1")),
+    "pp_zbv": (2, lambda settings: worker_pp(settings, "zbv")),
 }
 
 
@@ -943,7 +959,7 @@ def main():
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
                                              "scaling check, 'recompute' for the recomputation modes, 'planner' for plan.py's "
                                              "strategies measured, 'checkpoint' for sharded against "
-                                             "consolidated checkpoints, 'pipeline' for the four schedules' "
+                                             "consolidated checkpoints, 'pipeline' for the five schedules' "
                                              "timelines, 'precision' for bfloat16 before and after its "
                                              "mixed-precision policy); the rest "
                                              "keep their earlier results")
@@ -998,6 +1014,13 @@ def main():
         for name, p in pipeline["schedules"].items():
             print(f"pipeline {name:11s} bubble {p['bubble']:.3f} (formula {p['formula']:.3f}), "
                   f"step {p['step_s']:.2f} s")
+        for name, r in pipeline["over_1f1b"].items():
+            print(f"pipeline {name} bubble / 1F1B's {r['bubble_ratio']:.2f} (rounds {r['range'][0]:.2f}-"
+                  f"{r['range'][1]:.2f})")
+        zbv = pipeline["zbv_against_pytorch"]
+        print(f"pipeline zbv step / PyTorch's ScheduleZBVZeroBubble {zbv['ratio']:.2f} (rounds "
+              f"{zbv['ratio_range'][0]:.2f}-{zbv['ratio_range'][1]:.2f}), loss difference "
+              f"{zbv['max_loss_difference']:.2g}")
     if not args.only or "checkpoint" in args.only:
         checkpoints = checkpoint_comparison(args.out)
         write_json(os.path.join(args.out, "checkpoint.json"), checkpoints)

@@ -183,7 +183,8 @@ def table(rows, comparisons, machine, results):
                  "pp_1f1b": ("pp.py 1F1B", "torch.distributed.pipelining Schedule1F1B"),
                  "pp_gpipe": ("pp.py GPipe", "torch.distributed.pipelining ScheduleGPipe"),
                  "pp_zb1": ("pp.py ZB-H1",
-                            "torch.distributed.pipelining ScheduleInterleavedZeroBubble (one stage a rank)")}
+                            "torch.distributed.pipelining ScheduleInterleavedZeroBubble (one stage a rank)"),
+                 "pp_zbv": ("pp.py ZB-V", "torch.distributed.pipelining ScheduleZBVZeroBubble (two stages a rank)")}
         for key, c in comparisons.items():
             ours, theirs = names.get(key, (key, "built-in"))
             lines.append(f"| {ours} | {theirs} | {c['ours_step_s']:.4f} | {c['builtin_step_s']:.4f} | {c['ratio']:.2f} "
@@ -285,7 +286,8 @@ def measured_memory(results):
 
 
 ACTIONS = {"forward": ("F", "tab:blue"), "backward": ("B", "tab:orange"), "weight": ("W", "tab:green")}
-TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B (2 chunks a rank)", "zb1": "ZB-H1"}
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B (2 chunks a rank)", "zb1": "ZB-H1",
+          "zbv": "ZB-V (2 chunks a rank, in a V)"}
 
 
 def draw_timeline(ax, timeline, title):
@@ -311,7 +313,7 @@ def timeline_legend(fig):
 
 
 def timelines(results):
-    """bench.py's four schedules on the same model, P and M, one above the other, as measured."""
+    """bench.py's five schedules on the same model, P and M, one above the other, as measured."""
     pipeline = optional_result(results, "pipeline.json")
     if pipeline is None:
         return

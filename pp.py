@@ -841,12 +841,16 @@ class GPTChunk:
                if isinstance(getattr(mod, "aux_loss", None), torch.Tensor)]
         return (y, m.config.aux_loss_coef * sum(aux)) if aux else y
 
-    def parameters(self):
-        """The weights this chunk uses (a tied weight in both the first and the last chunk)."""
+    def modules(self):
+        """The model's modules this chunk runs."""
         m = self.model
         modules = [*([m.tok_emb, m.pos_emb] if self.first else []), *(m.blocks[i] for i in self.layers),
                    *([m.norm, m.lm_head] if self.last else [])]
-        return [p for module in modules if module is not None for p in module.parameters()]
+        return [module for module in modules if module is not None]
+
+    def parameters(self):
+        """The weights this chunk uses (a tied weight in both the first and the last chunk)."""
+        return [p for module in self.modules() for p in module.parameters()]
 
 
 def apply_pipeline_parallel(model, group, placement=None, positions=None):

@@ -110,6 +110,19 @@ def test_zero3_on_dp4_resumes_exactly_on_tp2_pp2(tmp_path):
                               reference_run(argv))
 
 
+def test_a_zbv_checkpoint_resumes_exactly_on_a_plain_pipeline(tmp_path):
+    """ZB-V's V (rank 0 holds the first and the last chunk, rank 1 the two middle ones) with ZeRO-1 on two
+    data ranks writes its pieces under the model's names, so four plain stages read them back."""
+    argv = [*EQUIVALENCE, "--steps", "4", "--layers", "4"]
+    first = run_on_ranks(4, train_worker, [*argv, "--pp", "2", "--schedule", "zbv", "--zero", "1", "--stop-at", "2",
+                                           "--out", str(tmp_path / "a")])[0]
+    saved = tmp_path / "a" / "gpu4_tp1_pp2_cp1_ep1" / "checkpoint-00000002"
+    second = run_on_ranks(4, train_worker, [*argv, "--pp", "4", "--resume", str(saved), "--out", str(tmp_path / "b")])
+    for result in second:
+        assert_matches_oracle(dict(losses=first["losses"] + result["losses"], state_dict=result["state_dict"]),
+                              reference_run(argv))
+
+
 def killed_while_saving(argv, step, rank):
     """train.py's training, this process dying (as by SIGKILL) halfway through writing its file of the
     checkpoint of `step`, on `rank`."""
