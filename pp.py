@@ -385,17 +385,20 @@ def exchanges(steps, rank, placement=None):
 # ---------------------------------------------------------------------------
 
 def backward_graph(roots):
-    """The nodes of the backward graph below `roots` (autograd Nodes), and each node's parents."""
-    parents, seen, queue = defaultdict(list), set(roots), deque(roots)
+    """The nodes of the backward graph below `roots` (autograd Nodes), in the order a breadth-first walk finds
+    them, and each node's parents. The order is the graph's, the same on every rank (a set's would follow
+    memory addresses): W's backwards run in it, and the collectives inside them (tp's sums of a norm's
+    gradient) must come in the same order on every rank of their group."""
+    parents, seen, queue = defaultdict(list), dict.fromkeys(roots), deque(roots)
     while queue:
         node = queue.popleft()
         for child, _ in node.next_functions:
             if child is not None:
                 parents[child].append(node)
                 if child not in seen:
-                    seen.add(child)
+                    seen[child] = None
                     queue.append(child)
-    return seen, parents
+    return list(seen), parents
 
 
 def above(node, parents, stop=lambda node: False):

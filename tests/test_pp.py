@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import cli
 import pp
@@ -126,6 +127,23 @@ def test_zero_bubble_with_other_dimensions(tmp_path, flags, model, schedule):
     for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*BASE, *model, "--micro-batches", "4"]))
     assert_matches_plan(tmp_path, argv, 4)
+
+
+def test_weight_passes_follow_the_graph_not_memory_addresses():
+    """W runs one backward per group of weights, in backward_graph's order, and the collectives inside them
+    (tp's sums of a norm's gradient under sp) pair up across ranks only if that order is the graph's own on
+    every rank. Two copies of one graph, alive at once at different addresses, must list their weights alike."""
+    def weights_in_order(graphs):
+        model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(12)])
+        loss = model(torch.randn(2, 4, requires_grad=True)).sum()
+        graphs.append((model, loss))  # kept alive, so the second copy's nodes live elsewhere
+        names = {p: name for name, p in model.named_parameters()}
+        nodes, _ = pp.backward_graph([loss.grad_fn])
+        return [names[n.variable] for n in nodes if getattr(n, "variable", None) in names]
+
+    graphs = []
+    first, second = weights_in_order(graphs), weights_in_order(graphs)
+    assert first == second and len(first) == 48
 
 
 # -- the schedules themselves, without processes ---------------------------------------
