@@ -166,9 +166,9 @@ def stage_of(name, layer_stage, placement):
     """The pipeline rank that holds this parameter (pp.py: the first model chunk's the embeddings, the last's
     the head)."""
     if name.startswith(("tok_emb.", "pos_emb.")):
-        return placement.holder(0)[0]
+        return placement.first_rank
     if name.startswith(("norm.", "lm_head.")):
-        return placement.holder(placement.n_model_chunks - 1)[0]
+        return placement.last_rank
     return layer_stage[int(name.split(".")[1])]
 
 
@@ -547,8 +547,7 @@ def shared_activations(c, layout, stage):
     on the last the targets if they are such a view too;
     the positions, if a learned table looks them up or full recomputation keeps them with each block's input
     (under sp a view of them all)."""
-    shared, placement = 0, layout.placement
-    first, last = stage == placement.holder(0)[0], stage == placement.holder(placement.n_model_chunks - 1)[0]
+    shared, first, last = 0, stage == layout.placement.first_rank, stage == layout.placement.last_rank
     if (first and layout.cp == 1 and layout.tp == 1) or (last and batch_view_targets(layout)):
         shared += layout.batch_size * (c.seq_len + 1) * INT64
     if (first and c.position == "learned") or layout.recompute == "full":

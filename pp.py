@@ -289,10 +289,20 @@ class Placement:
         held = {self.holder(k): k for k in range(self.n_model_chunks)}
         return [held[rank, c] for c in range(self.n_chunks)]
 
+    @property
+    def first_rank(self):
+        """The rank holding the first model chunk (the embedding)."""
+        return self.holder(0)[0]
+
+    @property
+    def last_rank(self):
+        """The rank holding the last model chunk (the output layer and the loss)."""
+        return self.holder(self.n_model_chunks - 1)[0]
+
     def ends_apart(self):
         """Whether the first and the last model chunk are on two ranks (so a weight both use, a tied embedding
         and output layer, has a copy on each)."""
-        return self.holder(0)[0] != self.holder(self.n_model_chunks - 1)[0]
+        return self.first_rank != self.last_rank
 
 
 # ---------------------------------------------------------------------------

@@ -137,9 +137,9 @@ def test_weight_passes_follow_the_graph_not_memory_addresses():
         model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(12)])
         loss = model(torch.randn(2, 4, requires_grad=True)).sum()
         graphs.append((model, loss))  # kept alive, so the second copy's nodes live elsewhere
-        names = {p: name for name, p in model.named_parameters()}
+        names = {id(p): name for name, p in model.named_parameters()}  # (the input has no name: left out)
         nodes, _ = pp.backward_graph([loss.grad_fn])
-        return [names[n.variable] for n in nodes if getattr(n, "variable", None) in names]
+        return [names[id(n.variable)] for n in nodes if id(getattr(n, "variable", None)) in names]
 
     graphs = []
     first, second = weights_in_order(graphs), weights_in_order(graphs)
