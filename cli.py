@@ -124,6 +124,9 @@ def parse_args(argv=None):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--cp-mode", choices=("ring", "allgather", "alltoall"), default="ring",
+                   help="how context parallelism splits attention: ring attention, all-gathered keys and values, "
+                        "or an all-to-all to head shards (DeepSpeed-Ulysses)")
     p.add_argument("--schedule", choices=sorted(pp.SCHEDULES), default="1f1b", help="pipeline schedule")
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="model chunks per pipeline rank (interleaved schedule, default 2; zbv: 2; else 1)")
@@ -188,6 +191,11 @@ def check_args(args, world):
                                            args.seq_len // args.cp if args.sp else None, config.n_kv_heads)
         if problem:
             raise ConfigError(f"--tp {args.tp}: {problem}")
+    if args.cp > 1 and args.cp_mode == "alltoall":
+        heads, kv_heads = config.n_head // args.tp, config.n_kv_heads // args.tp
+        if heads % args.cp or kv_heads % args.cp:
+            raise ConfigError(f"--cp-mode alltoall gives each of --cp {args.cp} ranks whole heads: {heads} query "
+                              f"and {kv_heads} key/value heads a tensor-parallel rank do not divide by {args.cp}")
     if config.tie_embeddings and args.zero == 3:
         raise ConfigError("--zero 3 with a tied output layer is not supported: ZeRO-3 gathers the embedding and "
                           "the output layer as two units, and a tied weight would have to be both")

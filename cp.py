@@ -84,6 +84,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 comm_bytes = Counter()   # bytes this rank sent, per kind
 blocks_computed = Counter()  # attention blocks (pairs of chunks) computed by this rank: "forward", "backward"
 
@@ -106,11 +108,16 @@ def shard_sequence(x, n_ranks, rank, dim=1):
     return x.index_select(dim, zigzag_positions(x.shape[dim], n_ranks, rank, x.device))
 
 
+def shard_order(seq_len, n_ranks, device=None):
+    """The positions of every rank's shard laid end to end in rank order: a rank-ordered sequence x has
+    position shard_order[i] at index i, so x.index_select(dim, argsort(shard_order)) is in natural order."""
+    return torch.cat([zigzag_positions(seq_len, n_ranks, r) for r in range(n_ranks)]).to(device)
+
+
 def restore_order(shards, dim=1):
     """The full sequence from every rank's shard (listed in rank order)."""
-    n = len(shards)
     seq_len = sum(s.shape[dim] for s in shards)
-    order = torch.cat([zigzag_positions(seq_len, n, r) for r in range(n)]).to(shards[0].device)
+    order = shard_order(seq_len, len(shards), shards[0].device)
     return torch.cat(shards, dim).index_select(dim, torch.argsort(order))
 
 
@@ -438,27 +445,230 @@ def ring_attention(q, k, v, group, kernels=None):
 
 
 # ---------------------------------------------------------------------------
+# The second way: every rank gathers the whole sequence's keys and values (Llama 3's long-context stage)
+# ---------------------------------------------------------------------------
+#
+# K and V are all-gathered (with grouped-query attention they are the small ones), and each local query
+# chunk c (of length C) attends to the keys before it in one block, [0, cC), and to its own chunk with
+# the causal mask: two blocks merged as above, no ring steps. Backward gathers K and V again (the forward
+# keeps only this rank's shards, as ring attention does, so both hold the same activations) and
+# reduce-scatters dK and dV back to the ranks whose shards they are. Bytes a rank sends per layer, with
+# kv the bytes of this rank's K (or V) shard:
+#   forward   all-gather of K and V                  2 (N-1) kv   (the ring's N-1 passes of K and V)
+#   backward  all-gather again, reduce-scatter dK dV  4 (N-1) kv   (the ring's: 2 (N-1) kv + 2 N kv)
+# but as a few large collectives, not N-1 exchanges, and with the whole sequence's K and V held during
+# the attention (2 N kv bytes, repeated to the query heads inside each block).
+
+def _gather_sequence(x, group, order):
+    """(batch, heads, seq/N, d) shards of every rank -> (batch, heads, seq, d) in natural order."""
+    n = dist.get_world_size(group)
+    by_rank = torch.empty((n * x.shape[2], *x.shape[:2], x.shape[3]), dtype=x.dtype, device=x.device)
+    all_gather_flat(by_rank, x.movedim(2, 0).contiguous(), group=group)  # sequence first: flat per rank
+    comm_bytes["all_gather"] += (n - 1) * x.numel() * x.element_size()
+    return by_rank.movedim(0, 2).index_select(2, torch.argsort(order))
+
+
+def _reduce_scatter_sequence(x, group, order):
+    """(batch, heads, seq, d) partial sums on every rank -> this rank's (batch, heads, seq/N, d) shard of their sum."""
+    n = dist.get_world_size(group)
+    by_rank = x.index_select(2, order).movedim(2, 0).contiguous()
+    mine = torch.empty((by_rank.shape[0] // n, *by_rank.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_flat(mine, by_rank, group=group)
+    comm_bytes["reduce_scatter"] += (n - 1) * mine.numel() * mine.element_size()
+    return mine.movedim(0, 2)
+
+
+def _prefix_and_diagonal(rank, n_ranks, chunk):
+    """For this rank's two query chunks: [(query half, keys before it, its own keys)] as slices of the
+    whole sequence's keys: chunk c sees [0, cC) whole and [cC, (c+1)C) causally."""
+    halves = []
+    for qi, c in enumerate((rank, 2 * n_ranks - 1 - rank)):
+        halves.append((qi, slice(0, c * chunk), slice(c * chunk, (c + 1) * chunk)))
+    return halves
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim), K and V all-gathered.
+    Mixed precision as RingAttention: K, V and dK, dV travel in the inputs' dtype, merges and sums in float32
+    or better."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernels):
+        with torch.autocast(q.device.type, enabled=False):
+            n, rank = dist.get_world_size(group), dist.get_rank(group)
+            order, heads_per_kv = shard_order(n * q.shape[2], n, q.device), q.shape[1] // k.shape[1]
+            k_all, v_all = (repeat_kv(_gather_sequence(t, group, order), heads_per_kv) for t in (k, v))
+            merged, qh = torch.promote_types(q.dtype, torch.float32), q.chunk(2, dim=2)
+            out, lse = [None, None], [None, None]
+            for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
+                out[qi], lse[qi] = (t.to(merged) for t in kernels[0](qh[qi], k_all[:, :, own], v_all[:, :, own], True))
+                if before.stop:  # the first chunk has no keys before it
+                    out[qi], lse[qi] = merge(out[qi], lse[qi], *kernels[0](qh[qi], k_all[:, :, before],
+                                                                           v_all[:, :, before], False))
+            out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.kernels = group, kernels
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        order, heads_per_kv = shard_order(n * q.shape[2], n, q.device), q.shape[1] // k.shape[1]
+        k_all, v_all = (repeat_kv(_gather_sequence(t, ctx.group, order), heads_per_kv) for t in (k, v))
+        summed = lse.dtype
+        qh, do, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
+        dq = [torch.zeros(h.shape, dtype=summed, device=q.device) for h in qh]
+        dk, dv = (torch.zeros(t.shape, dtype=summed, device=q.device) for t in (k_all, v_all))
+        for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
+            for keys, causal in ((own, True), (before, False)):
+                if keys.stop > keys.start:
+                    block = ctx.kernels[1](do[qi], qh[qi], k_all[:, :, keys], v_all[:, :, keys], oh[qi], lh[qi], causal)
+                    dq[qi] += block[0]
+                    dk[:, :, keys] += block[1]
+                    dv[:, :, keys] += block[2]
+        dk, dv = (_reduce_scatter_sequence(sum_groups(t, heads_per_kv).to(k.dtype), ctx.group, order)
+                  for t in (dk, dv))
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None
+
+
+def all_gather_attention(q, k, v, group, kernels=None):
+    """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
+    return AllGatherAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]))
+
+
+# ---------------------------------------------------------------------------
+# The third way: all-to-all from sequence shards to head shards (DeepSpeed-Ulysses)
+# ---------------------------------------------------------------------------
+#
+# Jacobs et al. (2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long
+# Sequence Transformer Models"): attention is independent per head, so one all-to-all turns each rank's
+# 1/N of the sequence with every head into the whole sequence with 1/N of the heads; each rank runs
+# ordinary causal attention on those, and a second all-to-all turns the output back. N must divide the
+# heads, and the key/value heads under grouped-query attention (each rank takes whole groups). Bytes a
+# rank sends per layer, with kv (and q) the bytes of this rank's K (Q) shard:
+#   forward   q, k, v in, the output back    (N-1)/N (2 q + 2 kv)
+#   backward  their gradients, the same      (N-1)/N (2 q + 2 kv)
+# which do not grow with N (the ring's and the all-gather's grow as N-1): with many ranks, the cheapest
+# way, as long as the heads go round.
+
+def _all_to_all(x, group):
+    """x (N, ...): part j goes to rank j, and part j of the result came from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    n = dist.get_world_size(group)
+    comm_bytes["all_to_all"] += (n - 1) * x[0].numel() * x.element_size()
+    return out
+
+
+def sequence_to_heads(x, group):
+    """(batch, heads, seq/N, d) zigzag shards -> (batch, heads/N, seq, d) in natural order: rank r's heads."""
+    n, (b, h, s, d) = dist.get_world_size(group), x.shape
+    parts = _all_to_all(x.unflatten(1, (n, h // n)).movedim(1, 0), group)  # (N from, b, h/N, s/N, d)
+    by_rank = parts.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+    return by_rank.index_select(2, torch.argsort(shard_order(n * s, n, x.device)))
+
+
+def heads_to_sequence(x, group):
+    """The inverse of sequence_to_heads: (batch, heads/N, seq, d) -> this rank's (batch, heads, seq/N, d)."""
+    n, (b, h, s, d) = dist.get_world_size(group), x.shape
+    by_rank = x.index_select(2, shard_order(s, n, x.device)).unflatten(2, (n, s // n))
+    parts = _all_to_all(by_rank.permute(2, 0, 1, 3, 4), group)  # (N from: their heads, b, h/N, s/N, d)
+    return parts.movedim(0, 1).reshape(b, n * h, s // n, d)
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """sequence_to_heads, whose gradient is heads_to_sequence (an all-to-all's transpose is the reverse one)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_sequence(grad, ctx.group), None
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """heads_to_sequence, whose gradient is sequence_to_heads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sequence_to_heads(grad, ctx.group), None
+
+
+class CausalAttention(torch.autograd.Function):
+    """Causal attention of a whole sequence by one block kernel, keeping what ring attention keeps (q, k, v,
+    the output and the log-sum-exp: on head shards the same sizes as its sequence shards)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernels):
+        heads_per_kv = q.shape[1] // k.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = kernels[0](q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), True)
+        out, lse = out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernels = kernels
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        heads_per_kv = q.shape[1] // k.shape[1]
+        dq, dk, dv = ctx.kernels[1](grad_out, q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), out, lse,
+                                    True)
+        return dq.to(q.dtype), sum_groups(dk, heads_per_kv).to(k.dtype), sum_groups(dv, heads_per_kv).to(v.dtype), None
+
+
+def all_to_all_attention(q, k, v, group, kernels=None):
+    """ring_attention's output by DeepSpeed-Ulysses: to head shards, attention, back to sequence shards
+    (and the log-sum-exp of this rank's heads over the whole sequence, second)."""
+    n = dist.get_world_size(group)
+    if q.shape[1] % n or k.shape[1] % n:
+        raise ValueError(f"all-to-all attention splits the heads over {n} ranks: {q.shape[1]} query and "
+                         f"{k.shape[1]} key/value heads do not divide")
+    kernels = kernels or default_kernels(q.device, q.dtype, q.shape[-1])
+    out, lse = CausalAttention.apply(*(SequenceToHeads.apply(t, group) for t in (q, k, v)), kernels)
+    return HeadsToSequence.apply(out, group), lse
+
+
+# ---------------------------------------------------------------------------
 # Applying it to model.py's GPT (the only model knowledge in this file)
 # ---------------------------------------------------------------------------
 
-class RingAttentionCore:
-    """A drop-in for model.causal_attention on zigzag-sharded sequences."""
+MODES = {"ring": ring_attention, "allgather": all_gather_attention, "alltoall": all_to_all_attention}
 
-    def __init__(self, group):
-        self.group = group
+
+class ContextParallelCore:
+    """A drop-in for model.causal_attention on zigzag-sharded sequences, by one of the three ways."""
+
+    def __init__(self, group, mode="ring"):
+        self.group, self.attention = group, MODES[mode]
 
     def __call__(self, q, k, v):
-        return ring_attention(q, k, v, self.group)[0]
+        return self.attention(q, k, v, self.group)[0]
 
 
-def apply_context_parallel(model, group):
-    """Give every attention layer the ring-attention core; the caller shards tokens and positions."""
+def apply_context_parallel(model, group, mode="ring"):
+    """Give every attention layer a context-parallel core (ring, allgather or alltoall); the caller shards
+    tokens and positions."""
     n = dist.get_world_size(group)
     if model.config.seq_len % (2 * n):
         raise ValueError(f"sequence length {model.config.seq_len} does not divide into 2 x {n} chunks")
+    if mode not in MODES:
+        raise ValueError(f"unknown context-parallel mode {mode!r}; choose from {sorted(MODES)}")
     for block in model.blocks:
         if hasattr(block, "attn"):
-            block.attn.core = RingAttentionCore(group)
+            block.attn.core = ContextParallelCore(group, mode)
     return model
 
 
@@ -478,8 +688,9 @@ def _join_process_group():
     return device
 
 
-def _check_against_full_attention(n_heads, n_kv_heads, rank, n, device, kernels):
-    """The largest difference of ring attention from full causal attention (output, dQ, dK, dV) on this rank."""
+def _check_against_full_attention(attention, n_heads, n_kv_heads, rank, n, device, kernels):
+    """The largest difference of `attention` (ring_attention, ...) from full causal attention (output, dQ, dK,
+    dV) on this rank."""
     g = torch.Generator().manual_seed(0)
     q, grad = (torch.randn(2, n_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
     k, v = (torch.randn(2, n_kv_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
@@ -487,7 +698,7 @@ def _check_against_full_attention(n_heads, n_kv_heads, rank, n, device, kernels)
     expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
     expected.backward(grad)
     local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    out, _ = ring_attention(*local, None, kernels)
+    out, _ = attention(*local, None, kernels)
     out.backward(shard_sequence(grad, n, rank, dim=2))
     worst = (out - shard_sequence(expected, n, rank, dim=2)).abs().max().item()
     for mine, reference in zip(local, full):
@@ -506,13 +717,21 @@ def _self_check():
     kernel_sets = [("fused", FUSED), ("explicit", EXPLICIT)] if device.type == "cpu" else [("explicit", EXPLICIT)]
     for (name, kernels), n_kv_heads in [(k, h) for k in kernel_sets for h in (4, 1)]:  # multi-head and GQA
         comm_bytes.clear(), blocks_computed.clear()
-        difference = _check_against_full_attention(4, n_kv_heads, rank, n, device, kernels)
+        difference = _check_against_full_attention(ring_attention, 4, n_kv_heads, rank, n, device, kernels)
         worst = max(worst, difference)
         if rank == 0:
             print(f"cp.py self-check on {n} ranks ({backend}), {name} blocks, 4 query heads, {n_kv_heads} key/value "
                   f"heads: largest difference from full causal attention (output, dQ, dK, dV, float64) = "
                   f"{difference:.3g}; bytes sent per rank {comm_bytes['send_recv']}; blocks per rank: "
                   f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
+    for mode in ("allgather", "alltoall"):  # the other two ways, by the first kernels (4 heads of each: N <= 4)
+        comm_bytes.clear()
+        difference = _check_against_full_attention(MODES[mode], 4, 4 if mode == "alltoall" else 1, rank, n, device,
+                                                   kernel_sets[0][1])
+        worst = max(worst, difference)
+        if rank == 0:
+            print(f"cp.py self-check on {n} ranks ({backend}), {mode}: largest difference from full causal attention "
+                  f"= {difference:.3g}; bytes sent per rank {dict(comm_bytes)}", flush=True)
     dist.destroy_process_group()
     if worst > 1e-12:
         raise SystemExit(f"rank {rank}: ring attention differs from full attention")

@@ -85,6 +85,7 @@ class Layout:
     ep: int
     zero: int
     sp: bool
+    cp_mode: str
     schedule: str
     virtual_stages: int
     micro_batches: int
@@ -130,7 +131,7 @@ def layout_of(args, world):
     """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
     shape = cli.check_args(args, world)
     return Layout(world=world, dp=shape.dp, tp=shape.tp, pp=shape.pp, cp=shape.cp, ep=shape.ep, zero=args.zero,
-                  sp=args.sp, schedule=args.schedule, virtual_stages=args.virtual_stages,
+                  sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
                   bucket_bytes=int(args.bucket_mb * 2**20))
@@ -388,16 +389,32 @@ def moe_tp_traffic(c, layout, send, hidden, again):
 
 
 def cp_traffic(config, layout, layers):
-    """Ring attention's bytes per micro-batch: K and V go round the ring (N-1 passes) in forward and again
-    in backward, where their gradient accumulators also travel N passes (each block home)."""
+    """Context parallelism's bytes per micro-batch (cp.py, each way's formula), with kv the bytes of this
+    rank's K (or V) shard and q of its Q shard:
+      ring       K and V go round the ring (N-1 passes) in forward and again in backward, where their
+                 gradient accumulators also travel N passes (each block home)
+      allgather  K and V all-gathered in forward and again in backward, dK and dV reduce-scattered:
+                 (N-1) kv each
+      alltoall   q, k, v to head shards and the output back, forward, and their gradients in backward:
+                 (N-1)/N of each
+    Recomputation runs the forward's part again."""
     n = layout.cp
     if n == 1:
         return Counter()
     c, a = config, layout.activation_bytes
-    kv_elements = tokens_per_rank(c, layout) * c.kv_dim // layout.tp  # this rank's K (or V)
-    forward = (n - 1) * 2 * kv_elements * a
-    backward = (n - 1) * 2 * kv_elements * a + n * 2 * kv_elements * a  # dK, dV travel in K's and V's dtype
-    forward_passes = 1 if layout.recompute == "none" else 2  # both modes run the ring again
+    kv = tokens_per_rank(c, layout) * c.kv_dim // layout.tp * a  # this rank's K (or V)
+    q = tokens_per_rank(c, layout) * c.d_model // layout.tp * a
+    forward_passes = 1 if layout.recompute == "none" else 2  # both modes run the attention again
+    if layout.cp_mode == "allgather":
+        return Counter(all_gather=len(layers) * (forward_passes + 1) * (n - 1) * 2 * kv,
+                       reduce_scatter=len(layers) * (n - 1) * 2 * kv)
+    if layout.cp_mode == "alltoall":
+        # Selective recomputation reruns the core only up to what it saves (the attention's inputs and output,
+        # on head shards): checkpoint's recomputation stops there, before the output goes back.
+        recomputed = {"none": 0, "selective": q + 2 * kv, "full": 2 * q + 2 * kv}[layout.recompute]
+        return Counter(all_to_all=len(layers) * (n - 1) * (2 * (2 * q + 2 * kv) + recomputed) // n)
+    forward = (n - 1) * 2 * kv
+    backward = (n - 1) * 2 * kv + n * 2 * kv  # dK, dV travel in K's and V's dtype
     return Counter(send_recv=len(layers) * (forward_passes * forward + backward))
 
 
@@ -446,11 +463,20 @@ def block_activations(c, layout, layer):
                  + tokens * h // t * a                     # the core's output
                  + tokens * c.n_head // t * wide)          # and its log-sum-exp per head
     if c.position == "rope":  # rotated q and k, and the cos and sin tables of q's and k's rotations
-        attention += tokens * (h + c.kv_dim) // t * a + 2 * (c.seq_len // layout.cp) * head_dim * wide
+        attention += 2 * (c.seq_len // layout.cp) * head_dim * wide
+        if rotated_kept(layout):
+            attention += tokens * (h + c.kv_dim) // t * a
     if proj_copies_heads(c, layout):
         attention += tokens * h // t * a
     mlp = moe_activations(c, layout, tokens) if c.is_moe(layer) else tokens * h * a + mlp_activations(c, tokens, t, a)
     return 2 * norm + attention + mlp
+
+
+def rotated_kept(layout):
+    """Whether the rotated q and k are kept for backward: the attention core keeps its inputs (one device,
+    ring attention, the all-gather), or selective recomputation keeps the inputs of the core it reruns;
+    Ulysses's core (cp_mode alltoall) keeps its head-shard copies of them instead."""
+    return layout.cp == 1 or layout.cp_mode != "alltoall" or layout.recompute == "selective"
 
 
 def norm_activations(c, layout):

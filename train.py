@@ -56,7 +56,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "dp": ("all_reduce", "all_gather", "reduce_scatter"),
     "tp": ("all_reduce", "all_gather", "reduce_scatter"),
     "pp": ("send_recv", "all_reduce"),
-    "cp": ("send_recv",),
+    "cp": ("send_recv", "all_gather", "reduce_scatter", "all_to_all"),
     "ep": ("all_to_all",),
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
@@ -365,7 +365,7 @@ def context_parallel(model, mesh, args, device):
     """Ring attention in every block; returns the positions of this rank's tokens in the sequence."""
     if mesh.size("cp") == 1:
         return None
-    cp.apply_context_parallel(model, mesh.groups["cp"])
+    cp.apply_context_parallel(model, mesh.groups["cp"], args.cp_mode)
     return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)
 
 
@@ -393,14 +393,14 @@ def compile_blocks(model):
     """torch.compile the forward of every block this rank runs, in place (parameter names unchanged).
 
     The compiler fuses a block's element-wise work around its matrix products. What communicates
-    inside a block stays eager, as one graph break each: ring attention (point-to-point, whose shape
-    of work changes block by block) and the expert-parallel MoE layer (token counts known only at
+    inside a block stays eager, as one graph break each: context-parallel attention (ring attention's
+    point-to-point, whose shape of work changes block by block, and the other modes' collectives) and the expert-parallel MoE layer (token counts known only at
     run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
     """
     for block in model.blocks:
         if isinstance(block, torch.nn.Identity):  # another pipeline stage's
             continue
-        if isinstance(block.attn.core, cp.RingAttentionCore):
+        if isinstance(block.attn.core, cp.ContextParallelCore):
             block.attn.core = torch.compiler.disable(block.attn.core)
         if isinstance(block.mlp, ep.ExpertParallelMoE):
             block.mlp.forward = torch.compiler.disable(block.mlp.forward)
