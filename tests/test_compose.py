@@ -80,6 +80,13 @@ def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path, arch):
     check(tmp_path, 16, *(llama(flags, MOE) if arch == "llama" else (flags, MOE)), timeout=600)
 
 
+@pytest.mark.parametrize("mode", ["allgather", "alltoall"])
+def test_tp2_pp2_cp2_ep2_on_16_ranks_by_the_other_ways_of_cp(tmp_path, mode):
+    """The same 16 ranks with cp's all-gather or all-to-all (each tp rank's 2 heads split over cp)."""
+    flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp", "--cp-mode", mode]
+    check(tmp_path, 16, flags, MOE, timeout=600)
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_all_five_dimensions_on_32_ranks(tmp_path, arch):
     """dp=2 tp=2 pp=2 cp=2 ep=2: every dimension above one in the same run."""
@@ -117,6 +124,8 @@ REFUSED = [
     (["--ep", "2"], "--ep spreads the experts of MoE layers: it needs --experts"),
     (["--schedule", "interleaved"], "--schedule interleaved and --virtual-stages need pipeline parallelism"),
     (["--cp", "2", "--seq-len", "6"], "--cp 2: --seq-len 6 must divide into 2 x 2 chunks"),
+    (["--cp", "2", "--cp-mode", "alltoall", "--arch", "llama", "--kv-heads", "1"],
+     "--cp-mode alltoall gives each of --cp 2 ranks whole heads: 4 query and 1 key/value heads"),
     (["--tp", "4"], "world size 2 is not divisible by tp*pp*cp*ep = 4*1*1*1 = 4"),
     (["--tp", "2", "--arch", "llama", "--kv-heads", "1"],
      "--tp 2: key/value heads 1 does not divide by the tensor-parallel size 2"),

@@ -1,4 +1,5 @@
-"""Context parallelism: ring attention equals full causal attention; training equals the single device."""
+"""Context parallelism: ring attention, the all-gather and the all-to-all equal full causal attention; training
+equals the single device, alone and composed, with the memory and traffic plan.py predicts."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import cp
 from distributed import run_on_ranks, self_check_alone
 from meter import ActivationMeter
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from planned import assert_matches_plan
 
 B, H, D = 2, 3, 8  # batch, heads, head_dim of the unit tests
 
@@ -181,14 +183,88 @@ def test_zigzag_sharding_round_trips():
         cp.zigzag_positions(12, 4, 0)
 
 
+def mode_worker(mode, heads, kv_heads, seq_len):
+    """One of the other two ways against full causal attention in float64: largest differences, bytes sent
+    per kind, and what the attention kept for backward (the meter's count)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, grad = (torch.randn(B, heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = full_causal_attention(*full)
+    expected.backward(grad)
+    local = [cp.shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    cp.comm_bytes.clear()
+    meter = ActivationMeter()
+    with meter:
+        out, _ = cp.MODES[mode](*local, None)
+    forward_bytes = dict(cp.comm_bytes)
+    out.backward(cp.shard_sequence(grad, n, rank, dim=2))
+    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    worst = max([(out - mine(expected)).abs().max().item()] +
+                [(a.grad - mine(b.grad)).abs().max().item() for a, b in zip(local, full)])
+    return dict(worst=worst, forward=forward_bytes, total=dict(cp.comm_bytes), saved=meter.peak)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "alltoall"])
+@pytest.mark.parametrize("n,kv_heads", [(2, 4), (4, 4), (2, 2), (4, 1)], ids=["2", "4", "2-gqa", "4-gqa"])
+def test_the_other_ways_match_full_causal_attention_with_their_traffic(mode, n, kv_heads):
+    """All-gather and all-to-all against full causal attention (output, dQ, dK, dV), with the bytes each
+    sends by its formula (cp.py) and the same activations kept as ring attention (q, k, v, output, log-sum-
+    exp of this rank's share)."""
+    heads, seq_len = 4, 4 * n
+    if mode == "alltoall" and kv_heads % n:
+        with pytest.raises(RuntimeError, match="1 key/value heads do not divide"):  # (a rank's ValueError)
+            run_on_ranks(n, mode_worker, mode, heads, kv_heads, seq_len)
+        return
+    q_bytes, kv_bytes = (B * h * (seq_len // n) * D * 8 for h in (heads, kv_heads))
+    for r in run_on_ranks(n, mode_worker, mode, heads, kv_heads, seq_len):
+        assert r["worst"] < 1e-13
+        if mode == "allgather":  # K and V gathered in forward, again in backward; dK and dV reduce-scattered
+            assert r["forward"] == {"all_gather": 2 * (n - 1) * kv_bytes}
+            assert r["total"] == {"all_gather": 4 * (n - 1) * kv_bytes, "reduce_scatter": 2 * (n - 1) * kv_bytes}
+        else:  # q, k, v out and the output back, then their gradients: (N-1)/N of each
+            assert r["forward"] == {"all_to_all": (n - 1) * (2 * q_bytes + 2 * kv_bytes) // n}
+            assert r["total"] == {"all_to_all": 2 * (n - 1) * (2 * q_bytes + 2 * kv_bytes) // n}
+        lse_bytes = B * heads * (seq_len // n) * 8
+        assert r["saved"] == 2 * q_bytes + 2 * kv_bytes + lse_bytes
+
+
 ARGV = EQUIVALENCE
 
 
+@pytest.mark.parametrize("mode", ["ring", "allgather", "alltoall"])
 @pytest.mark.parametrize("world,flags", [(2, ["--cp", "2"]), (4, ["--cp", "4"]), (4, ["--cp", "2"])],
                          ids=["cp2", "cp4", "cp2-dp2"])
-def test_context_parallel_matches_single_device(tmp_path, world, flags):
-    for result in run_on_ranks(world, train_worker, [*ARGV, *flags, "--out", str(tmp_path)]):
+def test_context_parallel_matches_single_device(tmp_path, world, flags, mode):
+    argv = [*ARGV, *flags, "--cp-mode", mode]
+    for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)]):
         assert_matches_oracle(result, oracle(ARGV))
+    assert_matches_plan(tmp_path, argv, world)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "alltoall"])
+@pytest.mark.parametrize("flags,model", [
+    (["--tp", "2", "--sp"], ["--arch", "llama", "--kv-heads", "4"]),       # rotary, split heads, sequence shards
+    (["--pp", "2", "--recompute", "selective"], ["--layers", "4"]),         # the core run again in backward
+    (["--ep", "2", "--zero", "1", "--recompute", "full"], ["--arch", "llama", "--kv-heads", "2", "--experts", "4"]),
+    (["--zero", "3"], ["--arch", "llama", "--kv-heads", "2"])], ids=["tp2-sp-llama", "pp2-selective",
+                                                                      "ep2-zero1-full-moe", "zero3-gqa"])
+def test_the_other_ways_compose_as_ring_attention_does(tmp_path, mode, flags, model):
+    """cp=2 with each other dimension, grouped-query attention, rotary positions and recomputation, on 4
+    ranks: the single device's training, and the memory and traffic plan.py predicts."""
+    argv = [*ARGV, *model, "--cp", "2", "--cp-mode", mode, *flags]
+    for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
+        assert_matches_oracle(result, oracle([*ARGV, *model]))
+    assert_matches_plan(tmp_path, argv, 4)
+
+
+def test_all_to_all_needs_whole_heads_on_each_rank():
+    with pytest.raises(cli.ConfigError, match="--cp-mode alltoall gives each of --cp 4 ranks whole heads: 4 query "
+                                              "and 2 key/value heads a tensor-parallel rank do not divide by 4"):
+        cli.check_args(cli.parse_args([*ARGV, "--cp", "4", "--cp-mode", "alltoall", "--arch", "llama"]), 4)
+    with pytest.raises(cli.ConfigError, match="2 query and 1 key/value heads a tensor-parallel rank"):
+        cli.check_args(cli.parse_args([*ARGV, "--cp", "2", "--tp", "2", "--cp-mode", "alltoall", "--arch", "llama"]), 4)
 
 
 def test_sequence_length_must_split_into_two_chunks_per_rank():
@@ -197,5 +273,5 @@ def test_sequence_length_must_split_into_two_chunks_per_rank():
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("cp.py", 4, tmp_path)  # fused and explicit blocks; multi-head and GQA
-    assert len(differences) == 4 and max(differences) < 1e-12
+    differences = self_check_alone("cp.py", 4, tmp_path)  # ring: fused and explicit, multi-head and GQA; the others
+    assert len(differences) == 6 and max(differences) < 1e-12
