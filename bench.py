@@ -604,12 +604,14 @@ def _status_kib(field):
 
 
 def worker_attention(settings):
-    """One causal attention forward and backward over settings["length"] tokens in float32: ring attention on
-    this launch's ranks with the fused or the explicit blocks, or SDPA of the whole sequence on one rank.
+    """One causal attention forward and backward over settings["length"] tokens in float32: one of cp.py's
+    three ways (ring attention, with the fused or the explicit blocks; all-gathered K and V; the all-to-all
+    to head shards) on this launch's ranks, or SDPA of the whole sequence on one rank.
     The memory is the peak resident memory above what the process held before (Linux: /proc/self/clear_refs
     resets the peak; every allocation of 64 KiB or more is its own mapping, given back when freed, so the
-    resident memory follows what is allocated), the most over ranks; the time the slowest rank's. Both
-    are the median of a few rounds after one to warm up (first calls set up kernels and buffers)."""
+    resident memory follows what is allocated), the most over ranks; the time the slowest rank's; the bytes
+    a rank sent. Each is the median of a few rounds after one to warm up (first calls set up kernels and
+    buffers)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -618,9 +620,10 @@ def worker_attention(settings):
     shape = (1, settings["heads"], settings["length"] // n, settings["head_dim"])
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
-    times, peaks = [], []
+    times, peaks, sent = [], [], []
     for _ in range(settings["rounds"] + 1):
         q.grad = k.grad = v.grad = None
+        cp.comm_bytes.clear()
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident set starts again from the current one
@@ -628,27 +631,37 @@ def worker_attention(settings):
         if settings["kernels"] == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out, _ = cp.ring_attention(q, k, v, None, getattr(cp, settings["kernels"].upper()))
+            out, _ = cp.MODES[settings["mode"]](q, k, v, None, getattr(cp, settings["kernels"].upper()))
         out.backward(torch.ones_like(out))
-        measured = torch.tensor([time.perf_counter() - start, (_status_kib("VmHWM") - before) * 1024.0])
+        measured = torch.tensor([time.perf_counter() - start, (_status_kib("VmHWM") - before) * 1024.0,
+                                 float(sum(cp.comm_bytes.values()))], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         times.append(measured[0].item())
         peaks.append(measured[1].item())
-    return dict(seconds=statistics.median(times[1:]), peak_bytes=statistics.median(peaks[1:]))
+        sent.append(measured[2].item())
+    return dict(seconds=statistics.median(times[1:]), peak_bytes=statistics.median(peaks[1:]),
+                bytes_sent=statistics.median(sent[1:]))
+
+
+# The attention benchmark's arms: row key -> (cp.py's way, its block kernels, ranks).
+ATTENTION_ARMS = {"fused": ("ring", "fused", 2), "explicit": ("ring", "explicit", 2),
+                  "allgather": ("allgather", "fused", 2), "alltoall": ("alltoall", "fused", 2),
+                  "sdpa": (None, "sdpa", 1)}
 
 
 def attention_by_length(lengths, heads=4, head_dim=64, rounds=3):
-    """Ring attention on one rank pair with fused and with explicit blocks, and SDPA of the whole sequence on
-    one rank, at each length in turn (one fresh launch each): memory and time of a forward and backward."""
+    """cp.py's three ways on one rank pair (ring attention with fused and with explicit blocks, the all-gather
+    and the all-to-all with fused blocks), and SDPA of the whole sequence on one rank, at each length in
+    turn (one fresh launch each): memory, time and bytes sent of a forward and backward."""
     results = []
     for length in lengths:
         row = dict(length=length)
-        for kernels, ranks in [("fused", 2), ("explicit", 2), ("sdpa", 1)]:
-            print(f"bench: attention, {length} tokens, {kernels}", flush=True)
-            settings = dict(length=length, kernels=kernels, heads=heads, head_dim=head_dim, rounds=rounds)
+        for name, (mode, kernels, ranks) in ATTENTION_ARMS.items():
+            print(f"bench: attention, {length} tokens, {name}", flush=True)
+            settings = dict(length=length, mode=mode, kernels=kernels, heads=heads, head_dim=head_dim, rounds=rounds)
             stdout = torchrun(ranks, "bench.py", "--worker", "attention", "--settings", json.dumps(settings),
                               env=dict(ENV, MALLOC_MMAP_THRESHOLD_="65536"))
-            row[kernels] = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+            row[name] = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
         results.append(row)
     return dict(heads=heads, head_dim=head_dim, dtype="float32", batch=1, rounds=rounds, rows=results)
 
@@ -1000,8 +1013,8 @@ def main():
         write_json(os.path.join(args.out, "attention.json"), attention)
         for row in attention["rows"]:
             print(f"attention {row['length']:6d} tokens: " + ", ".join(
-                f"{kind} {row[kind]['peak_bytes'] / 2**20:,.0f} MiB {row[kind]['seconds']:.2f} s"
-                for kind in ("fused", "explicit", "sdpa")))
+                f"{kind} {row[kind]['peak_bytes'] / 2**20:,.0f} MiB {row[kind]['seconds']:.2f} s "
+                f"{row[kind]['bytes_sent'] / 2**20:,.0f} MiB sent" for kind in ATTENTION_ARMS))
     if not args.only or "recompute" in args.only:
         recomputation = recomputation_check(settings, args.out)
         write_json(os.path.join(args.out, "recomputation.json"), recomputation)
