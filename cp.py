@@ -1,4 +1,5 @@
-"""Context parallelism: the sequence split over ranks, exact attention by ring attention.
+"""Context parallelism: the sequence split over ranks, exact attention by ring attention (or all-gathered
+keys and values, or an all-to-all to head shards).
 
 The article's section "Sequence Parallelism, Flavor 2: Ring Attention" ("5D Parallelism from Scratch");
 ring attention is Liu et al.'s (2023, "Ring Attention with Blockwise Transformers for Near-Infinite
@@ -64,13 +65,20 @@ is therefore the n-th receive its successor posts from it, and since both
 ends of an exchange sit in the batch of the same step on every rank, the
 exchange of step s completes once every rank has reached step s.
 
+Two other ways split attention over the same zigzag shards (`MODES`, below ring attention): every rank
+all-gathers the whole sequence's K and V and reduce-scatters their gradients (Llama 3's long-context
+stage; PyTorch's context_parallel does this by default), or an all-to-all turns sequence shards into
+head shards for ordinary attention and back (DeepSpeed-Ulysses). Each section writes out its traffic;
+all three keep tensors of the same sizes for backward (q, k, v, the output, the log-sum-exp).
+
 What a model must offer (the contract for copying this file elsewhere): its
 attention calls a replaceable function on q, k, v of shape (batch, heads,
 seq, head_dim), k and v possibly with fewer heads, after any rotary
 embedding; and it takes token positions as an argument, so that a rank's
 zigzag shard (`shard_sequence`) is embedded at its true positions
 (`zigzag_positions`). The glue is one line per attention layer,
-`core = lambda q, k, v: ring_attention(q, k, v, group)[0]`, plus sharding the
+`core = lambda q, k, v: ring_attention(q, k, v, group)[0]` (or all_gather_attention, all_to_all_attention),
+plus sharding the
 batch; gradients are then averaged over the group as data parallelism does.
 
 Self-check: torchrun --nproc_per_node 4 cp.py
