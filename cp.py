@@ -559,7 +559,8 @@ def all_gather_attention(q, k, v, group, kernels=None):
 #   forward   q, k, v in, the output back    (N-1)/N (2 q + 2 kv)
 #   backward  their gradients, the same      (N-1)/N (2 q + 2 kv)
 # which do not grow with N (the ring's and the all-gather's grow as N-1): with many ranks, the cheapest
-# way, as long as the heads go round.
+# way, as long as the heads go round. During the attention a rank holds the whole sequence on heads/N
+# heads: as many bytes as its shard on every head, and no partial outputs to merge.
 
 def _all_to_all(x, group):
     """x (N, ...): part j goes to rank j, and part j of the result came from rank j."""
