@@ -588,30 +588,18 @@ def heads_to_sequence(x, group):
     return parts.movedim(0, 1).reshape(b, n * h, s // n, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
-    """sequence_to_heads, whose gradient is heads_to_sequence (an all-to-all's transpose is the reverse one)."""
+class Relayout(torch.autograd.Function):
+    """x in the other layout by `there` (sequence_to_heads or heads_to_sequence), whose gradient goes `back`
+    by the other: an all-to-all's transpose is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return sequence_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.group), None
-
-
-class HeadsToSequence(torch.autograd.Function):
-    """heads_to_sequence, whose gradient is sequence_to_heads."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_sequence(x, group)
+    def forward(ctx, x, group, there, back):
+        ctx.group, ctx.back = group, back
+        return there(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.group), None
+        return ctx.back(grad, ctx.group), None, None, None
 
 
 class CausalAttention(torch.autograd.Function):
@@ -646,8 +634,9 @@ def all_to_all_attention(q, k, v, group, kernels=None):
         raise ValueError(f"all-to-all attention splits the heads over {n} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key/value heads do not divide")
     kernels = kernels or default_kernels(q.device, q.dtype, q.shape[-1])
-    out, lse = CausalAttention.apply(*(SequenceToHeads.apply(t, group) for t in (q, k, v)), kernels)
-    return HeadsToSequence.apply(out, group), lse
+    on_heads = (Relayout.apply(t, group, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
+    out, lse = CausalAttention.apply(*on_heads, kernels)
+    return Relayout.apply(out, group, heads_to_sequence, sequence_to_heads), lse
 
 
 # ---------------------------------------------------------------------------

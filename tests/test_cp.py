@@ -25,22 +25,29 @@ def full_causal_attention(q, k, v):
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
-def ring_worker(seq_len, kv_heads, kernels):
+def attention_inputs(seq_len, heads, kv_heads):
+    """(full q, k, v after full causal attention's backward, its output and log-sum-exp, this rank's shards of
+    q, k, v, a function giving this rank's shard of a full tensor, the output gradient's shard), float64."""
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
-    q, grad = (torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, grad = (torch.randn(B, heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, kv_heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected, expected_lse = full_causal_attention(*full)
     expected.backward(grad)
-    local = [cp.shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    local = [mine(t).requires_grad_() for t in (q, k, v)]
+    return full, expected, expected_lse, local, mine, mine(grad)
+
+
+def ring_worker(seq_len, kv_heads, kernels):
+    full, expected, expected_lse, local, mine, grad = attention_inputs(seq_len, H, kv_heads)
     cp.comm_bytes.clear(), cp.blocks_computed.clear()
     meter = ActivationMeter()
     with meter:
         out, lse = cp.ring_attention(*local, None, getattr(cp, kernels))
     forward_bytes = cp.comm_bytes["send_recv"]
-    out.backward(cp.shard_sequence(grad, n, rank, dim=2))
-    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    out.backward(grad)
     return dict(
         output=(out - mine(expected)).abs().max().item(),
         lse=(lse - mine(expected_lse)).abs().max().item(),
@@ -186,21 +193,13 @@ def test_zigzag_sharding_round_trips():
 def mode_worker(mode, heads, kv_heads, seq_len):
     """One of the other two ways against full causal attention in float64: largest differences, bytes sent
     per kind, and what the attention kept for backward (the meter's count)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(0)
-    q, grad = (torch.randn(B, heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(B, kv_heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected, _ = full_causal_attention(*full)
-    expected.backward(grad)
-    local = [cp.shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    full, expected, _, local, mine, grad = attention_inputs(seq_len, heads, kv_heads)
     cp.comm_bytes.clear()
     meter = ActivationMeter()
     with meter:
         out, _ = cp.MODES[mode](*local, None)
     forward_bytes = dict(cp.comm_bytes)
-    out.backward(cp.shard_sequence(grad, n, rank, dim=2))
-    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    out.backward(grad)
     worst = max([(out - mine(expected)).abs().max().item()] +
                 [(a.grad - mine(b.grad)).abs().max().item() for a, b in zip(local, full)])
     return dict(worst=worst, forward=forward_bytes, total=dict(cp.comm_bytes), saved=meter.peak)

@@ -4,8 +4,9 @@
   semantics (tests/hf_models.py), in float64;
 - train.py --init-from trains the same under every layout as one device started from the folder (which
   puts the new config fields through the dimensions they touch: a tied output layer through tp's
-  vocabulary split, across pipeline stages and on rank 0 alone in ZB-V's V, the tanh GELU and the padded vocabulary through tp, each
-  norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp, Mixtral's experts under ep);
+  vocabulary split, across pipeline stages and on rank 0 alone in ZB-V's V, the tanh GELU and the padded
+  vocabulary through tp, each norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp,
+  Mixtral's experts under ep);
 - hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
 """
 import json
