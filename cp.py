@@ -722,10 +722,11 @@ def _self_check():
                   f"heads: largest difference from full causal attention (output, dQ, dK, dV, float64) = "
                   f"{difference:.3g}; bytes sent per rank {comm_bytes['send_recv']}; blocks per rank: "
                   f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
-    for mode in ("allgather", "alltoall"):  # the other two ways, by the first kernels (4 heads of each: N <= 4)
+    # The other two ways, by the first kernels: the all-gather with grouped-query attention, the all-to-all with
+    # two heads a rank (any N).
+    for mode, heads, kv_heads in [("allgather", 4, 1), ("alltoall", 2 * n, 2 * n)]:
         comm_bytes.clear()
-        difference = _check_against_full_attention(MODES[mode], 4, 4 if mode == "alltoall" else 1, rank, n, device,
-                                                   kernel_sets[0][1])
+        difference = _check_against_full_attention(MODES[mode], heads, kv_heads, rank, n, device, kernel_sets[0][1])
         worst = max(worst, difference)
         if rank == 0:
             print(f"cp.py self-check on {n} ranks ({backend}), {mode}: largest difference from full causal attention "
