@@ -129,6 +129,19 @@ def test_zero_bubble_with_other_dimensions(tmp_path, flags, model, schedule):
     assert_matches_plan(tmp_path, argv, 4)
 
 
+@pytest.mark.parametrize("stages,micro,flags,model", [
+    (3, 3, ["--zero", "1"], []), (4, 4, ["--tp", "2", "--sp"], []), (3, 6, ["--cp", "2"], []),
+    (4, 4, ["--ep", "2"], ["--experts", "4", "--shared-experts", "1", "--balance", "both"])],
+    ids=["pp3-dp2-zero1", "pp4-tp2-sp", "pp3-cp2", "pp4-ep2"])
+def test_zbv_deeper_with_other_dimensions(tmp_path, stages, micro, flags, model):
+    """ZB-V on 3 and 4 stages (6 and 8 chunks in a V, 6 or 8 ranks) with each other dimension, m = p and 2p."""
+    argv = [*BASE, *model, "--micro-batches", str(micro), "--pp", str(stages), "--schedule", "zbv", *flags]
+    world = 2 * stages
+    for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
+        assert_matches_oracle(result, oracle([*BASE, *model, "--micro-batches", str(micro)]))
+    assert_matches_plan(tmp_path, argv, world)
+
+
 def test_weight_passes_follow_the_graph_not_memory_addresses():
     """W runs one backward per group of weights, in backward_graph's order, and the collectives inside them
     (tp's sums of a norm's gradient under sp) pair up across ranks only if that order is the graph's own on
