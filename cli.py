@@ -9,6 +9,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+import cp
 import hf
 import pp
 import tp
@@ -124,7 +125,7 @@ def parse_args(argv=None):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    p.add_argument("--cp-mode", choices=("ring", "allgather", "alltoall"), default="ring",
+    p.add_argument("--cp-mode", choices=sorted(cp.MODES), default="ring",
                    help="how context parallelism splits attention: ring attention, all-gathered keys and values, "
                         "or an all-to-all to head shards (DeepSpeed-Ulysses)")
     p.add_argument("--schedule", choices=sorted(pp.SCHEDULES), default="1f1b", help="pipeline schedule")
@@ -140,7 +141,7 @@ def parse_args(argv=None):
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
     args.layers = args.layers or PRESETS[args.model]["n_layer"]
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-    args.virtual_stages = args.virtual_stages or (2 if args.schedule in ("interleaved", "zbv") else 1)
+    args.virtual_stages = args.virtual_stages or pp.CHUNKS_A_RANK.get(args.schedule, 1)
     args.master_dtype = args.master_dtype or ("float32" if args.dtype == "bfloat16" else args.dtype)
     args.reduce_dtype = args.reduce_dtype or args.master_dtype
     return args
@@ -231,10 +232,10 @@ def check_vocabulary(data, rank, world):
 
 def check_pipeline(args, n_layer):
     if args.pp == 1:
-        if args.schedule in ("interleaved", "zbv") or args.virtual_stages > 1:
+        if args.schedule in pp.CHUNKS_A_RANK or args.virtual_stages > 1:
             raise ConfigError(f"--schedule {args.schedule} and --virtual-stages need pipeline parallelism (--pp > 1)")
         return
-    if args.schedule in ("zb1", "zbv") and args.recompute != "none":
+    if args.schedule in pp.SPLIT_BACKWARD and args.recompute != "none":
         raise ConfigError(f"--schedule {args.schedule} with --recompute is not supported: it splits every backward "
                           f"in two (B, then W later), and a recomputed block would run its forward again in each half")
     if args.zero >= 2:

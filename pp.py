@@ -234,6 +234,8 @@ def forward_only(n_micro, n_stages, rank, n_chunks=1):
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1,
              "zbv": zero_bubble_v}
+CHUNKS_A_RANK = {"interleaved": 2, "zbv": 2}  # the schedules that run several chunks a rank, and how many by default
+SPLIT_BACKWARD = ("zb1", "zbv")                # the schedules whose backward is B, then W later
 
 
 def make_schedule(name, n_micro, n_stages, rank, n_chunks=1):
@@ -274,6 +276,8 @@ class Placement:
     def __init__(self, n_stages, n_chunks=1, rule=interleaved_placement):
         self.n_stages, self.n_chunks, self.rule = n_stages, n_chunks, rule
         self.n_model_chunks = n_stages * n_chunks
+        held = {self.holder(k): k for k in range(self.n_model_chunks)}  # the rule inverted, once
+        self._held = [[held[rank, c] for c in range(n_chunks)] for rank in range(n_stages)]
 
     @classmethod
     def of(cls, schedule, n_stages, n_chunks=1):
@@ -286,8 +290,7 @@ class Placement:
 
     def model_chunks(self, rank):
         """The model chunks `rank` holds, by chunk index."""
-        held = {self.holder(k): k for k in range(self.n_model_chunks)}
-        return [held[rank, c] for c in range(self.n_chunks)]
+        return self._held[rank]
 
     @property
     def first_rank(self):

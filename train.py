@@ -394,8 +394,8 @@ def compile_blocks(model):
 
     The compiler fuses a block's element-wise work around its matrix products. What communicates
     inside a block stays eager, as one graph break each: context-parallel attention (ring attention's
-    point-to-point, whose shape of work changes block by block, and the other modes' collectives) and the expert-parallel MoE layer (token counts known only at
-    run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
+    point-to-point, whose shape of work changes block by block, and the other modes' collectives) and
+    the expert-parallel MoE layer (token counts known only at run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
     """
     for block in model.blocks:
         if isinstance(block, torch.nn.Identity):  # another pipeline stage's
