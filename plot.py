@@ -216,7 +216,7 @@ def stack(ax, x, width, memory, label_parts=False, hatch=None):
 def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**i for i in range(10, 18))):
     """The playbook's figure from plan.py: per-rank memory of each strategy alone, by sequence length, for an
     8B shape (EP: Mixtral 8x7B), without, with selective and with full recomputation, in bf16."""
-    import plan  # the planner builds models on the meta device: torch, only here
+    from tools import plan  # the planner builds models on the meta device: torch, only here
     base = ["--model", model, "--arch", "llama", "--dtype", "bfloat16"]
     moe_base = ["--model", moe, "--arch", "llama", "--dtype", "bfloat16", *plan.EXPERTS]
     limit, x = 200, np.arange(len(seq_lens))
@@ -249,7 +249,7 @@ def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**
 def predicted(point):
     """plan.py's prediction (as it is now) for the rank a bench.py point measured; activations with the
     block being recomputed, which the meter does not see."""
-    import plan
+    from tools import plan
     prediction = plan.predict(plan.cli.parse_args(point["argv"]), point["world"])
     figures = {field: values[point["rank"]] for field, values in prediction.items()}
     return dict(param=figures["param_bytes"], grad=figures["grad_bytes"], optim=figures["optim_bytes"],

@@ -33,18 +33,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from training import checkpoint
 import cp
 import ep
-import hf
+from training import hf
 import pp
 import tp
-from cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
-from data import load_data
+from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
+from training.data import load_data
 from dp import ZERO_STAGES, DataParallel, ZeRO3, gpt_units, ring_bytes_sent, unallocated
-from launch import Preemption, exit_with_error, in_collective, init_distributed, where
+from training.launch import Preemption, exit_with_error, in_collective, init_distributed, where
 from mesh import Mesh
-from meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
+from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
                    peak_resident_bytes, tensor_bytes)
 from model import GPT, apply_recomputation, fill_in_chunks, initial_values, tied_name, update_route_biases
 

@@ -8,8 +8,8 @@ in both.
 """
 import torch
 
-import cli
-import hf
+from training import cli
+from training import hf
 import model as model_lib
 import train
 

@@ -2,8 +2,8 @@
 import json
 import os
 
-import cli
-import plan
+from training import cli
+from tools import plan
 
 # Activations are modelled term by term from what model.py's operators save (plan.block_activations), and
 # equal the meter's count exactly, in every dtype.

@@ -8,7 +8,7 @@ from distributed import REPO
 
 def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
     only = ["gpu1_tp1_pp1_cp1_ep1", "gpu2_tp1_pp1_cp1_ep1", "ddp", "scaling"]
-    run = subprocess.run([sys.executable, "bench.py", "--quick", "--peak-tflops", "0.001", "--out", str(tmp_path),
+    run = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--peak-tflops", "0.001", "--out", str(tmp_path),
                           "--only", *only],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

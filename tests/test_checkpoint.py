@@ -10,9 +10,10 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from training import checkpoint
 import tp
-from checkpoint import Checkpoint, Piece
+from training.checkpoint import Checkpoint, Piece
+from tools import convert
 from distributed import run_on_ranks
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
@@ -168,22 +169,22 @@ def test_a_checkpoint_converts_to_one_file_and_back_exactly(tmp_path):
                                    "--out", str(tmp_path / "a")], timeout=300)
     saved = tmp_path / "a" / "gpu8_tp2_pp2_cp1_ep2" / "checkpoint-00000002"
     exported = tmp_path / "model.safetensors"
-    checkpoint.main(["export", str(saved), str(exported)])
+    convert.main(["to-file", str(saved), str(exported)])
     plain = safetensors.torch.load_file(exported)
     model_state = Checkpoint(saved).model_state()
     assert {name: plain[name] for name in model_state}.keys() == model_state.keys()
     for name, value in model_state.items():
         assert torch.equal(plain[name], value), name
     assert plain["optimizer.exp_avg.tok_emb.weight"].shape == model_state["tok_emb.weight"].shape
-    imported = checkpoint.import_file(exported, tmp_path / "b")
+    imported = convert.import_file(exported, tmp_path / "b")
     assert os.path.basename(imported) == "checkpoint-00000002"
     again = tmp_path / "again.safetensors"
-    checkpoint.main(["export", imported, str(again)])
+    convert.main(["to-file", imported, str(again)])
     assert again.read_bytes() == exported.read_bytes()
     resumed = run_on_ranks(1, train_worker, [*argv, "--resume", imported, "--out", str(tmp_path / "c")])[0]
     reference = reference_run(argv)
     torch.testing.assert_close(resumed["losses"], reference["losses"][2:], rtol=1e-9, atol=1e-12)
     assert_matches_oracle(dict(losses=reference["losses"], state_dict=resumed["state_dict"]), reference)
     weights = tmp_path / "weights.safetensors"
-    checkpoint.main(["export", str(saved), str(weights), "--weights-only"])
+    convert.main(["to-file", str(saved), str(weights), "--weights-only"])
     assert safetensors.torch.load_file(weights).keys() == model_state.keys()

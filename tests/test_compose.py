@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from checkpoint import Checkpoint
+from training.checkpoint import Checkpoint
 from distributed import REPO, run_on_ranks
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 from planned import assert_matches_plan

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-import checkpoint
-import cli
+from training import checkpoint
+from training import cli
 import train
 from distributed import run_on_ranks
 from dp import is_allocated

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cli
+from training import cli
 import cp
 from distributed import run_on_ranks, self_check_alone
-from meter import ActivationMeter
+from training.meter import ActivationMeter
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from checkpoint import Checkpoint
+from training.checkpoint import Checkpoint
 from distributed import run_on_ranks, self_check_alone, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle
 

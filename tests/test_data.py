@@ -13,7 +13,7 @@ import pytest
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from data import GPT2_VOCAB_SIZE, MarkovLanguage, TokenFile, load_data, stationary_distribution, vocab_size_of
+from training.data import GPT2_VOCAB_SIZE, MarkovLanguage, TokenFile, load_data, stationary_distribution, vocab_size_of
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ TINY = ["--model", "tiny", "--batch-size", "32", "--dtype", "float32"]
 
 
 def dry_run(*argv, timeout=120):
-    return subprocess.run([sys.executable, "dryrun.py", *argv], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tools.dryrun", *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 

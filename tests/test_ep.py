@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cli
+from training import cli
 import ep
 import train
 from distributed import run_on_ranks, self_check_alone

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from training import checkpoint
 import train
-from bench import worker_pids
+from tools.bench import worker_pids
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 

@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
-import cli
-import hf
+from training import checkpoint
+from training import cli
+from training import hf
+from tools import convert
 import hf_models
 from distributed import run_on_ranks
 from model import GPT
@@ -89,7 +90,7 @@ def test_a_loaded_checkpoint_exports_bit_identically(tmp_path, folders, arch, wo
     run_on_ranks(world, train_worker, argv, timeout=300)
     saved = checkpoint.checkpoints(os.path.join(tmp_path, os.listdir(tmp_path)[0]))[0]
     out = str(tmp_path / "exported")
-    hf.export(saved, out, max_shard_bytes=20_000)  # several files, with their index
+    convert.export_hf(saved, out, max_shard_bytes=20_000)  # several files, with their index
     assert sorted(os.listdir(out)).count("model.safetensors.index.json") == 1
     assert tensors_of(out).keys() == tensors_of(folders[arch]).keys()
     for name, expected in tensors_of(folders[arch]).items():
@@ -129,7 +130,7 @@ def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model
     argv = [*ARGS, "--steps", "1", "--out", str(tmp_path), *model]
     run_on_ranks(2, train_worker, [*argv, "--tp", "2"], timeout=300)
     saved = checkpoint.checkpoints(os.path.join(tmp_path, os.listdir(tmp_path)[0]))[0]
-    hf.export(saved, str(tmp_path / "exported"))
+    convert.export_hf(saved, str(tmp_path / "exported"))
     config = cli.model_config(cli.parse_args(argv), 64)
     trained = GPT(config).double()
     trained.load_state_dict(checkpoint.Checkpoint(saved).model_state())

@@ -1,7 +1,7 @@
 """Memory is counted exactly from the tensors that exist."""
 import torch
 
-from meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
+from training.meter import ActivationMeter, gradient_bytes, optimizer_bytes, parameter_bytes, tensor_bytes
 
 
 def test_saved_activations_are_counted_until_backward_frees_them():

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meter import ActivationMeter
+from training.meter import ActivationMeter
 from model import (GPT, MoE, GPTConfig, apply_recomputation, causal_attention, load_balancing_loss, route, rotary,
                    rotary_frequencies, update_route_biases)
 

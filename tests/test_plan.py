@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-import cli
-import plan
+from training import cli
+from tools import plan
 import train
 from distributed import REPO, run_on_ranks
 from oracle import train_worker
@@ -63,7 +63,7 @@ def test_prediction_equals_every_counter(tmp_path, world, flags):
 
 
 def run_plan(*argv):
-    result = subprocess.run([sys.executable, "plan.py", *argv], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "tools.plan", *argv], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     return result
 
@@ -112,7 +112,7 @@ def test_search_finds_the_article_layout_only_with_recomputation():
 def test_refused_flags_say_why():
     result = run_plan("--world", "4", "--tp", "3")
     assert result.returncode != 0
-    assert "plan.py: error: world size 4 is not divisible by tp*pp*cp*ep" in result.stderr
+    assert "python -m tools.plan: error: world size 4 is not divisible by tp*pp*cp*ep" in result.stderr
 
 
 def test_real_shapes_have_their_parameter_counts():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import cli
+from training import cli
 import pp
 from distributed import run_on_ranks, self_check_alone
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker

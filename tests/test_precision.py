@@ -13,8 +13,8 @@ import tempfile
 import pytest
 import torch
 
-import cli
-import meter
+from training import cli
+from training import meter
 import train
 from dp import ring_bytes_sent
 from distributed import run_on_ranks

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import tp
 from distributed import run_on_ranks, self_check_alone
-from meter import ActivationMeter
+from training.meter import ActivationMeter
 from model import Block, GPTConfig
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 

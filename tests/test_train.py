@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-import cli
-import plan
+from training import cli
+from tools import plan
 import train
-from checkpoint import Checkpoint
+from training.checkpoint import Checkpoint
 from model import GPTConfig
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import cli
+from training import cli
 import train
 from distributed import run_on_ranks
 from dp import ZeRO3, gpt_units

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 import cp
-import hf
+from training import hf
 import pp
 import tp
-from data import split_lengths, vocab_size_of
+from training.data import split_lengths, vocab_size_of
 from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
 
@@ -54,7 +54,8 @@ class ConfigError(ValueError):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train the GPT of model.py on any mix of parallel dimensions.")
+    p = argparse.ArgumentParser(prog="train.py",
+                                description="Train the GPT of model.py on any mix of parallel dimensions.")
     p.add_argument("--model", choices=PRESETS, default="small", help="model size preset")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
                    help="gpt: GPT-2's block (learned positions, LayerNorm, GELU, biases); llama: rotary positions, "

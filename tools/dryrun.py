@@ -1,7 +1,7 @@
 """One rank of a large run, run alone on this machine: its share built, one training step taken, its
 memory measured beside plan.py's prediction.
 
-    python dryrun.py --world 64 --rank 5 --model llama3-8b --arch llama --tp 8 --zero 3 \\
+    python -m tools.dryrun --world 64 --rank 5 --model llama3-8b --arch llama --tp 8 --zero 3 \\
         --seq-len 256 --batch-size 8
 
 The other ranks are simulated by PyTorch's fake process group (`torch.testing`'s fake_pg, which
@@ -23,8 +23,8 @@ import json
 import torch
 import torch.distributed as dist
 
-import cli
-import plan
+from training import cli
+from tools import plan
 import train
 from mesh import Mesh
 
@@ -94,7 +94,7 @@ def print_report(measured, predicted, rank, world):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.dryrun", description=__doc__.split("\n")[0],
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("--world", type=int, required=True, help="ranks of the run")
     p.add_argument("--rank", type=int, default=0, help="the rank to run")
@@ -104,7 +104,7 @@ def main(argv=None):
     try:
         measured, predicted = dry_run(args, own.rank, own.world)
     except cli.ConfigError as e:
-        p.exit(2, f"dryrun.py: error: {e}\n")
+        p.exit(2, f"python -m tools.dryrun: error: {e}\n")
     if own.json:
         print(json.dumps(dict(measured=measured, predicted=predicted)))
     else:

@@ -1,8 +1,8 @@
 """The benchmark: the ten configurations of the seed table, and each dimension against PyTorch's built-in.
 
-    python bench.py            # everything, about twenty minutes on 2 CPU cores
-    python bench.py --quick    # the same on a tiny model, a few minutes
-    python bench.py --arch llama --out results/llama  # the table with the Llama-style block
+    python -m tools.bench            # everything, about twenty minutes on 2 CPU cores
+    python -m tools.bench --quick    # the same on a tiny model, a few minutes
+    python -m tools.bench --arch llama --out results/llama  # the table with the Llama-style block
     python plot.py             # figures and results/results.md from what this wrote
 
 Part 1 runs train.py under torchrun for each configuration (one model, one
@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the top folder: train.py's
 
 # The seed table's rows: (run name, ranks, flags, what it demonstrates). dp is what the others leave.
 CONFIGS = [
@@ -169,7 +169,7 @@ def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch"
     """plan.py's strategies (its memory figure) at a size this machine runs: each strategy alone on 8 ranks
     (or one), for two sequence lengths and the three recomputation modes, one step each: the busiest
     rank's logged memory (plot.py sets plan.py's prediction for that rank beside it)."""
-    import plan
+    from tools import plan
     runs, points = os.path.join(out, "planner"), []
     for label, world, flags in plan.STRATEGIES:
         model_flags = [*model, *(plan.EXPERTS if label.startswith("EP") else [])]
@@ -226,7 +226,7 @@ def pipeline_schedules(out, rounds=3, steps=4, schedules=("gpipe", "1f1b", "inte
     settings = dict(model=flags["--model"], batch_size=int(flags["--batch-size"]),
                     micro_batches=int(flags["--micro-batches"]), rounds=2 * rounds, k=1)
     print("bench: pp.py's ZB-V against PyTorch's ScheduleZBVZeroBubble", flush=True)
-    stdout = torchrun(2, "bench.py", "--worker", "pp_zbv", "--settings", json.dumps(settings))
+    stdout = torchrun(2, "-m", "tools.bench", "--worker", "pp_zbv", "--settings", json.dumps(settings))
     against_pytorch = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     return dict(flags=list(model), rounds=rounds, steps=steps, schedules=summary, over_1f1b=over_1f1b,
                 zbv_against_pytorch=dict(against_pytorch, settings=settings),
@@ -361,7 +361,7 @@ def summarise(out, settings, cores):
 
 def _gpt(settings, seed=0):
     import torch
-    import cli
+    from training import cli
     import train
     args = cli.parse_args(["--model", settings["model"]])
     config = cli.model_config(args, cli.PRESETS[settings["model"]]["vocab_size"])
@@ -369,8 +369,8 @@ def _gpt(settings, seed=0):
 
 
 def _batches(settings, args, n, rank, world):
-    from data import MarkovLanguage
-    import cli
+    from training.data import MarkovLanguage
+    from training import cli
     import train
     data = MarkovLanguage(cli.PRESETS[settings["model"]]["vocab_size"])
     for step in range(n):
@@ -659,7 +659,7 @@ def attention_by_length(lengths, heads=4, head_dim=64, rounds=3):
         for name, (mode, kernels, ranks) in ATTENTION_ARMS.items():
             print(f"bench: attention, {length} tokens, {name}", flush=True)
             settings = dict(length=length, mode=mode, kernels=kernels, heads=heads, head_dim=head_dim, rounds=rounds)
-            stdout = torchrun(ranks, "bench.py", "--worker", "attention", "--settings", json.dumps(settings),
+            stdout = torchrun(ranks, "-m", "tools.bench", "--worker", "attention", "--settings", json.dumps(settings),
                               env=dict(ENV, MALLOC_MMAP_THRESHOLD_="65536"))
             row[name] = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
         results.append(row)
@@ -721,7 +721,7 @@ def save_consolidated(trainer, path):
     its pieces, which places them in the whole tensors and writes the file."""
     import torch
     import torch.distributed as dist
-    import checkpoint
+    from training import checkpoint
     pieces, layouts, steps = trainer.checkpoint_pieces()
     if dist.get_rank():
         for rank in range(1, dist.get_world_size()):
@@ -780,9 +780,9 @@ def worker_checkpoint(settings):
     import gc
     import torch
     import torch.distributed as dist
-    import checkpoint
-    import cli
-    import plan
+    from training import checkpoint
+    from training import cli
+    from tools import plan
     import train
     from mesh import Mesh
     world, device = dist.get_world_size(), torch.device("cpu")
@@ -835,7 +835,7 @@ def checkpoint_comparison(out, rounds=2, ranks=4):
     print(f"bench: checkpoints, sharded and consolidated, {ranks} ranks", flush=True)
     settings = dict(out=os.path.join(out, "checkpoint"), rounds=rounds)
     os.makedirs(settings["out"], exist_ok=True)
-    stdout = torchrun(ranks, "bench.py", "--worker", "checkpoint", "--settings", json.dumps(settings))
+    stdout = torchrun(ranks, "-m", "tools.bench", "--worker", "checkpoint", "--settings", json.dumps(settings))
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     summary = {kind: dict(seconds=statistics.median(s for s, _ in values), seconds_range=[
         min(s for s, _ in values), max(s for s, _ in values)], peak_bytes=max(max(p) for _, p in values))
@@ -866,7 +866,7 @@ def run_comparisons(settings, out, names=None):
         if names and name not in names:
             continue
         print(f"bench: {name} against the built-in ({world} ranks)", flush=True)
-        stdout = torchrun(world, "bench.py", "--worker", name, "--settings", json.dumps(settings))
+        stdout = torchrun(world, "-m", "tools.bench", "--worker", name, "--settings", json.dumps(settings))
         results[name] = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     return results
 
@@ -929,7 +929,7 @@ def killed_run(out, steps, kill_every):
     if launch.returncode:
         raise RuntimeError("the killed run did not finish:\n" + "".join(output[-40:]))
     torchrun(8, *argv, "--out", os.path.join(out, "uninterrupted"), "--name", "soak")
-    import checkpoint
+    from training import checkpoint
     final = {kind: checkpoint.Checkpoint(checkpoint.checkpoints(os.path.join(out, kind, "soak"))[0]).model_state()
              for kind in ("killed", "uninterrupted")}
     losses = {kind: [e["loss"] for e in read_log(os.path.join(out, kind, "soak", "log.jsonl"))]
@@ -966,7 +966,7 @@ def machine():
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a few minutes")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "

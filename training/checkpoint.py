@@ -10,7 +10,7 @@ A checkpoint is a folder, runs/<name>/checkpoint-<step>/, named by the step it r
                            presence marks the checkpoint complete; it holds
         step, skipped_steps, args   where the run resumes
         model, hf_config   model.py's config of the run, and the Hugging Face config.json it started from
-                  (--init-from; else null), for hf.py's export
+                  (--init-from; else null), for the Hugging Face export (tools/convert.py)
         tensors   {name: {shape, dtype, split}}: every tensor of model.py's state dict, at full size (dtype
                   as safetensors names it: F32, BF16...);
                   split (tensor parallelism, tp.shard): {dim, blocks, parts}: along dim, each block (their
@@ -32,15 +32,9 @@ A rank replicated elsewhere (data parallelism without ZeRO, a weight every tp ra
 what no lower rank holds already, so the folder holds each element once. Saving copies the rank's pieces
 aside and writes them on a background thread while training goes on (Saver), at most one save in
 flight; resuming, each rank reads from the files only the ranges of pieces that hold elements it takes.
-
-    python checkpoint.py export runs/x/checkpoint-00000100 model.safetensors [--weights-only]
-    python checkpoint.py import model.safetensors runs/x
-
-convert a checkpoint to one safetensors file in model.py's state-dict layout (`--weights-only`: the
-weights alone, for inference and other tools; else the optimizer's state too, under
-"optimizer.<key>.<name>", and the step counts in its metadata) and back, one tensor at a time.
+`python -m tools.convert` turns a checkpoint into one file in model.py's layout, or a Hugging Face
+folder, and back.
 """
-import argparse
 import bisect
 import hashlib
 import json
@@ -48,7 +42,6 @@ import os
 import re
 import shutil
 import struct
-import sys
 import threading
 from dataclasses import asdict, dataclass
 
@@ -432,92 +425,3 @@ def in_parts(positions, shape, split):
     part_shape[dim] //= parts
     strides = torch.empty(part_shape, device="meta").stride()
     return offset // part_rows * torch.Size(part_shape).numel() + sum(i * s for i, s in zip(index, strides))
-
-
-# ---------------------------------------------------------------------------
-# Conversion: one file in model.py's state-dict layout, and back
-# ---------------------------------------------------------------------------
-
-def export(path, out, weights_only=False):
-    """Write the checkpoint at path as one safetensors file, a tensor at a time (see the module's docstring)."""
-    saved = Checkpoint(path)
-    verify(path)
-    entries = []
-    for name, layout in saved.tensors.items():
-        keys = ["model"] + ([] if weights_only else saved.optimizer_keys(name))
-        for key in keys:
-            entry = name if key == "model" else f"optimizer.{key}.{name}"
-            shape, dtype = torch.Size(layout["shape"]), TORCH_DTYPES[layout["dtype"]]
-            entries.append((entry, (shape, dtype, lambda name=name, key=key: saved.full(name, key))))
-    entries.sort(key=lambda e: -e[1][1].itemsize)
-    metadata = dict(step=str(saved.step), skipped_steps=str(saved.skipped_steps),
-                    args=json.dumps(saved.manifest["args"]))
-    if not weights_only:
-        metadata["optimizer_steps"] = json.dumps(saved.steps)
-    write_safetensors(out, entries, metadata)
-
-
-def import_file(file, run_dir):
-    """Make a checkpoint of run_dir from one safetensors file in model.py's state-dict layout (export's, or
-    weights alone: the run then starts at step 0 with a fresh optimizer). Returns its path."""
-    plain = SafetensorsFile(file)
-    meta = plain.metadata
-    step = int(meta.get("step", 0))
-    folder = path_for(run_dir, step)
-    os.makedirs(folder, exist_ok=True)
-    copied = "rank-00000.safetensors"
-    size, sha256 = copy_hashing(file, os.path.join(folder, copied))
-    tensors, pieces = {}, []
-    for entry, info in plain.header.items():
-        name, key = entry, "model"
-        if entry.startswith("optimizer."):
-            key, name = entry[len("optimizer."):].split(".", 1)
-        numel = torch.Size(info["shape"]).numel()
-        pieces.append(dict(name=name, key=key, part=0, start=0, end=numel, file=copied, entry=entry))
-        if key == "model":
-            tensors[name] = dict(shape=info["shape"], dtype=info["dtype"], split=None)
-    record = dict(layouts=tensors, steps=json.loads(meta.get("optimizer_steps", "{}")), pieces=pieces,
-                  files={copied: dict(bytes=size, sha256=sha256)})
-    write_manifest(folder, [record], dict(step=step, skipped_steps=int(meta.get("skipped_steps", 0)),
-                                          args=json.loads(meta.get("args", "{}"))))
-    return folder
-
-
-def copy_hashing(source, destination):
-    """Copy a file a piece at a time, flushed to the disk; returns (bytes, sha256)."""
-    digest, size = hashlib.sha256(), 0
-    with open(source, "rb") as f, open(destination + ".tmp", "wb") as g:
-        while piece := f.read(HASH_CHUNK):
-            g.write(piece)
-            digest.update(piece)
-            size += len(piece)
-        g.flush()
-        os.fsync(g.fileno())
-    os.replace(destination + ".tmp", destination)
-    return size, digest.hexdigest()
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Convert checkpoints to and from one safetensors file in "
-                                                 "model.py's state-dict layout.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    out = commands.add_parser("export", help="a checkpoint folder -> one .safetensors file")
-    out.add_argument("checkpoint")
-    out.add_argument("file")
-    out.add_argument("--weights-only", action="store_true", help="the weights alone, no optimizer state")
-    into = commands.add_parser("import", help="one .safetensors file -> a checkpoint of a run's folder")
-    into.add_argument("file")
-    into.add_argument("run_dir")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "export":
-            export(args.checkpoint, args.file, args.weights_only)
-            print(f"wrote {args.file}")
-        else:
-            print(f"wrote {import_file(args.file, args.run_dir)}")
-    except BadCheckpoint as e:
-        sys.exit(f"checkpoint.py: error: {e}")
-
-
-if __name__ == "__main__":
-    main()

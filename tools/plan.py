@@ -1,8 +1,8 @@
 """Predict what a run of train.py would hold and send, per rank, without running it.
 
-    python plan.py --world 8 --tp 2 --pp 2 --ep 2 --experts 8 --micro-batches 4
-    python plan.py --model llama3-405b --arch llama --world 16384 --tp 8 --pp 16 --zero 1 ...
-    python plan.py --model llama3-8b --arch llama --world 64 --memory 80GiB --search
+    python -m tools.plan --world 8 --tp 2 --pp 2 --ep 2 --experts 8 --micro-batches 4
+    python -m tools.plan --model llama3-405b --arch llama --world 16384 --tp 8 --pp 16 --zero 1 ...
+    python -m tools.plan --model llama3-8b --arch llama --world 64 --memory 80GiB --search
 
 It takes train.py's own flags, plus the number of ranks (`--world`), and
 predicts per rank the four memory figures and the traffic that train.py logs
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import cli
+from training import cli
 import pp
 import train
 from dp import ring_bytes_sent
@@ -902,7 +902,7 @@ def parse_bytes(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.plan", description=__doc__.split("\n")[0],
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("--world", type=int, required=True, help="ranks (GPUs) of the run")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (inside: fast links)")
@@ -1033,7 +1033,7 @@ def main(argv=None):
         else:
             print_table(args, plan_args)
     except cli.ConfigError as e:
-        sys.exit(f"plan.py: error: {e}")
+        sys.exit(f"python -m tools.plan: error: {e}")
 
 
 if __name__ == "__main__":

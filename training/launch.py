@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the top folder
 
 def init_distributed(timeout=timedelta(minutes=5)):
     """Join the launch's process group (or make a one-rank group); returns this rank's device.
@@ -112,7 +112,14 @@ def in_collective(error):
     return isinstance(error, dist.DistError) or any(backend in str(error) for backend in ("gloo", "NCCL"))
 
 
+def ours(path):
+    """Whether a source file is this repository's: inside it, and not an installed package."""
+    return not os.path.relpath(path, REPO).startswith(os.pardir) and "site-packages" not in path
+
+
 def where(error):
-    """The innermost frame of this repository's code in the error's traceback: 'file:line in function'."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.dirname(f.filename) == REPO]
-    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    """The innermost frame of this repository's code in the error's traceback, 'file:line in function', the
+    file named from the top folder (train.py, training/checkpoint.py); installed packages are not ours,
+    even in a virtual environment inside the repository."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if ours(os.path.abspath(f.filename))]
+    return f"{os.path.relpath(frames[-1].filename, REPO)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"

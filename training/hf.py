@@ -1,12 +1,13 @@
 """Hugging Face model folders in and out: continue training a released model, and hand the result back.
 
     torchrun --nproc_per_node 8 train.py --init-from Llama-3.2-1B --tp 2 --pp 2 ...   # start from its weights
-    python hf.py export runs/x/checkpoint-00000100 llama-continued [--dtype bfloat16]  # any layout's checkpoint
+    python -m tools.convert to-hf runs/x/checkpoint-00000100 llama-continued [--dtype bfloat16]  # and back
 
 A Hugging Face model folder holds config.json (the architecture and its shape) and the weights in the
 safetensors format: one model.safetensors, or model-0000N-of-0000M.safetensors with
 model.safetensors.index.json naming the file of every tensor. This file reads GPT-2, Llama (2, 3, 3.1,
-3.2), Mistral, Mixtral and Qwen2 folders, and writes any run's checkpoint as one.
+3.2), Mistral, Mixtral and Qwen2 folders; tools/convert.py writes any run's checkpoint as one, with
+the same tables.
 
 Three things translate:
 - the config (config_from_hf): each setting mapped to model.py's GPTConfig, and one it cannot represent
@@ -18,20 +19,17 @@ Three things translate:
   keeps the padding out of every prediction, so the logits are the released model's).
 - the values: `HuggingFaceValues` gives any elements of any of model.py's tensors, read from the files
   without loading a whole tensor (train.py's Share asks each rank's own elements, so a rank reads only
-  what it will hold), and `export` writes a checkpoint back one tensor at a time.
+  what it will hold).
 """
-import argparse
 import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-import checkpoint
+from training import checkpoint
 from model import GPT, GPTConfig, pad_vocabulary, tied_name
 
 
@@ -312,113 +310,3 @@ def load_state_dict(folder, config):
              for name, p in model.named_parameters(remove_duplicate=False)}
     return state | {name: torch.zeros(b.shape, dtype=torch.float64) for name, b in model.state_dict().items()
                     if name not in state}
-
-
-# ---------------------------------------------------------------------------
-# Writing: a checkpoint of any layout as a Hugging Face folder
-# ---------------------------------------------------------------------------
-
-def export(path, out, dtype=None, max_shard_bytes=5 * 10**9):
-    """Write the checkpoint at path as a Hugging Face model folder `out`, a tensor at a time: the weights
-    in dtype (default: as saved), in files of at most max_shard_bytes (as save_pretrained names them), and
-    config.json (the one the run started from, or one made for its model)."""
-    saved = checkpoint.Checkpoint(path)
-    checkpoint.verify(path)
-    if not saved.manifest.get("model"):
-        raise UnsupportedModel(f"{path} does not record its model's config (saved before hf.py, or imported): "
-                               f"resume the run from it and save again")
-    config = GPTConfig(**saved.manifest["model"])
-    hf_config = saved.manifest.get("hf_config") or hf_from_config(config)
-    tensors = hf_tensors(saved, config, hf_config["model_type"], dtype)
-    files = shard_files(tensors, max_shard_bytes)
-    os.makedirs(out, exist_ok=True)
-    for file, entries in files.items():
-        checkpoint.write_safetensors(os.path.join(out, file), entries, dict(format="pt"))
-    if len(files) > 1:
-        total = sum(shape.numel() * dtype_.itemsize for entries in files.values() for _, (shape, dtype_, _) in entries)
-        weight_map = {entry: file for file, entries in files.items() for entry, _ in entries}
-        write_json(os.path.join(out, "model.safetensors.index.json"),
-                   dict(metadata=dict(total_size=total), weight_map=weight_map))
-    written = tensors[0][1][1]  # (every tensor is in the master weights' dtype, or in dtype)
-    write_json(os.path.join(out, "config.json"),
-               dict(hf_config, architectures=[ARCHITECTURES[hf_config["model_type"]]],
-                    torch_dtype=str(written).removeprefix("torch.")))
-
-
-def hf_tensors(saved, config, model_type, dtype):
-    """[(Hugging Face name, (shape, dtype, a function giving the tensor))] of a checkpoint, in model.py's
-    order: each of model.py's tensors cut back into the Hugging Face tensors it was made of."""
-    with torch.device("meta"):
-        model = GPT(config)
-    for name in dict(model.named_buffers()):
-        if name in saved.tensors and saved.full(name).count_nonzero():
-            raise UnsupportedModel(f"{name} is not zero, and {model_type} has no such tensor: it would be lost")
-    full = lru_cache(maxsize=1)(saved.full)  # one read of a tensor for its q, k and v
-    entries = []
-    for name, p in model.named_parameters():  # a tied output layer once, as the embedding
-        parts = source(model_type, name)
-        as_dtype = dtype or checkpoint.TORCH_DTYPES[saved.tensors[name]["dtype"]]
-        start = 0
-        for hf_name, rows in zip(parts.names, part_rows(name, p.shape, config, len(parts.names))):
-            shape = (p.shape[1], rows) if parts.transposed else (rows, *p.shape[1:])
-
-            def tensor(name=name, start=start, rows=rows, transposed=parts.transposed, as_dtype=as_dtype):
-                t = full(name)[start:start + rows]
-                return (t.t() if transposed else t).contiguous().to(as_dtype)
-            entries.append((hf_name, (torch.Size(shape), as_dtype, tensor)))
-            start += rows
-    return entries
-
-
-def part_rows(name, shape, config, n_parts):
-    """The rows of model.py's `name` that each of its n_parts Hugging Face tensors holds, in order (the
-    vocabulary tables' padding rows in none)."""
-    if name in ("tok_emb.weight", "lm_head.weight"):
-        return [config.vocab_size]
-    if name.endswith(("qkv.weight", "qkv.bias")) and n_parts == 3:
-        return [config.d_model, config.kv_dim, config.kv_dim]
-    if ".fc." in name and n_parts == 2:  # SwiGLU's gate | up
-        return [config.d_ff, config.d_ff]
-    return [shape[0]]
-
-
-def shard_files(tensors, max_shard_bytes):
-    """{file: its tensors}: in order, a new file when the next tensor would pass max_shard_bytes."""
-    shards, size = [[]], 0
-    for entry in tensors:
-        nbytes = entry[1][0].numel() * entry[1][1].itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    if len(shards) == 1:
-        return {"model.safetensors": shards[0]}
-    return {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": s for k, s in enumerate(shards)}
-
-
-def write_json(path, value):
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2)
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Write a checkpoint of a run as a Hugging Face model folder.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    out = commands.add_parser("export", help="a checkpoint folder (any layout) -> a Hugging Face model folder")
-    out.add_argument("checkpoint")
-    out.add_argument("folder")
-    out.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
-                     help="the weights' dtype in the folder (default: as the checkpoint holds them)")
-    out.add_argument("--max-shard-gb", type=float, default=5.0, help="the largest safetensors file, in GB")
-    args = parser.parse_args(argv)
-    try:
-        export(args.checkpoint, args.folder, args.dtype and getattr(torch, args.dtype),
-               int(args.max_shard_gb * 10**9))
-    except (checkpoint.BadCheckpoint, UnsupportedModel) as e:
-        sys.exit(f"hf.py: error: {e}")
-    print(f"wrote {args.folder}")
-
-
-if __name__ == "__main__":
-    main()
