@@ -37,8 +37,9 @@ Each block is computed by one of PyTorch's fused attention kernels that
 return the log-sum-exp the merge needs and whose backward takes the merged
 output and log-sum-exp (`default_kernels` picks): on CPUs its flash kernel
 (half-precision blocks widened to float32: its backward is slow in them); on
-CUDA FlashAttention-2 for float16/bfloat16 and the
-memory-efficient kernel for float32. A block's (s/2N)² scores are never
+CUDA FlashAttention-2 for float16/bfloat16 and the memory-efficient kernel
+for float32. These adapters are the file's last section, after the three
+ways and their glue to model.py. A block's (s/2N)² scores are never
 materialised, so memory grows linearly with the sequence. The same
 computation written out (`block_attention`, `block_attention_backward`) is
 the readable reference that the self-check runs too; it is also what float64
@@ -179,137 +180,6 @@ def block_attention_backward(grad_out, q, k, v, out, lse, causal):
     return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), grad_out)
 
 
-# PyTorch's fused attention kernels, each with its backward: private operators, called by position as
-# their schemas read in PyTorch 2.13 (`default_kernels` falls back to the reference where they are
-# missing). Each takes q, k, v in their own dtype (float16/bfloat16 stay so: inside, the kernels keep
-# the softmax in float32, as FlashAttention does) and returns a float32 log-sum-exp (float64 for
-# float64 inputs on CPUs), each laid out its own way, while the merge takes (batch, heads, queries):
-#   CPU flash       (batch, queries, heads) viewed as (batch, heads, queries); its backward takes any strides
-#   CUDA flash      (batch, heads, queries), contiguous, as its backward reads it
-#   CUDA efficient  (batch, heads, ceil(queries / 32) * 32): rows padded to the kernel's 32-query tiles
-#                   (not padded on ROCm), and its backward reads rows padded alike
-# as the operators' shape rules in torch/_meta_registrations.py lay them out. `_lse_for_merge` and
-# `_lse_for_backward` are the one place that converts. (The memory-efficient backward also assumes its
-# output laid out as its forward writes it, (batch, queries, heads, head_dim) in memory: its row
-# stride is computed, not read off the tensor; see `_efficient_layout`.)
-_EFFICIENT_LSE_TILE = 1 if torch.version.hip else 32
-
-
-def _lse_for_merge(lse, n_queries):
-    """A kernel's log-sum-exp as the merge takes it: (batch, heads, queries), any padding cut off."""
-    return lse[..., :n_queries]
-
-
-def _lse_for_backward(lse, tile=1):
-    """The merged (batch, heads, queries) log-sum-exp as a CUDA kernel's backward reads it: contiguous,
-    rows padded with zeros to a multiple of `tile`, as its forward pads them."""
-    return F.pad(lse, (0, -lse.shape[-1] % tile)).contiguous()
-
-
-def _efficient_layout(out):
-    """out (batch, heads, queries, head_dim) stored as the memory-efficient forward stores its output,
-    queries outermost after the batch (aten's _efficient_attention_backward takes the output's batch and
-    head strides from the tensor but assumes heads x head_dim between queries)."""
-    return out.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-_CPU_FLASH = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
-_CUDA_FLASH = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
-_CUDA_EFFICIENT = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
-
-
-def cpu_flash_block(q, k, v, causal):
-    """block_attention by PyTorch's fused CPU kernel (flash attention): the scores never exist whole."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-
-
-def cpu_flash_block_backward(grad_out, q, k, v, out, lse, causal):
-    """block_attention_backward by the CPU kernel's backward, given the merged output and log-sum-exp."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0,
-                                                                               causal)
-
-
-def cpu_flash_block_in_float32(q, k, v, causal):
-    """cpu_flash_block on q, k, v widened to float32: in half precision the CPU kernel's backward is many
-    times slower than in float32 (20x measured at head size 32, PyTorch 2.13), and a CPU gains nothing
-    from computing the block narrower. (What travels round the ring stays in the inputs' dtype.)"""
-    return cpu_flash_block(*(_widened(t) for t in (q, k, v)), causal)
-
-
-def cpu_flash_block_backward_in_float32(grad_out, q, k, v, out, lse, causal):
-    """cpu_flash_block_backward on its tensors widened to float32 (its gradients come back in float32,
-    which the ring sums in anyway)."""
-    return cpu_flash_block_backward(*(_widened(t) for t in (grad_out, q, k, v, out)), lse, causal)
-
-
-def cuda_flash_block(q, k, v, causal):
-    """block_attention by FlashAttention-2 on CUDA (float16 and bfloat16 only)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal)[:2]
-    return out, _lse_for_merge(lse, q.shape[2])
-
-
-def cuda_flash_block_backward(grad_out, q, k, v, out, lse, causal):
-    """block_attention_backward by FlashAttention-2's backward. No cumulative sequence lengths (the
-    batch is dense); the random-number state is read only under dropout, which is 0."""
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
-        grad_out, q, k, v, out, _lse_for_backward(lse), None, None, q.shape[2], k.shape[2], 0.0, causal,
-        unused, unused)
-
-
-def cuda_efficient_block(q, k, v, causal):
-    """block_attention by the memory-efficient kernel on CUDA (xFormers' CUTLASS kernel: float32 too)."""
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal)[:2]
-    return out, _lse_for_merge(lse, q.shape[2])
-
-
-def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, causal):
-    """block_attention_backward by the memory-efficient kernel's backward (dQ, dK, dV; no bias gradient).
-    Its random-number seed and offset are read only under dropout, which is 0."""
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
-        grad_out, q, k, v, None, _efficient_layout(out), _lse_for_backward(lse, _EFFICIENT_LSE_TILE),
-        unused, unused, 0.0, [True, True, True, False], causal)[:3]
-
-
-# How each block is computed: written out (the readable reference the self-check compares against), or
-# fused (memory linear in the sequence: the (s/2N)² scores of a block are never materialised).
-EXPLICIT = (block_attention, block_attention_backward)
-FUSED = (cpu_flash_block, cpu_flash_block_backward)  # on CPUs
-FUSED_IN_FLOAT32 = (cpu_flash_block_in_float32, cpu_flash_block_backward_in_float32)  # on CPUs, half precision
-CUDA_FLASH = (cuda_flash_block, cuda_flash_block_backward)
-CUDA_EFFICIENT = (cuda_efficient_block, cuda_efficient_block_backward)
-
-
-def _have(ops):
-    """Whether this PyTorch has these private operators (a PyTorch without them gets the reference)."""
-    return all(hasattr(torch.ops.aten, op) for op in ops)
-
-
-@functools.lru_cache  # chosen once per (device, dtype, head size), not at every layer's call: it asks the GPU
-def default_kernels(device, dtype, head_dim):
-    """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
-
-    CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for
-    float16/bfloat16 (Ampere or later, heads up to 256), the memory-efficient kernel for float32 and the
-    half-precision blocks flash cannot take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
-    alignment: SDPA pads them, this file does not) and other devices: the written-out blocks.
-    """
-    if device.type == "cpu":
-        if not _have(_CPU_FLASH):
-            return EXPLICIT
-        return FUSED if dtype in (torch.float32, torch.float64) else FUSED_IN_FLOAT32
-    if device.type != "cuda" or dtype == torch.float64 or head_dim % 8:
-        return EXPLICIT
-    ampere = torch.cuda.get_device_capability(device) >= (8, 0)
-    if (dtype in (torch.float16, torch.bfloat16) and ampere and head_dim <= 256 and _have(_CUDA_FLASH)
-            and torch.backends.cuda.is_flash_attention_available()):
-        return CUDA_FLASH
-    if (dtype == torch.bfloat16 and not ampere) or not _have(_CUDA_EFFICIENT):  # no bfloat16 kernel before Ampere
-        return EXPLICIT
-    return CUDA_EFFICIENT
-
-
 def merge(out, lse, block_out, block_lse):
     """Online softmax: fold one block's (output, log-sum-exp) into the running pair, in the running pair's
     dtype (float32 or better: a bfloat16 block output is rounded once, the sum of blocks is not)."""
@@ -318,6 +188,10 @@ def merge(out, lse, block_out, block_lse):
     rescaled = out * torch.exp(lse - new_lse).unsqueeze(-1)
     return rescaled + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
 
+
+# ---------------------------------------------------------------------------
+# The first way: ring attention
+# ---------------------------------------------------------------------------
 
 def chunk_pairs(rank, source, n_ranks):
     """(query half, key half, causal) for every pair of chunks that needs computing.
@@ -668,6 +542,141 @@ def apply_context_parallel(model, group, mode="ring"):
         if hasattr(block, "attn"):
             block.attn.core = ContextParallelCore(group, mode)
     return model
+
+
+# ---------------------------------------------------------------------------
+# The block kernels: PyTorch's fused attention, and which one a block gets
+# ---------------------------------------------------------------------------
+#
+# PyTorch's fused attention kernels, each with its backward: private operators, called by position as
+# their schemas read in PyTorch 2.13 (`default_kernels` falls back to the reference where they are
+# missing). Each takes q, k, v in their own dtype (float16/bfloat16 stay so: inside, the kernels keep
+# the softmax in float32, as FlashAttention does) and returns a float32 log-sum-exp (float64 for
+# float64 inputs on CPUs), each laid out its own way, while the merge takes (batch, heads, queries):
+#   CPU flash       (batch, queries, heads) viewed as (batch, heads, queries); its backward takes any strides
+#   CUDA flash      (batch, heads, queries), contiguous, as its backward reads it
+#   CUDA efficient  (batch, heads, ceil(queries / 32) * 32): rows padded to the kernel's 32-query tiles
+#                   (not padded on ROCm), and its backward reads rows padded alike
+# as the operators' shape rules in torch/_meta_registrations.py lay them out. `_lse_for_merge` and
+# `_lse_for_backward` are the one place that converts. (The memory-efficient backward also assumes its
+# output laid out as its forward writes it, (batch, queries, heads, head_dim) in memory: its row
+# stride is computed, not read off the tensor; see `_efficient_layout`.)
+_EFFICIENT_LSE_TILE = 1 if torch.version.hip else 32
+
+
+def _lse_for_merge(lse, n_queries):
+    """A kernel's log-sum-exp as the merge takes it: (batch, heads, queries), any padding cut off."""
+    return lse[..., :n_queries]
+
+
+def _lse_for_backward(lse, tile=1):
+    """The merged (batch, heads, queries) log-sum-exp as a CUDA kernel's backward reads it: contiguous,
+    rows padded with zeros to a multiple of `tile`, as its forward pads them."""
+    return F.pad(lse, (0, -lse.shape[-1] % tile)).contiguous()
+
+
+def _efficient_layout(out):
+    """out (batch, heads, queries, head_dim) stored as the memory-efficient forward stores its output,
+    queries outermost after the batch (aten's _efficient_attention_backward takes the output's batch and
+    head strides from the tensor but assumes heads x head_dim between queries)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+_CPU_FLASH = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+_CUDA_FLASH = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+_CUDA_EFFICIENT = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+
+
+def cpu_flash_block(q, k, v, causal):
+    """block_attention by PyTorch's fused CPU kernel (flash attention): the scores never exist whole."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def cpu_flash_block_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by the CPU kernel's backward, given the merged output and log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0,
+                                                                               causal)
+
+
+def cpu_flash_block_in_float32(q, k, v, causal):
+    """cpu_flash_block on q, k, v widened to float32: in half precision the CPU kernel's backward is many
+    times slower than in float32 (20x measured at head size 32, PyTorch 2.13), and a CPU gains nothing
+    from computing the block narrower. (What travels round the ring stays in the inputs' dtype.)"""
+    return cpu_flash_block(*(_widened(t) for t in (q, k, v)), causal)
+
+
+def cpu_flash_block_backward_in_float32(grad_out, q, k, v, out, lse, causal):
+    """cpu_flash_block_backward on its tensors widened to float32 (its gradients come back in float32,
+    which the ring sums in anyway)."""
+    return cpu_flash_block_backward(*(_widened(t) for t in (grad_out, q, k, v, out)), lse, causal)
+
+
+def cuda_flash_block(q, k, v, causal):
+    """block_attention by FlashAttention-2 on CUDA (float16 and bfloat16 only)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal)[:2]
+    return out, _lse_for_merge(lse, q.shape[2])
+
+
+def cuda_flash_block_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by FlashAttention-2's backward. No cumulative sequence lengths (the
+    batch is dense); the random-number state is read only under dropout, which is 0."""
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+        grad_out, q, k, v, out, _lse_for_backward(lse), None, None, q.shape[2], k.shape[2], 0.0, causal,
+        unused, unused)
+
+
+def cuda_efficient_block(q, k, v, causal):
+    """block_attention by the memory-efficient kernel on CUDA (xFormers' CUTLASS kernel: float32 too)."""
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal)[:2]
+    return out, _lse_for_merge(lse, q.shape[2])
+
+
+def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, causal):
+    """block_attention_backward by the memory-efficient kernel's backward (dQ, dK, dV; no bias gradient).
+    Its random-number seed and offset are read only under dropout, which is 0."""
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
+        grad_out, q, k, v, None, _efficient_layout(out), _lse_for_backward(lse, _EFFICIENT_LSE_TILE),
+        unused, unused, 0.0, [True, True, True, False], causal)[:3]
+
+
+# How each block is computed: written out (the readable reference the self-check compares against), or
+# fused (memory linear in the sequence: the (s/2N)² scores of a block are never materialised).
+EXPLICIT = (block_attention, block_attention_backward)
+FUSED = (cpu_flash_block, cpu_flash_block_backward)  # on CPUs
+FUSED_IN_FLOAT32 = (cpu_flash_block_in_float32, cpu_flash_block_backward_in_float32)  # on CPUs, half precision
+CUDA_FLASH = (cuda_flash_block, cuda_flash_block_backward)
+CUDA_EFFICIENT = (cuda_efficient_block, cuda_efficient_block_backward)
+
+
+def _have(ops):
+    """Whether this PyTorch has these private operators (a PyTorch without them gets the reference)."""
+    return all(hasattr(torch.ops.aten, op) for op in ops)
+
+
+@functools.lru_cache  # chosen once per (device, dtype, head size), not at every layer's call: it asks the GPU
+def default_kernels(device, dtype, head_dim):
+    """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
+
+    CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for
+    float16/bfloat16 (Ampere or later, heads up to 256), the memory-efficient kernel for float32 and the
+    half-precision blocks flash cannot take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
+    alignment: SDPA pads them, this file does not) and other devices: the written-out blocks.
+    """
+    if device.type == "cpu":
+        if not _have(_CPU_FLASH):
+            return EXPLICIT
+        return FUSED if dtype in (torch.float32, torch.float64) else FUSED_IN_FLOAT32
+    if device.type != "cuda" or dtype == torch.float64 or head_dim % 8:
+        return EXPLICIT
+    ampere = torch.cuda.get_device_capability(device) >= (8, 0)
+    if (dtype in (torch.float16, torch.bfloat16) and ampere and head_dim <= 256 and _have(_CUDA_FLASH)
+            and torch.backends.cuda.is_flash_attention_available()):
+        return CUDA_FLASH
+    if (dtype == torch.bfloat16 and not ampere) or not _have(_CUDA_EFFICIENT):  # no bfloat16 kernel before Ampere
+        return EXPLICIT
+    return CUDA_EFFICIENT
 
 
 # ---------------------------------------------------------------------------

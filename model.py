@@ -40,27 +40,32 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class GPTConfig:
+    # shape
     vocab_size: int = 256
-    padded_vocab_size: int = 0   # rows of the embedding and output tables (see cross_entropy); 0: vocab_size
     seq_len: int = 128           # tokens per training sequence
-    max_seq_len: int = 0         # the longest sequence: rows of the learned position table; 0: seq_len
     n_layer: int = 4
     n_head: int = 4
     n_kv_heads: int = 0          # key/value heads (grouped-query attention); 0 means n_head
     d_model: int = 128
     d_ff: int = 0                # MLP hidden size; 0 means 4 * d_model
+    # positions
     position: str = "learned"    # "learned" (a position table, GPT-2) or "rope" (rotary, Llama)
+    max_seq_len: int = 0         # the longest sequence: rows of the learned position table; 0: seq_len
     rope_theta: float = 10000.0  # rotary base: pair i of a head turns by pos * theta^(-2i/head_dim)
     rope_factor: float = 1.0     # Llama 3.1's scaling of the rotary frequencies (1: none; see rotary_frequencies)
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    # norms, MLP and biases
     norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
     norm_eps: float = 1e-5       # added to the variance (mean square) under the norms' square root
     mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation) or "swiglu"
     bias: bool = True            # biases in the linear layers and LayerNorms
     qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
+    # embedding and output tables
+    padded_vocab_size: int = 0   # rows of the embedding and output tables (see cross_entropy); 0: vocab_size
     tie_embeddings: bool = False  # the output layer's weight is the embedding's (GPT-2, Llama 3.2 1B and 3B)
+    # experts (mixture of experts)
     n_experts: int = 0           # 0: every MLP is dense; > 0: mixture of experts
     top_k: int = 2               # experts chosen per token
     moe_layers: tuple = field(default_factory=tuple)  # which blocks are MoE; empty: all of them

@@ -68,12 +68,8 @@ waits for the activation (gradient) of the previous (next) chunk; after each
 step it posts one batch with what its action sends and the receives of what
 its neighbours' actions of that step send it, and waits for a received
 tensor only when an action needs it. Both ends of every message are posted
-in the batch of the same step, so:
-- messages match by posting order alone, as NCCL requires (it ignores
-  tags): between two ranks, sends and receives are both in step order;
-- nothing can deadlock, even where one communicator runs its batches one
-  after the other (NCCL's stream): batch t needs only every rank to have
-  finished step t, and step t needs only batches before t.
+in the batch of the same step, so messages match by posting order alone, as
+NCCL requires, and nothing can deadlock (`exchanges` gives the argument).
 
 What a model must offer (the contract for copying this file elsewhere): a
 way to run a contiguous slice of its layers as a callable (token ids in on
@@ -372,15 +368,16 @@ def timeline(schedules, placement=None):
 def exchanges(steps, rank, placement=None):
     """What this rank posts after each step: ([(destination, message)], [(source, message)]).
 
-    After step t every rank posts, as one batch, the message its own action of step t sends and the
-    receives of the messages its neighbours' actions of step t send it. The two ends of a message are
-    thus always in the batch of the same step: on both sides messages are posted in step order, so
-    they match by order alone, and batch t can complete as soon as every rank has finished step t.
-    That is what NCCL needs: it ignores tags, and it runs the batches of one communicator one after
-    the other on one stream, so a receive posted early would block every send queued behind it (with
-    1F1B on two stages, a first stage waiting for a gradient before sending the activation that the
-    second stage needs to produce it). A message from a rank to itself (the turn of a V, from chunk
-    P-1 to chunk P on rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
+    After step t every rank posts, as one batch, the message its own action of step t sends and the receives
+    of the messages its neighbours' actions of step t send it. The two ends of a message are thus always in
+    the batch of the same step, which is what NCCL needs. NCCL ignores tags: between two ranks, sends and
+    receives match in posting order, and here both sides post their messages in step order, so they match by
+    that order alone. And NCCL runs the batches of one communicator one after the other on one stream, so a
+    receive posted early would block every send queued behind it (with 1F1B on two stages, a first stage
+    waiting for a gradient before sending the activation that the second stage needs to produce it). Here
+    batch t can complete as soon as every rank has finished step t, and step t waits only for batches before
+    t, so nothing deadlocks. A message from a rank to itself (the turn of a V, from chunk P-1 to chunk P on
+    rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
     """
     n_stages = len(steps[0])
     placement = placement or Placement(n_stages)
@@ -804,11 +801,9 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     if stats.actions is not None:  # a timeline is recorded: the stages start it together
         dist.barrier(group=group)
     start = stats.origin = stats.total.now()
-    # Every rank walks the same steps. Both ends of each message are posted in the batch of the same
-    # step (`exchanges`), so on both sides messages are posted in step order and match by that order
-    # alone, as NCCL requires (it ignores tags); and nothing deadlocks, even where a communicator runs
-    # its batches one after the other (NCCL's stream): batch t needs only every rank to have finished
-    # step t, and step t waits only for batches before t.
+    # Every rank walks the same steps and posts after each the batch `exchanges` lists: both ends of a
+    # message in the same step's batch, which is why the messages match and nothing deadlocks on NCCL
+    # (`exchanges` says how).
     for row, (sends, receives) in zip(steps, exchanges(steps, rank, placement)):
         action, output = row[rank], None  # None: this rank idles this step (but still posts its receives)
         if action:
