@@ -35,6 +35,9 @@ g_avg = 1/N sum_i g_i) keeps the replicas identical after each optimizer step.
    the group gave a gradient this step (an expert no token reached) keeps
    `grad = None`, as in a single process, so the optimizer skips it (no weight
    decay, no momentum): one small all-reduce (MAX) of a used-mask per step.
+   `ReplicatedOptimizer` steps every parameter with those averaged gradients,
+   the same step on every replica (master weights wider than bfloat16 ones,
+   `master_dtype`, as Megatron-LM's Float16Optimizer keeps them).
 
 3. ZeRO. Data parallelism does not reduce memory: every rank keeps 16 bytes
    per parameter in the article's mixed-precision accounting (2 for the
@@ -61,6 +64,10 @@ g_avg = 1/N sum_i g_i) keeps the replicas identical after each optimizer step.
    gathers each unit's parameters twice (before forward, again before
    backward), 3 Psi in all (the paper's section 7).
 
+4. `clip_grad_norm_`: one global gradient norm over every optimizer (ZeRO's
+   or the replicated one), clipping all of them by one factor, as
+   torch.nn.utils.clip_grad_norm_ clips one device's gradients.
+
 Nothing here knows the model: the classes take parameters (or a module and
 its units) and a process group, so one instance can average dense gradients
 over one group and another expert gradients over another.
@@ -70,7 +77,14 @@ nothing but its parameters, and for ZeRO-3 the submodules whose parameters
 are gathered together, in forward order. The glue is two lines:
 `DataParallel(model.parameters(), group, find_unused_parameters=...)` and
 `finish_grad_sync()` before the optimizer step (with `no_sync()` around the
-backwards that accumulate).
+backwards that accumulate). The step, replicated or sharded:
+
+    sync = DataParallel(model.parameters(), group)                    # or AllReduceEveryGradient
+    optimizer = ReplicatedOptimizer(model.named_parameters(), torch.optim.AdamW, sync)
+    # or: sync = optimizer = ZeRO1(model, group, torch.optim.AdamW)    (ZeRO2, ZeRO3 with units=...)
+    loss.backward(); sync.finish_grad_sync()
+    clip_grad_norm_([optimizer], 1.0)
+    optimizer.step(); optimizer.zero_grad()
 
 Self-check: torchrun --nproc_per_node 4 dp.py
 """
@@ -165,6 +179,11 @@ class AllReduceEveryGradient:
     def finish_grad_sync(self):
         """Nothing to wait for: every average was taken inside backward."""
 
+    @property
+    def grads(self):
+        """{parameter: its averaged gradient}, as DataParallel's (what ReplicatedOptimizer steps with)."""
+        return {p: p.grad for p in self.params}
+
 
 # ---------------------------------------------------------------------------
 # 2. Buckets, reduced while backward goes on (DistributedDataParallel's design)
@@ -226,6 +245,24 @@ class DataParallel:
         loss(micro_batches[-1]).backward()   # all-reduces launch from here
         dp.finish_grad_sync()                 # wait; grads are now averaged
         optimizer.step()
+
+    One gradient's way, method by method:
+        p's hook `_on_grad_ready` (at a backward's first gradient it queues `_end_of_backward` with autograd)
+        -> `_move_into_bucket`: copied (first micro-batch) or added into p's view (`_grad_view`) of its bucket
+        -> its bucket complete: `_launch_ready_buckets` launches the complete ones in order, `_reduce` each:
+           an async all-reduce
+        -> `_end_of_backward`: `_launch_remaining` launches the rest (a gradient missing here counts as zero)
+        -> `finish_grad_sync`: `_wait` each, `_complete` divides; `_keep_used_grads` fills `grads`.
+    The ZeRO stages below override:
+        ZeRO1  `_reduce`/`_complete`: reduce-scatter into the bucket's `Shard` and divide there; `step`
+               steps the shards and all-gathers the weights; a unit's forward hook makes a backward
+               through it reduce on every rank (`_before_backward`).
+        ZeRO2  `_complete` adds into the shard and frees the bucket, which `_grad_view` allocates again;
+               `_reduce` keeps one in flight, `_begin_backward` waits for the previous backward's;
+               `no_sync` does nothing (every backward reduces).
+        ZeRO3  `_make_buckets`: a bucket per unit; forward pre-hooks and `_before_backward` gather its
+               weights (prefetching the next unit's), `_after_forward` and `_reduce` free them; `step`
+               gathers nothing.
     """
 
     def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None,
@@ -406,6 +443,87 @@ class DataParallel:
         return set_within(self, "keep_incomplete", True)
 
 
+class ReplicatedOptimizer:
+    """No ZeRO: one optimizer over every parameter, the same step on every data-parallel replica.
+
+    It steps the master weights: the parameters themselves, or, where `master_dtype` is wider than the
+    weights (bfloat16 weights, float32 master: Megatron-LM's Float16Optimizer), a copy of each, filled by
+    fill_master(name, master) (default: from the parameter), whose update is copied into the weights after
+    every step. Their gradients are grad_sync's averaged ones (`grad_sync.grads`, {parameter: gradient, or
+    None where no rank used it}: DataParallel's, AllReduceEveryGradient's). It offers what the ZeRO classes
+    offer the training step, so that one step drives either alike.
+    """
+
+    grad_shards = ()  # the gradients stay in grad_sync's buckets
+
+    def __init__(self, named_parameters, make_optimizer, grad_sync, master_dtype=None, fill_master=None):
+        self.params, self.grad_sync = dict(named_parameters), grad_sync
+        fill_master = fill_master or (lambda name, master: master.copy_(self.params[name].detach()))
+        self.masters = {name: self._master(name, p, master_dtype or p.dtype, fill_master)
+                        for name, p in self.params.items()}
+        self.optimizer = make_optimizer(list(self.masters.values()))
+        self.device = next(iter(self.params.values())).device
+
+    @staticmethod
+    def _master(name, p, dtype, fill_master):
+        """The weights the optimizer steps for p: p itself where the dtypes agree, else a copy of its own."""
+        if p.dtype == dtype:
+            return p
+        master = torch.empty(p.shape, dtype=dtype, device=p.device)
+        fill_master(name, master)
+        return master
+
+    @property
+    def param_shards(self):
+        return list(self.masters.values())  # the weights themselves, or their master copies
+
+    def zero_grad(self):
+        # As on one device: a parameter that gets no gradient this step on any rank (an expert no token
+        # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _grads(self):
+        """(parameter, its averaged gradient) of those some rank used this step."""
+        return [(p, grad) for p, grad in self.grad_sync.grads.items() if grad is not None]
+
+    def squared_norm(self, weights=None):
+        """The sum of the squares of the gradients' elements (weighted, see clip_grad_norm_). No collective:
+        after data-parallel averaging every replica holds the same gradients."""
+        return _weighted_squares(self._grads(), weights, self.device)
+
+    def scale_grads(self, scale):
+        for _, grad in self._grads():
+            grad.mul_(scale.to(grad.dtype))
+
+    @torch.no_grad()
+    def step(self):
+        grads = self.grad_sync.grads
+        for name, master in self.masters.items():
+            grad = grads[self.params[name]]
+            master.grad = None if grad is None else grad.to(master.dtype)  # (itself where the dtypes agree)
+        self.optimizer.step()
+        for name, master in self.masters.items():
+            if master is not self.params[name]:
+                self.params[name].copy_(master)  # the weights: the updated master, rounded
+
+    def full_parameters(self):
+        return nullcontext()  # every parameter is always here in full
+
+    def pieces(self):
+        """(name, start, end, piece), as the ZeRO classes give them: here each piece is a whole master weight."""
+        for name, master in self.masters.items():
+            yield name, 0, master.numel(), master
+
+
+def _weighted_squares(grads, weights, device):
+    """sum over (p, grad) in grads of weights[p] * the sum of grad's squared elements, in float64; a
+    parameter not in weights (or weights None) weighs 1."""
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for p, grad in grads:
+        squares += grad.to(torch.float64).square().sum() * (weights.get(p, 1.0) if weights else 1.0)
+    return squares
+
+
 # ---------------------------------------------------------------------------
 # 3. ZeRO: each rank keeps 1/N of what data parallelism repeats on every rank
 # ---------------------------------------------------------------------------
@@ -440,15 +558,17 @@ class Shard:
 
     The bucket's parameters become views of one flat buffer, `full_params`, so one all-gather brings
     them all up to date; `mine` is this rank's place in it. The optimizer steps this rank's elements of
-    the weights, `master`: that place itself, or a copy of its own (ZeRO-3, whose full buffer comes and
-    goes; and master weights wider than the weights, float32 for bfloat16, as Megatron-LM's
-    distributed optimizer keeps them), copied into `mine` before each all-gather. It steps them as
-    each parameter's piece (`pieces`, views of `master`), so that, as on one device, each parameter has
-    its own step count, and one that no rank gave a gradient (an expert no token reached) is skipped:
-    its piece's grad is then None. The gradient shard `grad` is in the master's dtype.
+    the weights, `master`: that place itself, or a copy of its own (master weights wider than the
+    weights, float32 for bfloat16, as Megatron-LM's distributed optimizer keeps them; and ZeRO-3's, see
+    ZeRO3Shard), copied into `mine` before each all-gather. It steps them as each parameter's piece
+    (`pieces`, views of `master`), so that, as on one device, each parameter has its own step count, and
+    one that no rank gave a gradient (an expert no token reached) is skipped: its piece's grad is then
+    None. The gradient shard `grad` is in the master's dtype.
+
+    This class is stages 1 and 2's: they keep the full parameters, filled from the parameters' values.
     """
 
-    def __init__(self, bucket, rank, n_ranks, own_copy, values=None, master_dtype=None):
+    def __init__(self, bucket, rank, n_ranks, values=None, master_dtype=None):
         self.size = bucket.padded // n_ranks
         self.start = rank * self.size
         self.ranges = {}  # parameter: (start, end) of its piece within the shard, for those that have one
@@ -456,24 +576,11 @@ class Shard:
             lo, hi = max(bucket.offsets[p], self.start), min(bucket.offsets[p] + p.numel(), self.start + self.size)
             if lo < hi:
                 self.ranges[p] = (lo - self.start, hi - self.start)
-        weights = bucket.params[0]
-        master_dtype = master_dtype or weights.dtype
-        # Stages 1 and 2 keep the full parameters; stage 3 does not, and its full buffer comes and goes (at
-        # first, it is not there).
-        make = torch.empty if own_copy else torch.zeros  # (stage 3's is never written: see unallocated)
-        self.full_params = make(bucket.padded, dtype=weights.dtype, device=weights.device)
-        if not own_copy:
-            for p in bucket.params:
-                bucket.view(self.full_params, p).copy_(p.detach())
+        self.full_params = self._full_params(bucket)
         self.mine = self.full_params[self.start:self.start + self.size]
-        if own_copy or master_dtype != weights.dtype:
-            self.master = self._own_copy(bucket, values or _elements, master_dtype)
-        else:
-            self.master = self.mine
+        self.master = self._master(bucket, values or _elements, master_dtype or self.mine.dtype)
         for p in bucket.params:
             p.data = bucket.view(self.full_params, p)  # the parameter now lives inside the flat buffer
-        if own_copy:
-            free_storage(self.full_params)
         self.grad = torch.zeros_like(self.master)  # this rank's part of the averaged gradient
         self.reduced = None  # the output of the reduce-scatter in flight
         self.gathering = None  # ZeRO-3: the all-gather of full_params in flight
@@ -481,6 +588,19 @@ class Shard:
         self.grad_pieces = {p: self.grad[lo:hi] for p, (lo, hi) in self.ranges.items()}
         for p, piece in self.pieces.items():
             piece.grad = self.grad_pieces[p]
+
+    @staticmethod
+    def _full_params(bucket):
+        """The bucket's weights, flat, holding the parameters' values (the padding zero)."""
+        weights = bucket.params[0]
+        flat = torch.zeros(bucket.padded, dtype=weights.dtype, device=weights.device)
+        for p in bucket.params:
+            bucket.view(flat, p).copy_(p.detach())
+        return flat
+
+    def _master(self, bucket, values, dtype):
+        """The weights the optimizer steps: this rank's place in the full weights, unless wider."""
+        return self.mine if dtype == self.mine.dtype else self._own_copy(bucket, values, dtype)
 
     def _own_copy(self, bucket, values, dtype):
         """This rank's elements of the bucket in `dtype`, each parameter's piece from values(p, start, end):
@@ -496,6 +616,23 @@ class Shard:
         next all-gather sends (nothing to do where the master is that place itself)."""
         if self.master is not self.mine:
             self.mine.copy_(self.master)
+
+
+class ZeRO3Shard(Shard):
+    """ZeRO-3's shard: the full weights exist only while gathered (before a unit's forward and backward),
+    so the optimizer steps a master copy of its own, and the flat buffer starts freed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        free_storage(self.full_params)  # (its views, the parameters, were taken above)
+
+    @staticmethod
+    def _full_params(bucket):
+        weights = bucket.params[0]  # never written: each use gathers it first (see unallocated)
+        return torch.empty(bucket.padded, dtype=weights.dtype, device=weights.device)
+
+    def _master(self, bucket, values, dtype):
+        return self._own_copy(bucket, values, dtype)
 
 
 def _elements(p, start, end):
@@ -533,12 +670,12 @@ class ZeRO1(DataParallel):
     Usage per step:
         loss.backward()          # reduce-scatters launch from here
         zero.finish_grad_sync()  # this rank's shard of the averaged gradient
-        zero.clip_grad_norm_(1.0)
+        clip_grad_norm_([zero], 1.0)
         zero.step()
         zero.zero_grad()
     """
 
-    own_copy = False  # of its shard of the parameters (ZeRO-3)
+    shard_type = Shard  # ZeRO-3's: ZeRO3Shard
 
     def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
                  params=None, divide_by=None, find_unused_parameters=False, master_dtype=None, reduce_dtype=None,
@@ -551,7 +688,7 @@ class ZeRO1(DataParallel):
                          reduce_dtype or master_dtype)
         self.rank = dist.get_rank(group)
         values = initial_values and (lambda p, start, end: initial_values(self.names[p], p.shape, start, end))
-        self.shards = {bucket: Shard(bucket, self.rank, self.n_ranks, self.own_copy, values, master_dtype)
+        self.shards = {bucket: self.shard_type(bucket, self.rank, self.n_ranks, values, master_dtype)
                        for bucket in self.buckets}
         self.optimizer = make_optimizer([piece for shard in self.shards.values() for piece in shard.pieces.values()])
         for i, unit in enumerate(self.units):
@@ -605,32 +742,16 @@ class ZeRO1(DataParallel):
 
     # -- optimizer step on the shards, then the parameters all-gathered (the all-reduce's second half) --
 
-    def clip_grad_norm_(self, max_norm, weights=None, other_groups=()):
-        """Clip by the global gradient norm: the shards are disjoint, so each element counts once.
-
-        When the module is itself a shard of a larger model (tensor or pipeline
-        parallelism), the sum of squares is also summed over other_groups, with
-        each parameter's squares multiplied by weights[p] (1/copies for a
-        parameter that ranks of those groups hold a copy of).
-        """
-        squares = self.squared_norm(weights)
-        for group in other_groups:
-            dist.all_reduce(squares, group=group)
-        total_norm = squares.sqrt()
-        self.scale_grads((max_norm / (total_norm + 1e-6)).clamp(max=1.0))  # as torch.nn.utils.clip_grad_norm_
-        return total_norm
-
     def scale_grads(self, scale):
         for g in self.grad_shards:
             g.mul_(scale.to(g.dtype))
 
     def squared_norm(self, weights=None):
         """The sum of the squares of this instance's gradient elements over its group (weighted, see
-        clip_grad_norm_): one scalar all-reduce, the shards being disjoint."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
-        for shard in self.shards.values():
-            for p, piece in shard.grad_pieces.items():  # (the padding holds no gradient)
-                squares += piece.to(torch.float64).square().sum() * (weights.get(p, 1.0) if weights else 1.0)
+        clip_grad_norm_): one scalar all-reduce, the shards being disjoint, so each element counts once."""
+        pieces = [(p, piece) for shard in self.shards.values()
+                  for p, piece in shard.grad_pieces.items()]  # (the padding holds no gradient)
+        squares = _weighted_squares(pieces, weights, self.buckets[0].grad.device)
         dist.all_reduce(squares, group=self.group)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), self.n_ranks)
         return squares
@@ -733,7 +854,7 @@ class ZeRO3(ZeRO2):
     ever holds a whole parameter it shards. Without it, the shards are cut from the parameters' values.
     """
 
-    own_copy = True
+    shard_type = ZeRO3Shard
 
     def __init__(self, module, group, make_optimizer, units=(), **options):
         if not units:
@@ -829,6 +950,31 @@ def gpt_units(model):
 
 
 # ---------------------------------------------------------------------------
+# 4. Clipping: one norm of the whole model's gradient, whatever holds it
+# ---------------------------------------------------------------------------
+
+def clip_grad_norm_(optimizers, max_norm, weights=None, groups=()):
+    """Scale every optimizer's gradients by one factor, so that the whole gradient's norm is at most max_norm
+    (as torch.nn.utils.clip_grad_norm_ on one device); returns that norm (float64, before clipping).
+
+    Each optimizer (ReplicatedOptimizer, or a ZeRO instance: the squares of its shards summed over its
+    group) gives the squares of the gradient elements it holds. When the model is itself cut across other
+    groups (tensor, pipeline, expert parallelism), the squares are summed over each of `groups` too, each
+    parameter's multiplied by weights[p] (1/copies for a parameter that ranks of those groups each hold a
+    copy of, so every element counts once; 1 for a parameter not in weights), as Megatron-LM's
+    clip_grad_norm_fp32 sums over its model-parallel group, leaving out tensor-parallel duplicates.
+    """
+    squares = sum(optimizer.squared_norm(weights) for optimizer in optimizers)
+    for group in groups:
+        dist.all_reduce(squares, group=group)
+    total_norm = squares.sqrt()
+    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for optimizer in optimizers:
+        optimizer.scale_grads(scale)
+    return total_norm
+
+
+# ---------------------------------------------------------------------------
 # Self-check: torchrun --nproc_per_node N dp.py
 # ---------------------------------------------------------------------------
 
@@ -842,33 +988,6 @@ def _join_process_group():
     torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     return device
-
-
-class _Replicated:
-    """The self-check's optimizer beside plain data parallelism: AdamW on the full replica, as ZeRO's
-    interface (finish, clip, step, zero) so that one loop drives every kind alike."""
-
-    def __init__(self, sync, model):
-        self.sync, self.model = sync, model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def no_sync(self):
-        return self.sync.no_sync()
-
-    def finish_grad_sync(self):
-        self.sync.finish_grad_sync()
-
-    def clip_grad_norm_(self, max_norm):
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad()
-
-    def full_parameters(self):
-        return nullcontext()
 
 
 def _self_check():
@@ -898,13 +1017,20 @@ def _self_check():
         ref_opt.step()
         ref_opt.zero_grad()
 
-    def replicated(averager):
-        return lambda model: _Replicated(averager(model.parameters()), model)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
 
-    def sharded(zero):
-        units = lambda model: [m for m in model if any(True for _ in m.parameters())]  # noqa: E731
-        return lambda model: zero(model, None, lambda shards: torch.optim.AdamW(shards, lr=1e-2),
-                                  units=units(model), bucket_bytes=4096)
+    def replicated(averager):  # (averager, optimizer): an averager and one optimizer over its gradients
+        def make(model):
+            sync = averager(model.parameters())
+            return sync, ReplicatedOptimizer(model.named_parameters(), adamw, sync)
+        return make
+
+    def sharded(zero):  # a ZeRO instance is both
+        def make(model):
+            units = [m for m in model if any(True for _ in m.parameters())]
+            sync = zero(model, None, adamw, units=units, bucket_bytes=4096)
+            return sync, sync
+        return make
 
     kinds = {  # several buckets of 4 KB: their ordering and overlap are exercised
         "all-reduce every grad": replicated(AllReduceEveryGradient),
@@ -914,16 +1040,16 @@ def _self_check():
     report = []
     for name, make in kinds.items():
         model = copy.deepcopy(reference)
-        sync = make(model)
+        sync, optimizer = make(model)
         for x in batches:
             for m in range(micro_batches):  # this rank's slice; reduce after the last micro-batch
                 with sync.no_sync() if m < micro_batches - 1 else nullcontext():
                     loss_fn(model, x[m, rank]).backward()
             sync.finish_grad_sync()
-            sync.clip_grad_norm_(max_norm)
-            sync.step()
-            sync.zero_grad()
-        with sync.full_parameters():
+            clip_grad_norm_([optimizer], max_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+        with optimizer.full_parameters():
             worst = max((a - b).abs().max().item() for a, b in zip(ref_model.parameters(), model.parameters()))
         report.append((name, worst))
     if rank == 0:

@@ -14,7 +14,7 @@ from training import checkpoint
 from training import cli
 import train
 from distributed import run_on_ranks
-from dp import is_allocated
+from dp import ZeRO3, is_allocated
 from mesh import Mesh
 from model import GPT, GPTConfig, initial_values
 from oracle import EQUIVALENCE
@@ -66,7 +66,7 @@ def held_shapes(trainer):
 
 def held_elements(trainer):
     """The elements of the parameters this rank holds: allocated ones, and ZeRO-3's pieces of the others."""
-    pieces = sum(end - start for zero in trainer.optimizers if getattr(zero, "own_copy", False)
+    pieces = sum(end - start for zero in trainer.optimizers if isinstance(zero, ZeRO3)
                  for _, start, end, _ in zero.pieces())
     return sum(p.numel() for p in trainer.params if is_allocated(p)) + pieces
 
@@ -88,9 +88,9 @@ def construct(argv, folder):
     checkpoint, each under the watch; returns what each wrote outside this rank's share, the elements it
     drew or read, and its model gathered to the single device's layout beside the single device's."""
     args = cli.parse_args(argv)
-    mesh = Mesh(cli.check_args(args, dist.get_world_size()))
+    config, shape = cli.check_args(args, dist.get_world_size())
+    mesh = Mesh(shape)
     data = train.load_training_data(args)
-    config = cli.model_config(args, data.vocab_size)
     reference = train.build_model(config, args.seed, torch.float64, torch.device("cpu"))
     full_shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
     watch = partial(WrittenTensors, set(full_shapes.values()))
@@ -108,7 +108,7 @@ def construct(argv, folder):
 
     train.InitialValues, checkpoint.Checkpoint = Recorded, RecordedCheckpoint
     with watch() as built:
-        trainer = train.Trainer(args, mesh, data, torch.device("cpu"))
+        trainer = train.Trainer(args, config, mesh, data, torch.device("cpu"))
     initial_state = trainer.full_state_dict()
     saver = checkpoint.Saver(dist.new_group(backend="gloo"))
     with watch() as stepped:
@@ -117,7 +117,7 @@ def construct(argv, folder):
         saver.wait()
     args.resume = folder
     with watch() as loaded:
-        resumed = train.Trainer(args, mesh, data, torch.device("cpu"))
+        resumed = train.Trainer(args, config, mesh, data, torch.device("cpu"))
     optimizer_elements = sum(end - start for optimizer in resumed.optimizers
                              for _, start, end, _ in optimizer.pieces())
     return dict(built=outside(built, trainer, full_shapes), stepped=outside(stepped, trainer, full_shapes),

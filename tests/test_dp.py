@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_on_ranks, self_check_alone
-from dp import DataParallel
+from dp import DataParallel, ReplicatedOptimizer, clip_grad_norm_
 from oracle import assert_matches_oracle, oracle, train_worker
 
 # Clipping at 0.05 is active at every step of this run (checked below).
@@ -112,6 +112,41 @@ def test_a_parameter_no_rank_used_keeps_no_gradient():
         # Two steps of: three one-parameter buckets of 3 float64 (padded to 4, a multiple of the group's
         # size) and the 3-byte used-mask, each all-reduced (2 (N-1)/N of the bytes: once each with N = 2).
         assert comm == 2 * (3 * 4 * 8 + 3)
+
+
+def replicated_master_worker():
+    """ReplicatedOptimizer over bfloat16 weights with float32 masters: filled by fill_master (with a value
+    bfloat16 cannot hold), stepped with DataParallel's float32 averages, rounded back into the weights; c,
+    which no rank used, keeps no gradient and is not stepped."""
+    rank = dist.get_rank()
+    a, b, c = (torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(3))
+    dp = DataParallel([a, b, c], bucket_bytes=1, find_unused_parameters=True, reduce_dtype=torch.float32)
+    filled = []
+
+    def fill_master(name, master):
+        filled.append((name, tuple(master.shape)))
+        master.fill_(1 + 2**-12)
+
+    optimizer = ReplicatedOptimizer([("a", a), ("b", b), ("c", c)], lambda ps: torch.optim.SGD(ps, lr=2**-8),
+                                    dp, torch.float32, fill_master)
+    ((a * 2).sum() + ((b * 4).sum() if rank == 0 else 0)).backward()
+    dp.finish_grad_sync()
+    norm = clip_grad_norm_([optimizer], 1e9, weights={a: 0.5})  # a's squares halved, b's counted whole
+    optimizer.step()
+    masters = {name: master.tolist() for name, _, _, master in optimizer.pieces()}
+    return (filled, norm.item(), masters, [p.tolist() for p in (a, b, c)],
+            [m.dtype == torch.float32 and m is not p for m, p in zip(optimizer.param_shards, (a, b, c))])
+
+
+def test_replicated_optimizer_steps_wider_masters_and_rounds_them_into_the_weights():
+    stepped = 1 + 2**-12 - 2**-8 * 2  # the master minus lr times the averaged gradient, 2 for a and b
+    for filled, norm, masters, weights, apart in run_on_ranks(2, replicated_master_worker):
+        assert filled == [("a", (3,)), ("b", (3,)), ("c", (3,))]
+        assert norm == (0.5 * 3 * 2**2 + 3 * 2**2) ** 0.5
+        assert masters == {"a": [stepped] * 3, "b": [stepped] * 3, "c": [1 + 2**-12] * 3}
+        rounded = torch.tensor(stepped).to(torch.bfloat16).item()
+        assert weights == [[rounded] * 3, [rounded] * 3, [1.0] * 3]
+        assert all(apart)
 
 
 def nested_contexts_worker():
