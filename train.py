@@ -3,21 +3,22 @@
     torchrun --nproc_per_node 2 train.py                 # data parallel on 2 ranks
     python train.py --model tiny --steps 50              # one process
 
-The order of events is the order of the article: flags (cli.py) -> rank
-grid (mesh.py) -> the model's shapes on the meta device (model.py) ->
-`parallelize`: the parallel dimensions applied, then only this rank's share
-allocated and filled (every initial value is a function of its position, so
-it equals the single device's) -> training loop. Every global batch is a pure function of
-(seed, step) (data.py) and is split over data ranks and micro-batches, so
-every configuration trains on the same tokens and must produce the same
-losses as one device.
+The order of events is the order of the article: flags (training/cli.py) -> rank grid (mesh.py) -> the
+model's shapes on the meta device (model.py) -> `parallelize`: the parallel dimensions applied, then
+only this rank's share allocated and filled (every initial value is a function of its position, so it
+equals the single device's) -> the training loop. Every global batch is a pure function of (seed, step)
+(training/data.py) and is split over data ranks and micro-batches, so every configuration trains on
+the same tokens and must produce the same losses as one device.
 
-Each run writes runs/<name>/config.json, runs/<name>/log.jsonl (one JSON
-record per step) and runs/<name>/checkpoint-<step>/ (sharded: each rank
-writes the pieces it holds, while training goes on; any layout resumes from
-it; see checkpoint.py). `--resume auto` continues from the newest good one,
-so the same command line serves the first launch and every restart; SIGTERM
-or SIGINT stops every rank after the same step, with a checkpoint (launch.py).
+This file reads top to bottom: `train` (the loop), `Trainer` (one step), `parallelize` (the five
+dimensions, one call each, in a fixed order), what each rank holds (`Share`), what the step drives the
+same way whatever the layout (gradient averaging, the micro-batch runner), then the helpers.
+
+Each run writes runs/<name>/config.json, runs/<name>/log.jsonl (one JSON record per step) and
+runs/<name>/checkpoint-<step>/ (sharded: each rank writes the pieces it holds, while training goes on;
+any layout resumes from it; see training/checkpoint.py). `--resume auto` continues from the newest good
+one, so the same command line serves the first launch and every restart; SIGTERM or SIGINT stops every
+rank after the same step, with a checkpoint (training/launch.py).
 """
 import json
 import math
@@ -33,20 +34,20 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from training import checkpoint
 import cp
 import ep
-from training import hf
 import pp
 import tp
-from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, model_config, parse_args
-from training.data import load_data
-from dp import ZERO_STAGES, DataParallel, ZeRO3, gpt_units, ring_bytes_sent, unallocated
-from training.launch import Preemption, exit_with_error, in_collective, init_distributed, where
+from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_units, ring_bytes_sent,
+                unallocated)
 from mesh import Mesh
-from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
-                   peak_resident_bytes, tensor_bytes)
 from model import GPT, apply_recomputation, fill_in_chunks, initial_values, tied_name, update_route_biases
+from training import checkpoint, hf
+from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, parse_args
+from training.data import load_data
+from training.launch import Preemption, exit_with_error, in_collective, init_distributed, rank_and_world, where
+from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
+                            peak_resident_bytes, tensor_bytes)
 
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
@@ -69,94 +70,330 @@ class NonFiniteStep(ArithmeticError):
     """A step whose loss or gradient norm is not finite, beyond what --skip-nonfinite-steps allows."""
 
 
-def run_name(args, world):
-    return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}"
+# ---------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------
+
+def train(args):
+    """Run the training described by args; returns the losses and the trainer (its full_state_dict() gathers
+    the final weights, a collective: for tests and tools, never done by a run itself)."""
+    rank, world = rank_and_world()
+    config, shape = check_args(args, world)  # before any process group exists: a bad launch cannot hang
+    if args.resume not in (None, "auto"):
+        checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, below
+    device = init_distributed(timedelta(seconds=args.timeout))
+    # Checkpoints are written on a thread of their own, with a group of their own (see checkpoint.Saver).
+    saver = checkpoint.Saver(dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)))
+    args.resume = resume_from(args, world, saver.group, report=print if rank == 0 else lambda message: None)
+    mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
+    data = load_training_data(args)
+    check_vocabulary(data, rank, world)
+    trainer = Trainer(args, config, mesh, data, device)
+    log = RunLog(args, world, device, trainer, writes=rank == 0)
+    log.begin(shape, data)
+    end, stopped = min(args.steps, args.stop_at or args.steps), False
+    last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
+    with Preemption() as preemption:
+        for step in range(trainer.start_step, end):
+            timeline = args.pp > 1 and step == end - 1  # the pipeline's timeline, of one step: the last
+            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested))
+            if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
+                end, stopped = step + 1, True
+            last = step == end - 1
+            entry = log.entry(step, record, trainer.timeline if timeline else None)
+            problem = nonfinite_problem(step, record, trainer.skipped_steps, args)
+            if (step + 1) % args.eval_interval == 0 or last:
+                entry["val_loss"] = log.val_losses[step] = trainer.validation_loss()
+            log.write(entry, last)  # before the checkpoint, so every step a checkpoint has passed is in the log
+            if problem:  # every rank has the same record, so every rank stops here
+                saver.wait()  # the save in flight is of a good step: the last good checkpoint, once written
+                raise NonFiniteStep(f"{problem}; the last good checkpoint is {last_checkpoint or 'none'}")
+            if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
+                last_checkpoint = checkpoint.path_for(log.folder, step + 1)
+                trainer.save_checkpoint(saver, last_checkpoint, step + 1, args.keep_checkpoints)
+            trainer.reset_comm_baseline()
+            if stopped:
+                break
+    saver.wait()  # the run ends with its last checkpoint on the disk
+    log.end(gather_peaks(device), f"stopped after step {end - 1} on a signal; checkpoint {last_checkpoint}"
+            if stopped else None)
+    return dict(losses=log.losses, grad_norms=log.grad_norms, val_losses=log.val_losses,
+                entropy_floor=data.entropy_rate, trainer=trainer)
 
 
-def lr_at(step, args):
-    """Linear warm-up to --lr, then cosine decay to --lr * --min-lr-ratio at the last step."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    min_lr = args.lr * args.min_lr_ratio
-    return min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+class RunLog:
+    """runs/<name>/: config.json, and log.jsonl with one record per step, written by rank 0 (elsewhere
+    `writes` is False: the same calls write nowhere and print nothing); every rank keeps the losses."""
+
+    def __init__(self, args, world, device, trainer, writes):
+        self.args, self.world, self.device, self.trainer = args, world, device, trainer
+        self.folder = os.path.join(args.out, run_name(args, world))
+        self.writes, self.print = writes, print if writes else lambda *_, **__: None
+        self.losses, self.grad_norms, self.val_losses, self.wall_s = [], [], {}, 0.0
+        # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
+        # tokens per second, over every device's peak.
+        self.peak_flops, self.flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
+
+    def begin(self, shape, data):
+        """config.json, and the log kept up to the step the run starts at (a resumed run writes those after
+        its checkpoint again: one record per step)."""
+        if not self.writes:
+            self.file = open(os.devnull, "w")
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        trainer, args = self.trainer, self.args
+        with open(os.path.join(self.folder, "config.json"), "w") as f:
+            json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
+                           world=self.world, device=str(self.device), peak_flops=self.peak_flops,
+                           entropy_floor=data.entropy_rate), f, indent=2)
+        floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
+        self.print(f"run {self.folder}: {self.world} ranks {shape}, {trainer.n_params:,} parameters, "
+                   f"loss floor (entropy rate) {floor}", flush=True)
+        path = os.path.join(self.folder, "log.jsonl")
+        keep_log_before(path, trainer.start_step if args.resume else 0)
+        self.file = open(path, "a")
+
+    def entry(self, step, record, timeline=None):
+        """The log record of a step, from every rank's values (lists indexed by rank); with the pipeline's
+        timeline per rank: [kind, chunk, micro-batch, waiting from, computing from, until] (seconds)."""
+        entry = log_entry(self.args, step, record, self.wall_s, self.trainer)
+        if timeline is not None:
+            entry["pp_timeline"] = [None] * self.world
+            dist.all_gather_object(entry["pp_timeline"], timeline)
+        if self.peak_flops:
+            entry["mfu"] = self.flops_per_token * entry["tokens_per_s"] / (self.world * self.peak_flops)
+        self.wall_s = entry["time_s"]
+        self.losses.append(entry["loss"])
+        self.grad_norms.append(entry["grad_norm"])
+        return entry
+
+    def write(self, entry, last):
+        self.file.write(json.dumps(entry) + "\n")
+        self.file.flush()
+        if entry["step"] % self.args.log_interval == 0 or last or "val_loss" in entry:
+            self.print(progress_line(entry, self.args), flush=True)
+
+    def end(self, peaks, stopped):
+        """The whole run's peak memory per rank (start-up, steps and saves), and why it stopped early, if it did."""
+        kind = "GPU" if self.device.type == "cuda" else "resident"
+        self.print(f"peak {kind} memory per rank (GiB): " + " ".join(f"{b / 2**30:.2f}" for b in peaks), flush=True)
+        if stopped:
+            self.print(stopped, flush=True)
+        self.file.close()
 
 
-def load_training_data(args):
-    return load_data(args.data, data_vocab_size(args), seed=args.seed)
+# ---------------------------------------------------------------------------
+# One training step
+# ---------------------------------------------------------------------------
 
+class Trainer:
+    """The model with its parallel dimensions applied, its optimizers, and one training step."""
 
-def peak_flops(args, device):
-    """One device's peak FLOP/s for this run's dtype: --peak-tflops, else the table's (CUDA only), else None."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    if device.type != "cuda" or args.dtype == "float64":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peaks = next((peaks for part, peaks in PEAK_TFLOPS.items() if part in name), None)
-    return peaks and peaks[args.dtype == "float32"] * 1e12
+    def __init__(self, args, config, mesh, data, device):
+        self.args, self.mesh, self.data, self.device = args, mesh, data, device
+        precision = Precision.from_args(args)
+        # The full model's shapes, on the meta device: no memory until parallelize keeps this rank's share.
+        with torch.device("meta"):
+            self.model = precision.apply(GPT(config))
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        saved = checkpoint.Checkpoint(args.resume) if args.resume else None
+        # The Hugging Face config a run started from, kept in its checkpoints for the Hugging Face export.
+        self.hf_config = (saved.manifest.get("hf_config") if saved
+                          else hf.read_config(args.init_from) if args.init_from else None)
+        parallel = parallelize(self.model, mesh, args, starting_values(args, config, saved), device, precision)
+        self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
+        self.optimizers, self.grad_sync, self.tied = parallel.optimizers, parallel.grad_sync, parallel.tied
+        self.routing = RoutingCounts(parallel.moe_layers, config.n_experts)
+        self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, device)
+        self.start_step, self.skipped_steps = 0, 0
+        if saved:
+            self.load_optimizer_state(saved)
+            self.start_step, self.skipped_steps = saved.step, saved.skipped_steps
+        self.meter = ActivationMeter(self.params)
+        self.reset_comm_baseline()
 
+    def train_step(self, step, timeline=False):
+        """One optimizer step over the global batch; returns this rank's log values. With `timeline`, the
+        pipeline records when each action waited and ran (self.timeline)."""
+        args = self.args
+        tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
+        self.meter.reset_peak()
+        clock = StepClock(self.device, timeline)
+        micro_batches = self.local_micro_batches(tokens)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        self.routing.reset()
+        contribution = self.runner.train(micro_batches, clock.pipeline)  # this rank's share of the step's loss
+        with clock.waiting():
+            self.grad_sync.finish_grad_sync()
+            self.tied.sum_gradients()
+        grad_norm = self.update(step)
+        update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
+        self.routing.sum_over_stages(self.runner)
+        compute_s, comm_wait_s = clock.stop()
+        self.timeline = clock.pipeline.timeline() if timeline else None
+        return dict(self.rank_record(contribution, compute_s, comm_wait_s, clock.pipeline), grad_norm=grad_norm)
 
-@dataclass(frozen=True)
-class Precision:
-    """Which dtype holds what: --dtype bfloat16 trains as Megatron-LM and PyTorch's FSDP2 (torchtitan's
-    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)) do.
+    def update(self, step):
+        """The step's learning rate, the gradients clipped, and the update (ZeRO: of this rank's shards, then
+        the parameters gathered); returns the gradient norm. The norm is the same on every rank, so they all
+        update, or all skip a step whose gradient is not finite (the weights and AdamW's moments stay as
+        they were; train() decides whether to go on)."""
+        for group in (group for optimizer in self.optimizers for group in optimizer.optimizer.param_groups):
+            group["lr"] = lr_at(step, self.args)
+        grad_norm = self.clip_gradients(self.args.grad_clip or math.inf).item()
+        update = self.updates(grad_norm)
+        self.skipped_steps += not update
+        for optimizer in self.optimizers if update else ():
+            optimizer.step()
+        return grad_norm
 
-    weights: the parameters, so every activation, and every message of tp, sp, cp, ep and pp and
-        ZeRO's gathers of the weights; no weight is cast again per micro-batch (as autocast would).
-    master: the optimizer's copy of the weights and AdamW's moments (sharded by ZeRO where it is on),
-        kept where the weights are narrower: a bfloat16 update of 1e-4 of a weight would round to 0.
-    reduce: the gradients' buckets, where micro-batches accumulate and data ranks average them.
+    @staticmethod
+    def updates(grad_norm):
+        """Whether a step with this gradient norm updates the weights: not if it is not finite."""
+        return math.isfinite(grad_norm)
 
-    What the code computes wider than the weights whatever this policy says, as the anchors do, is
-    where it happens: norms' statistics (PyTorch's kernels), softmax and ring attention's log-sum-exp
-    merge (cp.py), the router's probabilities (ep.py), the loss (model.py, tp.py), the gradient norm
-    (float64). With all three float64 this is the exact contract of every test; with float32 weights
-    and a float64 master, the structure alone is checked, to float32's rounding.
-    """
-    weights: torch.dtype
-    master: torch.dtype
-    reduce: torch.dtype
+    def local_micro_batches(self, tokens):
+        """This rank's (inputs, targets) per micro-batch: its data slice, and its sequence shard under cp."""
+        mesh = self.mesh
+        batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("data"), mesh.index("data"))
+        if mesh.size("cp") == 1:
+            return list(batches)
+        shard = lambda t: cp.shard_sequence(t, mesh.size("cp"), mesh.index("cp"))  # noqa: E731
+        return [(shard(inputs), shard(targets)) for inputs, targets in batches]
 
-    @classmethod
-    def from_args(cls, args):
-        return cls(DTYPES[args.dtype], DTYPES[args.master_dtype], DTYPES[args.reduce_dtype])
+    def forward_context(self):
+        """Around every forward: count the activations saved for backward."""
+        return self.meter
 
-    def apply(self, model):
-        """model's parameters in the weights' dtype; its floating buffers (MoE routing biases, moved by a
-        small rate every step) in the master's."""
-        model.to(self.master)
-        for p in model.parameters():
-            p.data = p.data.to(self.weights)
-        return model
+    def clip_gradients(self, max_norm):
+        """Clip to the norm of the whole model's gradient, every element counted once; returns the norm.
 
+        After synchronisation, data-parallel replicas hold identical gradients, so one rank of the dense
+        group sees every element it holds (ZeRO: its shards, summed over each instance's group). Across
+        the tp, ep and pp groups ranks hold different parameters, or different shards of them, plus copies
+        of the replicated ones: summing over those groups, with each replicated gradient weighted
+        1/copies, counts every element once.
+        """
+        weights = {p: 1 / self.copies(name) for name, p in self.model.named_parameters()}
+        groups = [self.mesh.groups[g] for g in ("tp", "ep", "pp") if self.mesh.size(g) > 1]
+        return clip_grad_norm_(self.optimizers, max_norm, weights, groups)
 
-def build_model(config, seed, dtype, device):
-    """The whole model on one device (the single-device reference): built on the meta device, then
-    allocated where it runs and filled with its initial values (nothing made first on the CPU)."""
-    with torch.device("meta"):
-        model = GPT(config).to(dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.reset_parameters(seed)
-    return model
+    def copies(self, name):
+        """How many ranks of the tp, ep and pp groups hold a copy of parameter `name` (1: each its own)."""
+        tp_copies = 1 if name in self.tp_layouts else self.mesh.size("tp")
+        ep_copies = 1 if ep.is_expert_parameter(name) else self.mesh.size("ep")
+        return tp_copies * ep_copies * self.tied.copies(name)
 
+    @torch.no_grad()
+    def validation_loss(self):
+        """Mean cross-entropy over --eval-batches held-out global batches (no MoE auxiliary loss)."""
+        args, losses = self.args, []
+        for i in range(args.eval_batches):
+            tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
+            # The same micro-batches as training, so a pipeline sees the shapes it was built for.
+            losses += self.runner.evaluate(self.local_micro_batches(tokens))
+        return mean_over_ranks(losses)
 
-def make_optimizer(params, args):
-    # fused: one kernel for every parameter instead of a loop of small ops per tensor; on CPU as on GPU
-    # it is several times faster, which matters most when data parallelism shrinks the rest of the step.
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
+    # -- what the log counts -----------------------------------------------------
 
+    def comm_counters(self):
+        """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
+        sources = {"dp": self.grad_sync.comm_bytes, "tp": tp.comm_bytes,
+                   "pp": {"send_recv": self.runner.bytes_sent, "all_reduce": self.tied.bytes_sent},
+                   "cp": cp.comm_bytes, "ep": ep.comm_bytes}
+        return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
+                for dim, kinds in COMM_KINDS.items() for kind in kinds}
 
-def local_micro_batches(tokens, n_micro, n_data, data_rank):
-    """This rank's (inputs, targets) for each micro-batch of the global batch.
+    def reset_comm_baseline(self):
+        """Count from here (so a step's record leaves out validation and checkpoint traffic)."""
+        self.comm_baseline = self.comm_counters()
 
-    Micro-batch m is sequences [m*B/M, (m+1)*B/M) of the global batch, exactly as
-    the single device accumulates them; data rank r reads the r-th slice of it.
-    """
-    for micro in tokens.chunk(n_micro):
-        mine = micro.chunk(n_data)[data_rank]
-        yield mine[:, :-1], mine[:, 1:]
+    def rank_record(self, loss, compute_s, comm_wait_s, pipeline):
+        param_shards = [shard for optimizer in self.optimizers for shard in optimizer.param_shards]
+        grad_shards = [shard for optimizer in self.optimizers for shard in optimizer.grad_shards]
+        record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
+                      grad_bytes=tensor_bytes([p.grad for p in self.params] + self.grad_sync.buffers + grad_shards),
+                      optim_bytes=sum(optimizer_bytes(optimizer.optimizer) for optimizer in self.optimizers),
+                      activation_peak_bytes=self.meter.peak, peak_resident_bytes=peak_resident_bytes(),
+                      device_peak_bytes=device_peak_bytes(self.device), compute_s=compute_s, comm_wait_s=comm_wait_s,
+                      pp_bubble=pipeline.bubble(), pp_peak_in_flight=pipeline.peak_in_flight)
+        counters = self.comm_counters()  # bytes sent during this step
+        record.update({field: counters[field] - self.comm_baseline[field] for field in COMM_FIELDS})
+        self.comm_baseline = counters
+        return record
+
+    # -- the whole model gathered, for tests and tools (a run never does this) ----------------------
+
+    def full_state_dict(self):
+        """model.py's state dict, whole, on every rank, on the CPU (collectives under ZeRO-3, tp, pp, ep)."""
+        with ExitStack() as stack:
+            for optimizer in self.optimizers:  # ZeRO-3 gathers the parameters it shards
+                stack.enter_context(optimizer.full_parameters())
+            mine = {name: self.unshard(name, t).detach().cpu().clone() for name, t in self.model.state_dict().items()}
+        return self.merge_stages(mine)
+
+    def unshard(self, name, tensor):
+        """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp)."""
+        if name not in self.tp_layouts:
+            return tensor
+        dim, blocks = self.tp_layouts[name]
+        return tp.unshard(tensor, dim, self.mesh.groups["tp"], blocks)
+
+    def merge_stages(self, by_name):
+        """{name: value} merged over pipeline stages and expert-parallel ranks, which hold different names
+        (besides replicated ones, identical everywhere)."""
+        for group in ("pp", "ep"):
+            if self.mesh.size(group) > 1:
+                everyone = [None] * self.mesh.size(group)
+                dist.all_gather_object(everyone, by_name, group=self.mesh.groups[group])
+                by_name = {name: value for part in everyone for name, value in part.items()}
+        return by_name
+
+    # -- checkpoints: each rank saves its pieces and reads back those it holds ----------------------
+
+    def checkpoint_pieces(self):
+        """This rank's pieces of the training state, [(checkpoint.Piece, tensor)]: its piece of every
+        parameter and of its optimizer state, and the buffers; the layouts of their tensors {name: ...};
+        the optimizer's step count {name: count} of the parameters it has state for."""
+        pieces, layouts, steps = [], {}, {}
+        params = dict(self.model.named_parameters())
+        for optimizer in self.optimizers:
+            for held_as, start, end, piece in optimizer.pieces():  # of the master weights, in their dtype
+                name = self.share.name(held_as)  # (a tied output layer: the embedding's)
+                layouts[name] = self.share.layout(held_as, params[held_as].shape, piece.dtype)
+                state = dict(optimizer.optimizer.state.get(piece, {}))
+                if "step" in state:
+                    steps[name] = state.pop("step").item()
+                for key, value in [("model", piece), *state.items()]:
+                    part = self.share.part(held_as)
+                    pieces.append((checkpoint.Piece(name, key, part, start, end), value.reshape(-1)))
+        saved = self.model.state_dict(keep_vars=True)
+        for name, buffer in self.model.named_buffers():  # whole on every rank
+            if name in saved:
+                layouts[name] = self.share.layout(name, buffer.shape, buffer.dtype)
+                pieces.append((checkpoint.Piece(name, "model", 0, 0, buffer.numel()), buffer.reshape(-1)))
+        return pieces, layouts, steps
+
+    def load_optimizer_state(self, saved):
+        """The optimizer state of this rank's pieces, read from a checkpoint saved under any layout."""
+        shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        for optimizer in self.optimizers:
+            for held_as, start, end, piece in optimizer.pieces():
+                name, state = self.share.name(held_as), {}
+                for key in saved.optimizer_keys(name):
+                    state[key] = torch.empty_like(piece)
+                    self.share.fill(state[key].view(-1), held_as, shapes[held_as], start, partial(saved.read, name, key))
+                if state:  # the step count goes to the parameter's device too (fused AdamW wants it there)
+                    state["step"] = torch.tensor(saved.steps[name], dtype=torch.float32, device=piece.device)
+                    optimizer.optimizer.state[piece] = state
+
+    def save_checkpoint(self, saver, folder, step, keep):
+        """Start saving the state after `step` steps into folder (every rank must call this)."""
+        pieces, layouts, steps = self.checkpoint_pieces()
+        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps,
+                    model=asdict(self.model.config), hf_config=self.hf_config)
+        saver.save(folder, pieces, layouts, meta, keep)
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +446,158 @@ def parallelize(model, mesh, args, values, device, precision):
     return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, tied, share)
 
 
+def expert_parallel(model, mesh, args):
+    """ep.py's MoE layers in place of the model's; returns them. Their load-balancing statistics span every
+    rank holding different tokens (the dense group)."""
+    if not model.config.n_experts:
+        return []
+    ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["dense"], args.capacity_factor)
+    return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+
+
+def tensor_parallel(model, mesh, args):
+    """Megatron's split of the weight matrices (inside the experts just placed as well), optionally of the
+    sequence too; returns how each split parameter is laid out."""
+    if mesh.size("tp") == 1:
+        return {}
+    tp.apply_tensor_parallel(model, mesh.groups["tp"], sequence_parallel=args.sp)
+    return tp.sharded_layouts(model)
+
+
+def context_parallel(model, mesh, args, device):
+    """Ring attention in every block; returns the positions of this rank's tokens in the sequence."""
+    if mesh.size("cp") == 1:
+        return None
+    cp.apply_context_parallel(model, mesh.groups["cp"], args.cp_mode)
+    return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)
+
+
+def pipeline_parallel(model, mesh, args, positions):
+    """Only this rank's stage of layers kept; returns its model chunks."""
+    if mesh.size("pp") == 1:
+        return None
+    if positions is None:  # every token of a training sequence (the model may know longer ones)
+        positions = torch.arange(args.seq_len)
+    return pp.apply_pipeline_parallel(model, mesh.groups["pp"], pipeline_placement(args), positions)
+
+
+def pipeline_placement(args):
+    """Which pipeline rank holds which model chunk: in a loop, or in a V (--schedule zbv)."""
+    return pp.Placement.of(args.schedule, args.pp, args.virtual_stages)
+
+
+def tied_across_stages(config, args):
+    """Whether a tied output layer's two ends (the embedding in the first model chunk, the output layer in the
+    last) are on two pipeline ranks, each holding a copy; in a V (ZB-V) rank 0 holds both, one weight."""
+    return config.tie_embeddings and pipeline_placement(args).ends_apart()
+
+
+def compile_blocks(model):
+    """torch.compile the forward of every block this rank runs, in place (parameter names unchanged).
+
+    The compiler fuses a block's element-wise work around its matrix products. What communicates
+    inside a block stays eager, as one graph break each: context-parallel attention (ring attention's
+    point-to-point, whose shape of work changes block by block, and the other modes' collectives) and
+    the expert-parallel MoE layer (token counts known only at run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
+    """
+    for block in model.blocks:
+        if isinstance(block, torch.nn.Identity):  # another pipeline stage's
+            continue
+        if isinstance(block.attn.core, cp.ContextParallelCore):
+            block.attn.core = torch.compiler.disable(block.attn.core)
+        if isinstance(block.mlp, ep.ExpertParallelMoE):
+            block.mlp.forward = torch.compiler.disable(block.mlp.forward)
+        block.forward = torch.compile(block.forward)
+
+
+def data_parallel(model, mesh, args, moe_layers, share, precision):
+    """The optimizers of this rank's parameters, the averaging of their gradients, and the sum of a tied output
+    layer's: (optimizers, sync, tied).
+
+    Dense gradients are averaged over the dense-gradient group, expert gradients over the expert-gradient
+    group (divided by the dense group's size, see ep.py). With --zero, one ZeRO instance shards the dense
+    parameters and one the experts' (DeepSeek-V3's layout), each with the optimizer of its shards; without,
+    DataParallel averages, and one optimizer, the same on every replica, updates every parameter. On a
+    single data rank too: its buckets are where the micro-batches' gradients accumulate, in the policy's
+    reduce dtype. Nothing is broadcast: every replica filled its share from the same values.
+
+    A tied output layer held by two pipeline stages (the embedding on the first, the output layer on the
+    last) is averaged by an instance of its own, so that its gradients (under ZeRO its shards of them) are
+    the same elements on both stages, which TiedOutputLayer then sums.
+    """
+    group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
+    named = list(model.named_parameters())
+    tied_names = {name for name, _ in named if tied_across_stages(model.config, args)
+                  and share.name(name) == "tok_emb.weight"}
+    dense = [p for name, p in named if not ep.is_expert_parameter(name) and name not in tied_names]
+    tied = [p for name, p in named if name in tied_names]
+    experts = [p for name, p in named if ep.is_expert_parameter(name)]
+    expert_group = dict(group=mesh.groups["expert"], divide_by=mesh.size("dense"))
+    if args.zero:
+        # ZeRO-3 fills its shards itself, the parameters it shards being left unfilled (see Share); every
+        # stage fills a master shard kept apart from the weights from the values, not from bfloat16 weights.
+        def shard(params, units, group, **options):
+            return ZERO_STAGES[args.zero](
+                model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
+                broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
+                initial_values=share.elements, **options)
+        tied_zero = shard(tied, gpt_units(model), group) if tied else None
+        zeros = [shard(dense, gpt_units(model), group), *([tied_zero] if tied else [])]
+        if experts:
+            zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
+        return zeros, GradientSync(zeros), TiedOutputLayer(tied_zero, tied_names, mesh)
+    average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
+    tied_sync = average(tied, group) if tied else None
+    syncs = [average(dense, group), *([tied_sync] if tied else [])]
+    if experts:
+        syncs.append(average(experts, find_unused_parameters=True, **expert_group))
+    grad_sync = GradientSync(syncs)
+    # bfloat16 weights with a float32 master (Megatron-LM's Float16Optimizer): the master copies are filled
+    # from the values, not from the rounded weights.
+    fill_master = lambda name, master: share.fill(master.view(-1), name, master.shape)  # noqa: E731
+    optimizer = ReplicatedOptimizer(model.named_parameters(), partial(make_optimizer, args=args), grad_sync,
+                                    precision.master, fill_master)
+    return [optimizer], grad_sync, TiedOutputLayer(tied_sync, tied_names, mesh)
+
+
+class TiedOutputLayer:
+    """A tied output layer under pipeline parallelism (Megatron-LM's embedding group): the first stage holds
+    the embedding, the last the output layer, two copies of one weight, each of whose gradients holds its
+    own stage's part. Once data parallelism has averaged them, one all-reduce over the two stages sums
+    them, so both copies take the same step. With no such copies here (sync None) it does nothing.
+    """
+
+    def __init__(self, sync, names, mesh):
+        self.names, self.bytes_sent = names, 0
+        self.gradients = sync.averaged_gradients if sync else []
+        if names:
+            mesh.add_pipeline_ends()
+        self.group = mesh.groups.get("pp_ends")
+
+    def sum_gradients(self):
+        for grad in self.gradients:
+            dist.all_reduce(grad, group=self.group)
+            self.bytes_sent += ring_bytes_sent("all_reduce", grad.nbytes, 2)
+
+    def copies(self, name):
+        """How many pipeline stages hold parameter `name`."""
+        return 2 if name in self.names else 1
+
+
+# ---------------------------------------------------------------------------
+# What each rank holds, and where its values come from
+# ---------------------------------------------------------------------------
+
+def starting_values(args, config, saved):
+    """Where the weights come from: the checkpoint resumed, else the Hugging Face folder --init-from names,
+    else model.py's initial values."""
+    if saved:
+        return SavedValues(saved)
+    if args.init_from:
+        return hf.HuggingFaceValues(args.init_from, config)
+    return InitialValues(config, args.seed)
+
+
 class InitialValues:
     """model.py's initial values: each a pure function of (seed, parameter name, position in the full
     tensor), so every rank fills its slice alone and equals the single device's."""
@@ -221,16 +610,6 @@ class InitialValues:
 
     def buffer(self, name, empty):
         return torch.zeros_like(empty)  # the routing biases and the step's expert loads start at zero
-
-
-def starting_values(args, config, saved):
-    """Where the weights come from: the checkpoint resumed, else the Hugging Face folder --init-from names,
-    else model.py's initial values."""
-    if saved:
-        return SavedValues(saved)
-    if args.init_from:
-        return hf.HuggingFaceValues(args.init_from, config)
-    return InitialValues(config, args.seed)
 
 
 class SavedValues:
@@ -343,140 +722,6 @@ def set_tensor(model, kind, name, tensor):
     getattr(model.get_submodule(owner), kind)[leaf] = tensor
 
 
-def expert_parallel(model, mesh, args):
-    """ep.py's MoE layers in place of the model's; returns them. Their load-balancing statistics span every
-    rank holding different tokens (the dense group)."""
-    if not args.experts:
-        return []
-    ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["dense"], args.capacity_factor)
-    return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
-
-
-def tensor_parallel(model, mesh, args):
-    """Megatron's split of the weight matrices (inside the experts just placed as well), optionally of the
-    sequence too; returns how each split parameter is laid out."""
-    if mesh.size("tp") == 1:
-        return {}
-    tp.apply_tensor_parallel(model, mesh.groups["tp"], sequence_parallel=args.sp)
-    return tp.sharded_layouts(model)
-
-
-def context_parallel(model, mesh, args, device):
-    """Ring attention in every block; returns the positions of this rank's tokens in the sequence."""
-    if mesh.size("cp") == 1:
-        return None
-    cp.apply_context_parallel(model, mesh.groups["cp"], args.cp_mode)
-    return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)
-
-
-def pipeline_parallel(model, mesh, args, positions):
-    """Only this rank's stage of layers kept; returns its model chunks."""
-    if mesh.size("pp") == 1:
-        return None
-    if positions is None:  # every token of a training sequence (the model may know longer ones)
-        positions = torch.arange(args.seq_len)
-    return pp.apply_pipeline_parallel(model, mesh.groups["pp"], pipeline_placement(args), positions)
-
-
-def pipeline_placement(args):
-    """Which pipeline rank holds which model chunk: in a loop, or in a V (--schedule zbv)."""
-    return pp.Placement.of(args.schedule, args.pp, args.virtual_stages)
-
-
-def tied_across_stages(config, args):
-    """Whether a tied output layer's two ends (the embedding in the first model chunk, the output layer in the
-    last) are on two pipeline ranks, each holding a copy; in a V (ZB-V) rank 0 holds both, one weight."""
-    return config.tie_embeddings and pipeline_placement(args).ends_apart()
-
-
-def compile_blocks(model):
-    """torch.compile the forward of every block this rank runs, in place (parameter names unchanged).
-
-    The compiler fuses a block's element-wise work around its matrix products. What communicates
-    inside a block stays eager, as one graph break each: context-parallel attention (ring attention's
-    point-to-point, whose shape of work changes block by block, and the other modes' collectives) and
-    the expert-parallel MoE layer (token counts known only at run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
-    """
-    for block in model.blocks:
-        if isinstance(block, torch.nn.Identity):  # another pipeline stage's
-            continue
-        if isinstance(block.attn.core, cp.ContextParallelCore):
-            block.attn.core = torch.compiler.disable(block.attn.core)
-        if isinstance(block.mlp, ep.ExpertParallelMoE):
-            block.mlp.forward = torch.compiler.disable(block.mlp.forward)
-        block.forward = torch.compile(block.forward)
-
-
-def data_parallel(model, mesh, args, moe_layers, share, precision):
-    """The optimizers of this rank's parameters, the averaging of their gradients, and the sum of a tied output
-    layer's: (optimizers, sync, tied).
-
-    Dense gradients are averaged over the dense-gradient group, expert gradients over the expert-gradient
-    group (divided by the dense group's size, see ep.py). With --zero, one ZeRO instance shards the dense
-    parameters and one the experts' (DeepSeek-V3's layout), each with the optimizer of its shards; without,
-    DataParallel averages, and one optimizer, the same on every replica, updates every parameter. On a
-    single data rank too: its buckets are where the micro-batches' gradients accumulate, in the policy's
-    reduce dtype. Nothing is broadcast: every replica filled its share from the same values.
-
-    A tied output layer held by two pipeline stages (the embedding on the first, the output layer on the
-    last) is averaged by an instance of its own, so that its gradients (under ZeRO its shards of them) are
-    the same elements on both stages, which TiedOutputLayer then sums.
-    """
-    group, bucket_bytes = mesh.groups["dense"], int(args.bucket_mb * 2**20)
-    named = list(model.named_parameters())
-    tied_names = {name for name, _ in named if tied_across_stages(model.config, args)
-                  and share.name(name) == "tok_emb.weight"}
-    dense = [p for name, p in named if not ep.is_expert_parameter(name) and name not in tied_names]
-    tied = [p for name, p in named if name in tied_names]
-    experts = [p for name, p in named if ep.is_expert_parameter(name)]
-    expert_group = dict(group=mesh.groups["expert"], divide_by=mesh.size("dense"))
-    if args.zero:
-        # ZeRO-3 fills its shards itself, the parameters it shards being left unfilled (see Share); every
-        # stage fills a master shard kept apart from the weights from the values, not from bfloat16 weights.
-        def shard(params, units, group, **options):
-            return ZERO_STAGES[args.zero](
-                model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
-                broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
-                initial_values=share.elements, **options)
-        tied_zero = shard(tied, gpt_units(model), group) if tied else None
-        zeros = [shard(dense, gpt_units(model), group), *([tied_zero] if tied else [])]
-        if experts:
-            zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
-        return zeros, GradientSync(zeros), TiedOutputLayer(tied_zero, tied_names, mesh)
-    average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
-    tied_sync = average(tied, group) if tied else None
-    syncs = [average(dense, group), *([tied_sync] if tied else [])]
-    if experts:
-        syncs.append(average(experts, find_unused_parameters=True, **expert_group))
-    grad_sync = GradientSync(syncs)
-    optimizer = ReplicatedOptimizer(model, partial(make_optimizer, args=args), grad_sync, precision.master, share)
-    return [optimizer], grad_sync, TiedOutputLayer(tied_sync, tied_names, mesh)
-
-
-class TiedOutputLayer:
-    """A tied output layer under pipeline parallelism (Megatron-LM's embedding group): the first stage holds
-    the embedding, the last the output layer, two copies of one weight, each of whose gradients holds its
-    own stage's part. Once data parallelism has averaged them, one all-reduce over the two stages sums
-    them, so both copies take the same step. With no such copies here (sync None) it does nothing.
-    """
-
-    def __init__(self, sync, names, mesh):
-        self.names, self.bytes_sent = names, 0
-        self.gradients = sync.averaged_gradients if sync else []
-        if names:
-            mesh.add_pipeline_ends()
-        self.group = mesh.groups.get("pp_ends")
-
-    def sum_gradients(self):
-        for grad in self.gradients:
-            dist.all_reduce(grad, group=self.group)
-            self.bytes_sent += ring_bytes_sent("all_reduce", grad.nbytes, 2)
-
-    def copies(self, name):
-        """How many pipeline stages hold parameter `name`."""
-        return 2 if name in self.names else 1
-
-
 # ---------------------------------------------------------------------------
 # What the training step drives, the same with or without ZeRO or a pipeline
 # ---------------------------------------------------------------------------
@@ -519,76 +764,6 @@ class GradientSync:
     @property
     def comm_bytes(self):
         return sum((sync.comm_bytes for sync in self.syncs), Counter())
-
-
-class ReplicatedOptimizer:
-    """No ZeRO: one optimizer over every parameter this rank holds, identical on every data-parallel replica.
-
-    It steps the master weights: the parameters themselves, or, where the weights are narrower than the
-    master dtype (bfloat16 weights, float32 master: Megatron-LM's Float16Optimizer), a copy of each filled
-    from the values (share.fill), whose update is copied into the weights after every step. Their
-    gradients are data parallelism's averaged ones (grad_sync.grads). It offers the training step what
-    dp.py's ZeRO instances offer, so that the step drives either alike.
-    """
-
-    grad_shards = ()  # the gradients are data parallelism's buckets
-
-    def __init__(self, model, make_optimizer, grad_sync, master_dtype, share):
-        self.params, self.grad_sync = dict(model.named_parameters()), grad_sync
-        self.masters = {name: p if p.dtype == master_dtype else self._master_copy(name, p, master_dtype, share)
-                        for name, p in self.params.items()}
-        self.optimizer = make_optimizer(list(self.masters.values()))
-        self.device = next(model.parameters()).device
-
-    @staticmethod
-    def _master_copy(name, p, dtype, share):
-        master = torch.empty(p.shape, dtype=dtype, device=p.device)
-        share.fill(master.view(-1), name, p.shape)
-        return master
-
-    @property
-    def param_shards(self):
-        return list(self.masters.values())  # the weights themselves, or their master copies
-
-    def zero_grad(self):
-        # As on one device: a parameter that gets no gradient this step on any rank (an expert no token
-        # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _grads(self):
-        """(parameter, its averaged gradient) of those some rank used this step."""
-        return [(p, grad) for p, grad in self.grad_sync.grads.items() if grad is not None]
-
-    def squared_norm(self, weights):
-        """The sum of the squares of the gradients' elements, each parameter's weighted by weights[p]. No
-        collective: after data-parallel averaging every replica holds the same gradients."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p, grad in self._grads():
-            squares += grad.to(torch.float64).square().sum() * weights[p]
-        return squares
-
-    def scale_grads(self, scale):
-        for _, grad in self._grads():
-            grad.mul_(scale.to(grad.dtype))
-
-    @torch.no_grad()
-    def step(self):
-        grads = self.grad_sync.grads
-        for name, master in self.masters.items():
-            grad = grads[self.params[name]]
-            master.grad = None if grad is None else grad.to(master.dtype)  # (itself where the dtypes agree)
-        self.optimizer.step()
-        for name, master in self.masters.items():
-            if master is not self.params[name]:
-                self.params[name].copy_(master)  # the weights: the updated master, rounded
-
-    def full_parameters(self):
-        return nullcontext()  # every parameter is always here in full
-
-    def pieces(self):
-        """(name, start, end, piece), as dp.py's ZeRO gives them: here each piece is a whole master weight."""
-        for name, master in self.masters.items():
-            yield name, 0, master.numel(), master
 
 
 class GradientAccumulation:
@@ -713,12 +888,121 @@ class RoutingCounts:
         self.tokens_per_expert = [counts[i:i + self.n_experts] for i in range(0, len(counts), self.n_experts)]
 
     def log(self):
+        """Tokens routed to each expert of each MoE layer, and those dropped (capacity factor); nothing
+        without experts."""
+        if not self.n_layers:
+            return {}
         return dict(tokens_per_expert=self.tokens_per_expert, dropped_tokens=self.dropped_tokens)
 
 
+class StepClock:
+    """A step's wall time, split into computing and waiting for communication: the gradients' reduction
+    after backward (device time, not host time: pp.Stopwatch) and the pipeline's waits for its
+    neighbours (pp.PipelineStats, which stays empty without pipeline parallelism; with `timeline`, it
+    records when each action waited and ran)."""
+
+    def __init__(self, device, timeline):
+        self.device, self.start = device, time.perf_counter()
+        self.pipeline = pp.PipelineStats(device, record=timeline)
+        self.reduction = pp.Stopwatch(device)
+
+    @contextmanager
+    def waiting(self):
+        begin = self.reduction.now()
+        yield
+        self.reduction.add(begin, self.reduction.now())
+
+    def stop(self):
+        """(computing, waiting) seconds since the start."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
+        elapsed = time.perf_counter() - self.start
+        waiting = self.reduction.seconds() + self.pipeline.wait_s
+        return elapsed - waiting, waiting
+
+
 # ---------------------------------------------------------------------------
-# Checkpoints: sharded, each rank writing what it holds (checkpoint.py)
+# Helpers: precision, the model and its optimizer, batches, the schedule, checkpoints, the log
 # ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Precision:
+    """Which dtype holds what: --dtype bfloat16 trains as Megatron-LM and PyTorch's FSDP2 (torchtitan's
+    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)) do.
+
+    weights: the parameters, so every activation, and every message of tp, sp, cp, ep and pp and
+        ZeRO's gathers of the weights; no weight is cast again per micro-batch (as autocast would).
+    master: the optimizer's copy of the weights and AdamW's moments (sharded by ZeRO where it is on),
+        kept where the weights are narrower: a bfloat16 update of 1e-4 of a weight would round to 0.
+    reduce: the gradients' buckets, where micro-batches accumulate and data ranks average them.
+
+    What the code computes wider than the weights whatever this policy says, as the anchors do, is
+    where it happens: norms' statistics (PyTorch's kernels), softmax and ring attention's log-sum-exp
+    merge (cp.py), the router's probabilities (ep.py), the loss (model.py, tp.py), the gradient norm
+    (float64). With all three float64 this is the exact contract of every test; with float32 weights
+    and a float64 master, the structure alone is checked, to float32's rounding.
+    """
+    weights: torch.dtype
+    master: torch.dtype
+    reduce: torch.dtype
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(DTYPES[args.dtype], DTYPES[args.master_dtype], DTYPES[args.reduce_dtype])
+
+    def apply(self, model):
+        """model's parameters in the weights' dtype; its floating buffers (MoE routing biases, moved by a
+        small rate every step) in the master's."""
+        model.to(self.master)
+        for p in model.parameters():
+            p.data = p.data.to(self.weights)
+        return model
+
+
+def build_model(config, seed, dtype, device):
+    """The whole model on one device (the single-device reference): built on the meta device, then
+    allocated where it runs and filled with its initial values (nothing made first on the CPU)."""
+    with torch.device("meta"):
+        model = GPT(config).to(dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.reset_parameters(seed)
+    return model
+
+
+def make_optimizer(params, args):
+    # fused: one kernel for every parameter instead of a loop of small ops per tensor; on CPU as on GPU
+    # it is several times faster, which matters most when data parallelism shrinks the rest of the step.
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
+
+
+def load_training_data(args):
+    return load_data(args.data, data_vocab_size(args), seed=args.seed)
+
+
+def local_micro_batches(tokens, n_micro, n_data, data_rank):
+    """This rank's (inputs, targets) for each micro-batch of the global batch.
+
+    Micro-batch m is sequences [m*B/M, (m+1)*B/M) of the global batch, exactly as
+    the single device accumulates them; data rank r reads the r-th slice of it.
+    """
+    for micro in tokens.chunk(n_micro):
+        mine = micro.chunk(n_data)[data_rank]
+        yield mine[:, :-1], mine[:, 1:]
+
+
+def lr_at(step, args):
+    """Linear warm-up to --lr, then cosine decay to --lr * --min-lr-ratio at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    min_lr = args.lr * args.min_lr_ratio
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - min_lr)
+
+
+def run_name(args, world):
+    return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}"
+
 
 def resume_from(args, world, group, report=print):
     """The checkpoint this run starts from, checked by every rank of `group` together: --resume PATH (a
@@ -743,238 +1027,6 @@ def keep_log_before(path, step):
     os.replace(path + ".tmp", path)
 
 
-# ---------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------
-
-class Trainer:
-    """The model with its parallel dimensions applied, its optimizers, and one training step."""
-
-    def __init__(self, args, mesh, data, device):
-        self.args, self.mesh, self.data, self.device = args, mesh, data, device
-        precision = Precision.from_args(args)
-        # The full model's shapes, on the meta device: no memory until parallelize keeps this rank's share.
-        config = model_config(args, data.vocab_size)
-        with torch.device("meta"):
-            self.model = precision.apply(GPT(config))
-        self.n_params = sum(p.numel() for p in self.model.parameters())
-        saved = checkpoint.Checkpoint(args.resume) if args.resume else None
-        # The Hugging Face config a run started from, kept in its checkpoints for hf.py's export.
-        self.hf_config = (saved.manifest.get("hf_config") if saved
-                          else hf.read_config(args.init_from) if args.init_from else None)
-        parallel = parallelize(self.model, mesh, args, starting_values(args, config, saved), device, precision)
-        self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
-        self.optimizers, self.grad_sync, self.tied = parallel.optimizers, parallel.grad_sync, parallel.tied
-        self.routing = RoutingCounts(parallel.moe_layers, args.experts)
-        self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, device)
-        self.start_step, self.skipped_steps = 0, 0
-        if saved:
-            self.load_optimizer_state(saved)
-            self.start_step, self.skipped_steps = saved.step, saved.skipped_steps
-        self.meter = ActivationMeter(self.params)
-        self.reset_comm_baseline()
-
-    def train_step(self, step, timeline=False):
-        """One optimizer step over the global batch; returns this rank's log values."""
-        args = self.args
-        tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
-        self.meter.reset_peak()
-        start = time.perf_counter()
-        micro_batches = self.local_micro_batches(tokens)
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
-        self.routing.reset()
-        # Stays empty without pipeline parallelism; with `timeline`, records when each action waited and ran.
-        pipeline = pp.PipelineStats(self.device, record=timeline)
-        contribution = self.runner.train(micro_batches, pipeline)  # this rank's share of the step's loss
-        grad_wait = pp.Stopwatch(self.device)  # device time, not host time (see pp.Stopwatch)
-        wait_start = grad_wait.now()
-        self.grad_sync.finish_grad_sync()
-        self.tied.sum_gradients()
-        grad_wait.add(wait_start, grad_wait.now())
-        for group in (group for optimizer in self.optimizers for group in optimizer.optimizer.param_groups):
-            group["lr"] = lr_at(step, args)
-        # The norm is the same on every rank, so they all update, or all skip a step whose gradient is not
-        # finite (the weights and AdamW's moments stay as they were; train() decides whether to go on).
-        grad_norm = self.clip_gradients(args.grad_clip or math.inf).item()
-        update = self.updates(grad_norm)
-        self.skipped_steps += not update
-        for optimizer in self.optimizers if update else ():
-            optimizer.step()  # ZeRO: update this rank's shards, then gather the parameters
-        update_route_biases(self.model)  # from the step's tokens per expert, the same on every rank
-        self.routing.sum_over_stages(self.runner)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
-        elapsed = time.perf_counter() - start
-        comm_wait = grad_wait.seconds() + pipeline.wait_s
-        self.timeline = pipeline.timeline() if timeline else None
-        return dict(self.rank_record(contribution, elapsed - comm_wait, comm_wait, pipeline), grad_norm=grad_norm)
-
-    @staticmethod
-    def updates(grad_norm):
-        """Whether a step with this gradient norm updates the weights: not if it is not finite."""
-        return math.isfinite(grad_norm)
-
-    def local_micro_batches(self, tokens):
-        """This rank's (inputs, targets) per micro-batch: its data slice, and its sequence shard under cp."""
-        mesh = self.mesh
-        batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("data"), mesh.index("data"))
-        if mesh.size("cp") == 1:
-            return list(batches)
-        shard = lambda t: cp.shard_sequence(t, mesh.size("cp"), mesh.index("cp"))  # noqa: E731
-        return [(shard(inputs), shard(targets)) for inputs, targets in batches]
-
-    def forward_context(self):
-        """Around every forward: count the activations saved for backward."""
-        return self.meter
-
-    def clip_gradients(self, max_norm):
-        """Clip to the norm of the whole model's gradient, every element counted once; returns the norm.
-
-        After synchronisation, data-parallel replicas hold identical gradients,
-        so one rank of the dense group sees every element it holds. Across the
-        tp, ep and pp groups ranks hold different parameters, or different
-        shards of them, plus copies of the replicated ones: summing over those
-        groups, with each replicated gradient weighted 1/copies, counts every
-        element once.
-        """
-        weights = {p: 1 / self.copies(name) for name, p in self.model.named_parameters()}
-        other_groups = [self.mesh.groups[g] for g in ("tp", "ep", "pp") if self.mesh.size(g) > 1]
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for optimizer in self.optimizers:  # ZeRO: the shards' squares, summed over each instance's group
-            squares += optimizer.squared_norm(weights)
-        for group in other_groups:
-            dist.all_reduce(squares, group=group)
-        total_norm = squares.sqrt()
-        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for optimizer in self.optimizers:
-            optimizer.scale_grads(scale)
-        return total_norm
-
-    def copies(self, name):
-        """How many ranks of the tp, ep and pp groups hold a copy of parameter `name` (1: each its own)."""
-        tp_copies = 1 if name in self.tp_layouts else self.mesh.size("tp")
-        ep_copies = 1 if ep.is_expert_parameter(name) else self.mesh.size("ep")
-        return tp_copies * ep_copies * self.tied.copies(name)
-
-    @torch.no_grad()
-    def validation_loss(self):
-        """Mean cross-entropy over --eval-batches held-out global batches (no MoE auxiliary loss)."""
-        args, losses = self.args, []
-        for i in range(args.eval_batches):
-            tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
-            # The same micro-batches as training, so a pipeline sees the shapes it was built for.
-            losses += self.runner.evaluate(self.local_micro_batches(tokens))
-        return mean_over_ranks(losses)
-
-    # -- what the log counts -----------------------------------------------------
-
-    def comm_counters(self):
-        """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
-        sources = {"dp": self.grad_sync.comm_bytes, "tp": tp.comm_bytes,
-                   "pp": {"send_recv": self.runner.bytes_sent, "all_reduce": self.tied.bytes_sent},
-                   "cp": cp.comm_bytes, "ep": ep.comm_bytes}
-        return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
-                for dim, kinds in COMM_KINDS.items() for kind in kinds}
-
-    def reset_comm_baseline(self):
-        """Count from here (so a step's record leaves out validation and checkpoint traffic)."""
-        self.comm_baseline = self.comm_counters()
-
-    def rank_record(self, loss, compute_s, comm_wait_s, pipeline):
-        param_shards = [shard for optimizer in self.optimizers for shard in optimizer.param_shards]
-        grad_shards = [shard for optimizer in self.optimizers for shard in optimizer.grad_shards]
-        record = dict(loss=loss, param_bytes=parameter_bytes(self.params + param_shards),
-                      grad_bytes=tensor_bytes([p.grad for p in self.params] + self.grad_sync.buffers + grad_shards),
-                      optim_bytes=sum(optimizer_bytes(optimizer.optimizer) for optimizer in self.optimizers),
-                      activation_peak_bytes=self.meter.peak, peak_resident_bytes=peak_resident_bytes(),
-                      device_peak_bytes=device_peak_bytes(self.device), compute_s=compute_s, comm_wait_s=comm_wait_s,
-                      pp_bubble=pipeline.bubble(), pp_peak_in_flight=pipeline.peak_in_flight)
-        counters = self.comm_counters()  # bytes sent during this step
-        record.update({field: counters[field] - self.comm_baseline[field] for field in COMM_FIELDS})
-        self.comm_baseline = counters
-        return record
-
-    # -- the whole model gathered, for tests and tools (a run never does this) ----------------------
-
-    def full_state_dict(self):
-        """model.py's state dict, whole, on every rank, on the CPU (collectives under ZeRO-3, tp, pp, ep)."""
-        with ExitStack() as stack:
-            for optimizer in self.optimizers:  # ZeRO-3 gathers the parameters it shards
-                stack.enter_context(optimizer.full_parameters())
-            mine = {name: self.unshard(name, t).detach().cpu().clone() for name, t in self.model.state_dict().items()}
-        return self.merge_stages(mine)
-
-    def unshard(self, name, tensor):
-        """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp)."""
-        if name not in self.tp_layouts:
-            return tensor
-        dim, blocks = self.tp_layouts[name]
-        return tp.unshard(tensor, dim, self.mesh.groups["tp"], blocks)
-
-    def merge_stages(self, by_name):
-        """{name: value} merged over pipeline stages and expert-parallel ranks, which hold different names
-        (besides replicated ones, identical everywhere)."""
-        for group in ("pp", "ep"):
-            if self.mesh.size(group) > 1:
-                everyone = [None] * self.mesh.size(group)
-                dist.all_gather_object(everyone, by_name, group=self.mesh.groups[group])
-                by_name = {name: value for part in everyone for name, value in part.items()}
-        return by_name
-
-    # -- checkpoints: each rank saves its pieces and reads back those it holds ----------------------
-
-    def checkpoint_pieces(self):
-        """This rank's pieces of the training state, [(checkpoint.Piece, tensor)]: its piece of every
-        parameter and of its optimizer state, and the buffers; the layouts of their tensors {name: ...};
-        the optimizer's step count {name: count} of the parameters it has state for."""
-        pieces, layouts, steps = [], {}, {}
-        params = dict(self.model.named_parameters())
-        for optimizer in self.optimizers:
-            for held_as, start, end, piece in optimizer.pieces():  # of the master weights, in their dtype
-                name = self.share.name(held_as)  # (a tied output layer: the embedding's)
-                layouts[name] = self.share.layout(held_as, params[held_as].shape, piece.dtype)
-                state = dict(optimizer.optimizer.state.get(piece, {}))
-                if "step" in state:
-                    steps[name] = state.pop("step").item()
-                for key, value in [("model", piece), *state.items()]:
-                    part = self.share.part(held_as)
-                    pieces.append((checkpoint.Piece(name, key, part, start, end), value.reshape(-1)))
-        saved = self.model.state_dict(keep_vars=True)
-        for name, buffer in self.model.named_buffers():  # whole on every rank
-            if name in saved:
-                layouts[name] = self.share.layout(name, buffer.shape, buffer.dtype)
-                pieces.append((checkpoint.Piece(name, "model", 0, 0, buffer.numel()), buffer.reshape(-1)))
-        return pieces, layouts, steps
-
-    def load_optimizer_state(self, saved):
-        """The optimizer state of this rank's pieces, read from a checkpoint saved under any layout."""
-        shapes = {name: p.shape for name, p in self.model.named_parameters()}
-        for optimizer in self.optimizers:
-            for held_as, start, end, piece in optimizer.pieces():
-                name, state = self.share.name(held_as), {}
-                for key in saved.optimizer_keys(name):
-                    state[key] = torch.empty_like(piece)
-                    self.share.fill(state[key].view(-1), held_as, shapes[held_as], start, partial(saved.read, name, key))
-                if state:  # the step count goes to the parameter's device too (fused AdamW wants it there)
-                    state["step"] = torch.tensor(saved.steps[name], dtype=torch.float32, device=piece.device)
-                    optimizer.optimizer.state[piece] = state
-
-    def save_checkpoint(self, saver, folder, step, keep):
-        """Start saving the state after `step` steps into folder (every rank must call this)."""
-        pieces, layouts, steps = self.checkpoint_pieces()
-        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps,
-                    model=asdict(self.model.config), hf_config=self.hf_config)
-        saver.save(folder, pieces, layouts, meta, keep)
-
-
-def mean_over_ranks(values):
-    """The mean of every rank's values (ranks without any, like early pipeline stages, add nothing)."""
-    t = torch.tensor([sum(values), len(values)], dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t[0] / t[1]).item()
-
-
 def gather_records(record):
     """Every rank's record, as {field: [value of rank 0, rank 1, ...]} (one small all-gather)."""
     mine = torch.tensor([float(record[f]) for f in LOG_FIELDS], dtype=torch.float64)
@@ -984,83 +1036,11 @@ def gather_records(record):
     return {f: [as_number(f, t[i].item()) for t in everyone] for i, f in enumerate(LOG_FIELDS)}
 
 
-def train(args):
-    """Run the training described by args; returns the losses and the trainer (its full_state_dict() gathers
-    the final weights, a collective: for tests and tools, never done by a run itself)."""
-    device = init_distributed(timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    shape = check_args(args, world)
-    # Checkpoints are written on a thread of their own, with a group of their own (see checkpoint.Saver).
-    saver = checkpoint.Saver(dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)))
-    args.resume = resume_from(args, world, saver.group, report=print if rank == 0 else lambda message: None)
-    mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
-    data = load_training_data(args)
-    check_vocabulary(data, rank, world)
-    trainer = Trainer(args, mesh, data, device)
-    run_dir = os.path.join(args.out, run_name(args, world))
-    if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
-                           world=world, device=str(device), peak_flops=peak_flops(args, device),
-                           entropy_floor=data.entropy_rate), f, indent=2)
-        floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
-        print(f"run {run_dir}: {world} ranks {shape}, {trainer.n_params:,} parameters, "
-              f"loss floor (entropy rate) {floor}", flush=True)
-    log = None
-    if rank == 0:  # one record per step: a resumed run rewrites those after its checkpoint
-        keep_log_before(os.path.join(run_dir, "log.jsonl"), trainer.start_step if args.resume else 0)
-        log = open(os.path.join(run_dir, "log.jsonl"), "a")
-    losses, grad_norms, val_losses, wall = [], [], {}, 0.0
-    # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
-    # tokens per second, over every device's peak.
-    peak, flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
-    end, stopped = min(args.steps, args.stop_at or args.steps), False
-    last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
-    with Preemption() as preemption:
-        for step in range(trainer.start_step, end):
-            # The pipeline's timeline, of one step: the last.
-            timeline = args.pp > 1 and step == end - 1
-            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested))
-            if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
-                end, stopped = step + 1, True
-            entry = log_entry(args, step, record, wall, trainer)
-            if timeline:  # per rank: [kind, chunk, micro-batch, waiting from, computing from, until] (seconds)
-                entry["pp_timeline"] = [None] * world
-                dist.all_gather_object(entry["pp_timeline"], trainer.timeline)
-            if peak:
-                entry["mfu"] = flops_per_token * entry["tokens_per_s"] / (world * peak)
-            wall, last = entry["time_s"], step == end - 1
-            losses.append(entry["loss"])
-            grad_norms.append(entry["grad_norm"])
-            problem = nonfinite_problem(step, record, trainer.skipped_steps, args)
-            if (step + 1) % args.eval_interval == 0 or last:
-                entry["val_loss"] = val_losses[step] = trainer.validation_loss()
-            if rank == 0:  # logged before the checkpoint, so every step a checkpoint has passed is in the log
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-                if step % args.log_interval == 0 or last or "val_loss" in entry:
-                    print_progress(entry, args)
-            if problem:  # every rank has the same record, so every rank stops here
-                saver.wait()  # the save in flight is of a good step: the last good checkpoint, once written
-                raise NonFiniteStep(f"{problem}; the last good checkpoint is {last_checkpoint or 'none'}")
-            if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
-                last_checkpoint = checkpoint.path_for(run_dir, step + 1)
-                trainer.save_checkpoint(saver, last_checkpoint, step + 1, args.keep_checkpoints)
-            trainer.reset_comm_baseline()
-            if stopped:
-                break
-    saver.wait()  # the run ends with its last checkpoint on the disk
-    peaks = gather_peaks(device)  # start-up, steps and saves: the whole run's
-    if rank == 0:
-        kind = "GPU" if device.type == "cuda" else "resident"
-        print(f"peak {kind} memory per rank (GiB): " + " ".join(f"{b / 2**30:.2f}" for b in peaks), flush=True)
-        if stopped:
-            print(f"stopped after step {end - 1} on a signal; checkpoint {last_checkpoint}", flush=True)
-    if log:
-        log.close()
-    return dict(losses=losses, grad_norms=grad_norms, val_losses=val_losses, entropy_floor=data.entropy_rate,
-                trainer=trainer)
+def mean_over_ranks(values):
+    """The mean of every rank's values (ranks without any, like early pipeline stages, add nothing)."""
+    t = torch.tensor([sum(values), len(values)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
 
 
 def gather_peaks(device):
@@ -1096,35 +1076,38 @@ def log_entry(args, step, record, wall, trainer):
                  skipped_steps=trainer.skipped_steps, step_s=step_s, time_s=wall + step_s,
                  tokens_per_s=args.batch_size * args.seq_len / step_s,
                  **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
-    if args.experts:  # tokens routed to each expert of each MoE layer, and those dropped (capacity factor)
-        entry.update(trainer.routing.log())
+    entry.update(trainer.routing.log())
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
         entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages, args.schedule)
     return entry
 
 
-def print_progress(entry, args):
+def progress_line(entry, args):
+    """The line a step prints: its loss, validation loss, throughput, MFU and pipeline bubble, as known."""
     val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
     mfu = f"  MFU {entry['mfu']:.1%}" if "mfu" in entry else ""
     bubble = (f"  bubble {max(entry['pp_bubble']):.2f} (ideal {entry['pp_bubble_formula']:.2f})"
               if args.pp > 1 else "")
-    print(f"step {entry['step']:5d}  loss {entry['loss']:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{mfu}{bubble}",
-          flush=True)
+    return f"step {entry['step']:5d}  loss {entry['loss']:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{mfu}{bubble}"
+
+
+def peak_flops(args, device):
+    """One device's peak FLOP/s for this run's dtype: --peak-tflops, else the table's (CUDA only), else None."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda" or args.dtype == "float64":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peaks = next((peaks for part, peaks in PEAK_TFLOPS.items() if part in name), None)
+    return peaks and peaks[args.dtype == "float32"] * 1e12
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    try:  # before any process group exists: a bad launch cannot hang
-        check_args(args, world)
-        if args.resume not in (None, "auto"):
-            checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, later
-    except (ConfigError, checkpoint.BadCheckpoint) as e:
-        exit_with_error(str(e), rank, world, status=2)
+    rank, world = rank_and_world()
     try:
         train(args)
-    except (ConfigError, checkpoint.BadCheckpoint) as e:  # found bad by every rank together before training
+    except (ConfigError, checkpoint.BadCheckpoint) as e:  # found bad before training, by every rank alike
         exit_with_error(str(e), rank, world, status=2)
     except NonFiniteStep as e:
         exit_with_error(str(e), rank, world, status=1)

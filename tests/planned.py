@@ -34,7 +34,8 @@ def assert_matches_plan(out_dir, argv, world):
     ACTIVATION_MARGIN; with routing by top-k < experts, the routed counters within the step's imbalance."""
     args = cli.parse_args(argv)
     predicted = plan.predict(args, world)
-    routed = args.experts and args.top_k < args.experts
+    config, _ = cli.check_args(args, world)  # the model's experts: --experts, or an --init-from folder's
+    routed = config.n_experts and config.top_k < config.n_experts
     for record in logged_records(out_dir):
         for field, values in predicted.items():
             if field not in record:  # recompute_bytes: the planner's own (the meter counts forwards)

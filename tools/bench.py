@@ -787,9 +787,10 @@ def worker_checkpoint(settings):
     from mesh import Mesh
     world, device = dist.get_world_size(), torch.device("cpu")
     args = cli.parse_args([*CHECKPOINT_RUN, "--out", settings["out"]])
-    mesh = Mesh(cli.check_args(args, world))
+    config, shape = cli.check_args(args, world)
+    mesh = Mesh(shape)
     data = train.load_training_data(args)
-    trainer, startup_s, startup_peaks = _phase(lambda: train.Trainer(args, mesh, data, device))
+    trainer, startup_s, startup_peaks = _phase(lambda: train.Trainer(args, config, mesh, data, device))
     _, step_s, step_peaks = _phase(lambda: trainer.train_step(0))
     saver = checkpoint.Saver(dist.new_group(backend="gloo"))
     sharded = os.path.join(settings["out"], "checkpoint-00000001")
@@ -813,7 +814,7 @@ def worker_checkpoint(settings):
             args.resume = path
             original = checkpoint.Checkpoint
             checkpoint.Checkpoint = original if kind == "sharded load" else ConsolidatedFile
-            loaded, seconds, peaks = _phase(lambda: train.Trainer(args, mesh, data, device))
+            loaded, seconds, peaks = _phase(lambda: train.Trainer(args, config, mesh, data, device))
             checkpoint.Checkpoint = original
             rounds[kind].append((seconds, peaks))
             exact = torch.tensor([float(fingerprint(loaded) == saved)])

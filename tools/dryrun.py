@@ -51,24 +51,26 @@ def join_fake_world(rank, world):
 
 
 def check_dry_run(args, rank, world):
-    cli.check_args(args, world)
+    """The run's (model config, mesh shape), or a ConfigError: train.py's checks, and what a dry run cannot do."""
+    checked = cli.check_args(args, world)
     if not 0 <= rank < world:
         raise cli.ConfigError(f"--rank {rank}: a rank of --world {world} is between 0 and {world - 1}")
     if args.ep > 1:
         raise cli.ConfigError(f"--ep {args.ep}: a dry run cannot know the tokens its fake peers would send")
     if args.resume:
         raise cli.ConfigError("--resume: a dry run starts from the initial values and writes nothing")
+    return checked
 
 
 def dry_run(args, rank, world):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
     first: AdamW makes its state there); returns (measured, predicted): {field: value} of this rank, the
     prediction's peak_resident_bytes being plan.py's peak of start-up and step (a dry run saves nothing)."""
-    check_dry_run(args, rank, world)
+    config, shape = check_dry_run(args, rank, world)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
     try:
-        trainer = DryRunTrainer(args, Mesh(cli.check_args(args, world)), train.load_training_data(args), device)
+        trainer = DryRunTrainer(args, config, Mesh(shape), train.load_training_data(args), device)
         record = trainer.train_step(0)
     finally:
         dist.destroy_process_group()

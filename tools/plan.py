@@ -129,7 +129,7 @@ class Layout:
 
 def layout_of(args, world):
     """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
-    shape = cli.check_args(args, world)
+    _, shape = cli.check_args(args, world)
     return Layout(world=world, dp=shape.dp, tp=shape.tp, pp=shape.pp, cp=shape.cp, ep=shape.ep, zero=args.zero,
                   sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,

@@ -1,7 +1,7 @@
 """train.py's command line: model presets, the flags' parser, and the checks that refuse a run before it trains.
 
 Each check raises ConfigError, with a message naming the flags at fault, on every rank alike: check_args
-before any process group exists (plan.py asks it too, for the layouts it predicts), so a bad launch ends
+before any process group exists (tools/plan.py asks it too, for the layouts it predicts), so a bad launch ends
 at once instead of hanging; check_vocabulary once the data is loaded, before the first step.
 """
 import argparse
@@ -149,19 +149,12 @@ def parse_args(argv=None):
 
 
 def check_args(args, world):
-    """The mesh for these flags on `world` ranks, or a ConfigError saying what is wrong. With --init-from, the
-    folder's config sets the flags that describe the model (--layers, --experts, --top-k) first."""
-    if args.init_from:
-        config = model_config(args, data_vocab_size(args))
-        args.layers, args.experts, args.top_k = config.n_layer, config.n_experts, config.top_k
-    if args.ep > 1 and not args.experts:
-        raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
-    if args.experts and args.experts % args.ep:
-        raise ConfigError(f"--experts {args.experts} do not divide over --ep {args.ep} ranks")
-    if args.capacity_factor < 0 or (args.capacity_factor and not args.experts):
-        raise ConfigError("--capacity-factor must be positive and needs --experts")
-    if not args.experts and (args.shared_experts or args.balance != "aux"):
-        raise ConfigError("--shared-experts and --balance shape mixture-of-experts layers: they need --experts")
+    """(the model config, the mesh's shape) these flags describe on `world` ranks, or a ConfigError saying
+    what is wrong. With --init-from the folder's config.json sets the model (its layers, experts, top-k),
+    whatever --layers, --experts and --top-k say."""
+    check_data(args)
+    config = model_config(args, data_vocab_size(args))
+    check_experts(args, config)
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -174,8 +167,6 @@ def check_args(args, world):
     if args.batch_size % (args.micro_batches * n_data):
         raise ConfigError(f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
                           f"x {n_data} data ranks (a multiple of {args.micro_batches * n_data})")
-    if args.experts and not 1 <= args.top_k <= args.experts:
-        raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
                           f"(each rank holds an early and a late chunk, for load balance)")
@@ -185,8 +176,6 @@ def check_args(args, world):
     if args.sp and args.tp == 1:
         raise ConfigError("--sp (sequence parallelism) splits the sequence over the tensor-parallel group: "
                           "it needs --tp > 1")
-    check_data(args)
-    config = model_config(args, data_vocab_size(args))
     check_pipeline(args, config.n_layer)
     if args.tp > 1:
         problem = tp.check_tensor_parallel(args.tp, config.n_head, config.d_ff, config.padded_vocab_size,
@@ -204,7 +193,20 @@ def check_args(args, world):
     if data_vocab_size(args) > config.vocab_size:
         raise ConfigError(f"the data's vocabulary ({data_vocab_size(args)} ids) is larger than the model's "
                           f"({config.vocab_size}, from --init-from {args.init_from})")
-    return shape
+    return config, shape
+
+
+def check_experts(args, config):
+    """The mixture-of-experts flags against the model's experts (--experts, or the --init-from folder's)."""
+    experts = config.n_experts
+    if args.ep > 1 and not experts:
+        raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
+    if experts and experts % args.ep:
+        raise ConfigError(f"--experts {experts} do not divide over --ep {args.ep} ranks")
+    if args.capacity_factor < 0 or (args.capacity_factor and not experts):
+        raise ConfigError("--capacity-factor must be positive and needs --experts")
+    if not experts and (args.shared_experts or args.balance != "aux"):
+        raise ConfigError("--shared-experts and --balance shape mixture-of-experts layers: they need --experts")
 
 
 def check_data(args):
@@ -282,6 +284,8 @@ def model_config(args, vocab_size):
         shape.update(LLAMA, **LLAMA_SHAPES[args.model])
     if args.kv_heads:
         shape.update(n_kv_heads=args.kv_heads)
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
     try:
         return GPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
                          **moe)

@@ -19,6 +19,14 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the top folder
 
+def rank_and_world():
+    """This process's rank and the launch's number of ranks, known before any process group forms: the group's
+    where one exists already (a test's), else torchrun's RANK and WORLD_SIZE (0 and 1 under plain python)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def init_distributed(timeout=timedelta(minutes=5)):
     """Join the launch's process group (or make a one-rank group); returns this rank's device.
 
