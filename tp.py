@@ -55,14 +55,23 @@ attention module makes the three share one f) and writes through a
 row-parallel projection, reading the number of heads off the shapes it gets
 rather than from a config; likewise the MLP (SwiGLU's gate and up fused as
 gate | up, or separate with a shared entry). Everything else is untouched.
-The glue for a Llama-style model with separate projections is about a dozen
-lines (tests/test_copy.py, `glue_tp`); for model.py's, `apply_tensor_parallel`.
+
+The glue decides sequence parallelism once, as an object every layer is
+handed: `plan = SequenceParallel(group) if sequence_parallel else
+TensorParallel(group)`; then `VocabParallelEmbedding(embedding, plan)`,
+`ColumnParallelLinear(linear, plan)` and `RowParallelLinear(linear, plan)`
+in place of the layers, `plan.norm(norm)` on each norm (a learned position
+table: `plan.position_embedding(table)`), and `vocab_parallel_cross_entropy`
+as the loss. For a Llama-style model with separate projections that is about
+a dozen lines (tests/test_copy.py, `glue_tp`); for model.py's,
+`apply_tensor_parallel`.
 
 Self-check: torchrun --nproc_per_node 2 tp.py
 """
 import copy
 import os
 from collections import Counter
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -222,21 +231,78 @@ def _sharded_parameter(full, dim, group, blocks=None):
 
 
 # ---------------------------------------------------------------------------
+# With sequence parallelism or without: decided once, as the plan every layer is handed
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Tensor parallelism over `group` (None: the default group), as in the article's "Tensor Parallelism":
+    outside the tensor-parallel regions every rank holds the same full activations. Each method is a place
+    where `SequenceParallel` differs; a model is split with one plan throughout, so no layer asks which."""
+
+    group: object
+
+    def enter(self, x):
+        """Into a region: f (identity forward; backward, all-reduce: every rank's use of x adds to its gradient)."""
+        return CopyToTensorParallel.apply(x, self.group)
+
+    def leave(self, partial_sums):
+        """Out of a region: g (all-reduce forward, summing the ranks' partial products)."""
+        return ReduceFromTensorParallel.apply(partial_sums, self.group)
+
+    # Outside the regions every rank sees every token: a replicated parameter applied there (the
+    # row-parallel bias) already has its whole gradient, and norms, a position table and a mixture of
+    # experts stay as they are.
+    def replicated(self, parameter):
+        return parameter
+
+    def norm(self, norm):
+        return norm
+
+    def position_embedding(self, table):
+        return table
+
+    def moe(self, moe):
+        return moe
+
+
+class SequenceParallel(TensorParallel):
+    """Sequence parallelism on top (the article's "Sequence Parallelism"; Korthikanti et al., 2022, section
+    4.2.2): outside the regions each rank keeps 1/N of the sequence, so a region begins with an all-gather
+    and ends with a reduce-scatter, and whatever acts outside sees this rank's tokens alone."""
+
+    def enter(self, x):
+        """Korthikanti et al.'s g: all-gather the sequence forward, reduce-scatter its gradient backward."""
+        return GatherFromSequenceParallel.apply(x, self.group)
+
+    def leave(self, partial_sums):
+        """Their g-bar: reduce-scatter forward (each rank keeps its chunk of the sum), all-gather backward."""
+        return ScatterToSequenceParallel.apply(partial_sums, self.group)
+
+    def replicated(self, parameter):
+        """It meets only this rank's tokens: f sums its gradient over the group."""
+        return CopyToTensorParallel.apply(parameter, self.group)
+
+    def norm(self, norm):
+        return sequence_parallel_norm(norm, self.group)
+
+    def position_embedding(self, table):
+        return SequenceParallelPositionEmbedding(table, self.group)
+
+    def moe(self, moe):
+        return sequence_parallel_moe(moe, self.group)
+
+
+# ---------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------
 
-def enter_region(x, group, sequence_parallel=False):
-    """What a tensor-parallel region begins with: f, or under sequence parallelism the all-gather."""
-    if sequence_parallel:
-        return GatherFromSequenceParallel.apply(x, group)
-    return CopyToTensorParallel.apply(x, group)
-
-
-def share_region_entry(module, group, sequence_parallel=False):
+def share_region_entry(module, plan):
     """Enter the region once, at module's first input, for the separate column-parallel layers inside it
-    that all read that input (q, k and v; SwiGLU's gate and up; made with entered=True): one
-    all-reduce (or all-gather) for all of them in backward, as for a fused layer, instead of one each."""
-    module.register_forward_pre_hook(lambda _, args: (enter_region(args[0], group, sequence_parallel), *args[1:]))
+    that all read that input (q, k and v; SwiGLU's gate and up; made with entered=True): one all-reduce
+    (under sequence parallelism, reduce-scatter) for all of them in backward, as for a fused layer,
+    instead of one each."""
+    module.register_forward_pre_hook(lambda _, args: (plan.enter(args[0]), *args[1:]))
     return module
 
 
@@ -248,55 +314,51 @@ class ColumnParallelLinear(nn.Module):
     tensor-parallel region (`share_region_entry`).
     """
 
-    def __init__(self, full: nn.Linear, group, sequence_parallel=False, blocks=None, entered=False):
+    def __init__(self, full: nn.Linear, plan: TensorParallel, blocks=None, entered=False):
         super().__init__()
-        self.group, self.sequence_parallel, self.entered = group, sequence_parallel, entered
-        n, out_features = dist.get_world_size(group), full.weight.shape[0]
+        self.plan, self.entered = plan, entered
+        n, out_features = dist.get_world_size(plan.group), full.weight.shape[0]
         for size in blocks or [out_features]:
             if size % n:
                 raise ValueError(f"{size} output features of a block do not divide by the tensor-parallel size {n}")
-        self.weight = _sharded_parameter(full.weight, 0, group, blocks)
-        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, group, blocks)
+        self.weight = _sharded_parameter(full.weight, 0, plan.group, blocks)
+        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, plan.group, blocks)
         self.layouts = {"weight": (0, blocks), "bias": (0, blocks)}  # how to unshard each parameter
 
     def forward(self, x):
         if not self.entered:
-            x = enter_region(x, self.group, self.sequence_parallel)
+            x = self.plan.enter(x)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Y = sum_i X_i W_i + b: this rank's input features; the bias is added once, after the sum."""
 
-    def __init__(self, full: nn.Linear, group, sequence_parallel=False):
+    def __init__(self, full: nn.Linear, plan: TensorParallel):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _sharded_parameter(full.weight, 1, group)
+        self.plan = plan
+        self.weight = _sharded_parameter(full.weight, 1, plan.group)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
         self.layouts = {"weight": (1, None)}
 
     def forward(self, x):
-        partial_sum = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = ScatterToSequenceParallel.apply(partial_sum, self.group)
-            bias = None if self.bias is None else CopyToTensorParallel.apply(self.bias, self.group)
-        else:
-            y, bias = ReduceFromTensorParallel.apply(partial_sum, self.group), self.bias
-        return y if bias is None else y + bias
+        y = self.plan.leave(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.plan.replicated(self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous range of the vocabulary; ids outside it look up zeros."""
+    """Each rank holds a contiguous range of the vocabulary; ids outside it look up zeros, and leaving the
+    region sums the ranks' lookups."""
 
-    def __init__(self, full: nn.Embedding, group, sequence_parallel=False):
+    def __init__(self, full: nn.Embedding, plan: TensorParallel):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.plan = plan
+        n, rank = dist.get_world_size(plan.group), dist.get_rank(plan.group)
         if full.num_embeddings % n:
             raise ValueError(f"vocabulary {full.num_embeddings} does not divide by the tensor-parallel size {n}")
         self.per_rank = full.num_embeddings // n
         self.vocab_start = rank * self.per_rank
-        self.weight = _sharded_parameter(full.weight, 0, group)
+        self.weight = _sharded_parameter(full.weight, 0, plan.group)
         self.layouts = {"weight": (0, None)}
 
     def forward(self, ids):
@@ -304,9 +366,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         partial_lookup = F.embedding(local.masked_fill(outside, 0), self.weight)
         partial_lookup = partial_lookup.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return ScatterToSequenceParallel.apply(partial_lookup, self.group)
-        return ReduceFromTensorParallel.apply(partial_lookup, self.group)
+        return self.plan.leave(partial_lookup)
 
 
 def sequence_parallel_norm(norm, group):
@@ -385,22 +445,24 @@ def sequence_parallel_moe(moe, group):
     """
     moe.register_forward_pre_hook(lambda module, args: (GatherReplicatedSequence.apply(args[0], group),))
     moe.register_forward_hook(lambda module, args, output: SplitSequence.apply(output, group))
+    return moe
 
 
-def split_mlp(mlp, group, sequence_parallel=False):
+def split_mlp(mlp, plan):
     """fc column-parallel, proj row-parallel. A SwiGLU fc holds (gate | up): its width is a multiple of
     proj's input, and each part is split alike, so a rank holds the gate and up of the same units."""
     width = mlp.proj.in_features
-    mlp.fc = ColumnParallelLinear(mlp.fc, group, sequence_parallel, blocks=[width] * (mlp.fc.out_features // width))
-    mlp.proj = RowParallelLinear(mlp.proj, group, sequence_parallel)
+    mlp.fc = ColumnParallelLinear(mlp.fc, plan, blocks=[width] * (mlp.fc.out_features // width))
+    mlp.proj = RowParallelLinear(mlp.proj, plan)
 
 
 def split_experts(moe, group):
-    """Split each expert's MLP (and a shared expert) like a dense one: its tokens are the same on every
-    rank of the group; its output is reduced before the gates weight it."""
+    """Split each expert's MLP (and a shared expert) like a dense one, by plain tensor parallelism even under
+    sequence parallelism: its tokens are the same on every rank of the group (`sequence_parallel_moe`
+    gathers them); its output is reduced before the gates weight it."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
     for expert in [*experts, *([moe.shared] if getattr(moe, "shared", None) is not None else [])]:
-        split_mlp(expert, group)
+        split_mlp(expert, TensorParallel(group))
 
 
 def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_heads=None):
@@ -412,43 +474,39 @@ def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_
     return None
 
 
-def split_block(block, config, group, sequence_parallel=False):
-    """One transformer block of model.py, in place: one all-reduce (or reduce-scatter) after attention
-    and one after the MLP in forward, and their conjugates in backward."""
-    sp = sequence_parallel
+def split_block(block, config, plan):
+    """One transformer block of model.py, in place: one all-reduce (under sequence parallelism,
+    reduce-scatter) after attention and one after the MLP in forward, and their conjugates in backward."""
     # Query heads and key/value heads are split separately, so each rank keeps whole groups.
     qkv_blocks = [config.d_model, config.kv_dim, config.kv_dim]
-    block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp, blocks=qkv_blocks)
-    block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
+    block.attn.qkv = ColumnParallelLinear(block.attn.qkv, plan, blocks=qkv_blocks)
+    block.attn.proj = RowParallelLinear(block.attn.proj, plan)
     if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts split
-        split_experts(block.mlp, group)
-        if sp:
-            sequence_parallel_moe(block.mlp, group)
+        split_experts(block.mlp, plan.group)
+        plan.moe(block.mlp)
     else:
-        split_mlp(block.mlp, group, sp)
-    if sp:
-        sequence_parallel_norm(block.norm1, group)
-        sequence_parallel_norm(block.norm2, group)
+        split_mlp(block.mlp, plan)
+    plan.norm(block.norm1)
+    plan.norm(block.norm2)
 
 
 def apply_tensor_parallel(model, group, sequence_parallel=False):
-    """Shard a GPT in place across `group`: heads, key/value heads, MLP units and vocabulary split N ways."""
+    """Shard a GPT in place across `group`: heads, key/value heads, MLP units and vocabulary split N ways,
+    and with sequence_parallel the sequence between the tensor-parallel regions."""
     c = model.config
-    n = dist.get_world_size(group)
-    problem = check_tensor_parallel(n, c.n_head, c.d_ff, c.padded_vocab_size,
+    problem = check_tensor_parallel(dist.get_world_size(group), c.n_head, c.d_ff, c.padded_vocab_size,
                                     c.seq_len if sequence_parallel else None, c.n_kv_heads)
     if problem:
         raise ValueError(problem)
-    sp = sequence_parallel
+    plan = SequenceParallel(group) if sequence_parallel else TensorParallel(group)
     tied = model.lm_head.weight is model.tok_emb.weight
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
-    if sp and model.pos_emb is not None:
-        model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, plan)
+    if model.pos_emb is not None:
+        model.pos_emb = plan.position_embedding(model.pos_emb)
     for block in model.blocks:
-        split_block(block, c, group, sp)
-    if sp:
-        sequence_parallel_norm(model.norm, group)
-    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
+        split_block(block, c, plan)
+    plan.norm(model.norm)
+    model.lm_head = ColumnParallelLinear(model.lm_head, plan)
     if tied:  # the output layer's slice of the vocabulary is the embedding's: the same rows, one parameter
         model.lm_head.weight = model.tok_emb.weight
     model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group,
@@ -502,17 +560,16 @@ class _ToyLM(nn.Module):
         return self.loss_fn(self.lm_head(self.norm(x)), targets)
 
 
-def _split_toy(model, group, sp):
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, group, sp)
-    model.qkv = ColumnParallelLinear(model.qkv, group, sp, blocks=model.qkv_sizes)  # heads and KV heads split alike
-    model.out = RowParallelLinear(model.out, group, sp)
-    model.fc, model.proj = ColumnParallelLinear(model.fc, group, sp), RowParallelLinear(model.proj, group, sp)
-    if sp:
-        model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb, group)
-        for norm in (model.norm0, model.norm1, model.norm):
-            sequence_parallel_norm(norm, group)
-    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
-    model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=group)
+def _split_toy(model, plan):
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, plan)
+    model.pos_emb = plan.position_embedding(model.pos_emb)
+    model.qkv = ColumnParallelLinear(model.qkv, plan, blocks=model.qkv_sizes)  # heads and KV heads split alike
+    model.out = RowParallelLinear(model.out, plan)
+    model.fc, model.proj = ColumnParallelLinear(model.fc, plan), RowParallelLinear(model.proj, plan)
+    for norm in (model.norm0, model.norm1, model.norm):
+        plan.norm(norm)
+    model.lm_head = ColumnParallelLinear(model.lm_head, plan)
+    model.loss_fn = partial(vocab_parallel_cross_entropy, vocab_start=model.tok_emb.vocab_start, group=plan.group)
     return model
 
 
@@ -540,7 +597,7 @@ def _self_check():
     for sp in (False, True):
         model = copy.deepcopy(reference)
         model.zero_grad(set_to_none=True)
-        model = _split_toy(model, None, sp)
+        model = _split_toy(model, SequenceParallel(None) if sp else TensorParallel(None))
         loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
         layouts = sharded_layouts(model)

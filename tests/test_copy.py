@@ -168,17 +168,18 @@ def worst(a, b):
 def glue_tp(tp, model, group, sp):
     """tp.py on the Llama: vocabulary-parallel embedding and head, q/k/v and gate/up column-parallel behind
     one shared entry each, o and down row-parallel; under sequence parallelism the norms' gradients summed."""
-    model.embed_tokens = tp.VocabParallelEmbedding(model.embed_tokens, group, sp)
+    plan = tp.SequenceParallel(group) if sp else tp.TensorParallel(group)
+    model.embed_tokens = tp.VocabParallelEmbedding(model.embed_tokens, plan)
     for layer in model.layers:
         for module, columns, row in [(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
                                      (layer.mlp, ("gate_proj", "up_proj"), "down_proj")]:
-            tp.share_region_entry(module, group, sp)
+            tp.share_region_entry(module, plan)
             for name in columns:
-                setattr(module, name, tp.ColumnParallelLinear(getattr(module, name), group, sp, entered=True))
-            setattr(module, row, tp.RowParallelLinear(getattr(module, row), group, sp))
-    for norm in [m for m in model.modules() if isinstance(m, nn.RMSNorm)] if sp else []:
-        tp.sequence_parallel_norm(norm, group)
-    model.lm_head = tp.ColumnParallelLinear(model.lm_head, group, sp)
+                setattr(module, name, tp.ColumnParallelLinear(getattr(module, name), plan, entered=True))
+            setattr(module, row, tp.RowParallelLinear(getattr(module, row), plan))
+    for norm in [m for m in model.modules() if isinstance(m, nn.RMSNorm)]:
+        plan.norm(norm)
+    model.lm_head = tp.ColumnParallelLinear(model.lm_head, plan)
     return lambda logits, targets: tp.vocab_parallel_cross_entropy(logits, targets, model.embed_tokens.vocab_start,
                                                                    group)
 

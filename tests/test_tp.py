@@ -30,12 +30,16 @@ def max_diff(a, b):
     return (a - b).abs().max().item()
 
 
+def plan(sp):
+    return tp.SequenceParallel(None) if sp else tp.TensorParallel(None)
+
+
 def check_linear(kind, sp, rank, n):
     """Output, input gradient and gathered weight/bias gradients of a parallel linear against nn.Linear."""
     d_in, d_out = (8, 12) if kind == "column" else (12, 8)
     full = torch.nn.Linear(d_in, d_out, dtype=torch.float64)
     layer_class = tp.ColumnParallelLinear if kind == "column" else tp.RowParallelLinear
-    layer = layer_class(copy.deepcopy(full), None, sequence_parallel=sp)
+    layer = layer_class(copy.deepcopy(full), plan(sp))
     x = torch.randn(3, 4, d_in, dtype=torch.float64, requires_grad=True)  # (batch, seq, features)
     grad_y = torch.randn(3, 4, d_out, dtype=torch.float64)
     (full(x) * grad_y).sum().backward()
@@ -59,7 +63,7 @@ def check_linear(kind, sp, rank, n):
 
 def check_embedding(sp, rank, n):
     full = torch.nn.Embedding(16, 8, dtype=torch.float64)
-    layer = tp.VocabParallelEmbedding(copy.deepcopy(full), None, sequence_parallel=sp)
+    layer = tp.VocabParallelEmbedding(copy.deepcopy(full), plan(sp))
     ids = torch.randint(0, 16, (3, 4))
     grad_y = torch.randn(3, 4, 8, dtype=torch.float64)
     (full(ids) * grad_y).sum().backward()
@@ -113,7 +117,7 @@ def block_worker(sequence_parallel, arch):
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=16, **arch)
     block = Block(config, 0).double()
-    tp.split_block(block, config, None, sequence_parallel)
+    tp.split_block(block, config, plan(sequence_parallel))
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     if sequence_parallel:
         x = x.chunk(dist.get_world_size(), 1)[dist.get_rank()].clone()  # only this rank's shard exists
