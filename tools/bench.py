@@ -503,11 +503,12 @@ def worker_tp(settings):
     ours, args = _gpt(settings)
     theirs = copy.deepcopy(ours)
     data = list(_batches(settings, args, n_batches(settings), 0, 1))  # tp ranks share data
+    plan = tp.TensorParallel(None)  # the default group, without sequence parallelism
     for block in ours.blocks:
-        block.attn.qkv = tp.ColumnParallelLinear(block.attn.qkv, None, n_chunks=3)
-        block.attn.proj = tp.RowParallelLinear(block.attn.proj, None)
-        block.mlp.fc = tp.ColumnParallelLinear(block.mlp.fc, None)
-        block.mlp.proj = tp.RowParallelLinear(block.mlp.proj, None)
+        block.attn.qkv = tp.ColumnParallelLinear(block.attn.qkv, plan, blocks=[ours.config.d_model] * 3)
+        block.attn.proj = tp.RowParallelLinear(block.attn.proj, plan)
+        block.mlp.fc = tp.ColumnParallelLinear(block.mlp.fc, plan)
+        block.mlp.proj = tp.RowParallelLinear(block.mlp.proj, plan)
     mesh = init_device_mesh("cpu", (world,))
     for block in theirs.blocks:
         # ColwiseParallel splits the output features contiguously: lay each rank's q, k and v heads side by side.
