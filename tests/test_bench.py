@@ -1,4 +1,4 @@
-"""bench.py --quick and plot.py regenerate the results from nothing (on a subset, to stay quick)."""
+"""tools/bench.py --quick and plot.py regenerate the results from nothing (on a subset, to stay quick)."""
 import json
 import subprocess
 import sys

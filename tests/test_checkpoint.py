@@ -1,4 +1,4 @@
-"""Sharded checkpoints (checkpoint.py): each rank writes its pieces once, a checkpoint is complete only with
+"""Sharded checkpoints (training/checkpoint.py): each rank writes its pieces once, a checkpoint is complete only with
 its manifest, damaged files are told apart, any layout resumes exactly, and one safetensors file in
 model.py's layout converts to and from it."""
 import json
@@ -20,7 +20,7 @@ from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, tr
 MOE = ["--experts", "4", "--top-k", "2"]
 
 
-# -- checkpoint.py on its own ------------------------------------------------------------------
+# -- training/checkpoint.py on its own ------------------------------------------------------------------
 
 def save_toy_checkpoints(run_dir, steps, keep):
     """Two ranks save a toy state: a weight split in two along dim 1 (each rank its part, both in two

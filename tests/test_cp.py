@@ -1,5 +1,5 @@
 """Context parallelism: ring attention, the all-gather and the all-to-all equal full causal attention; training
-equals the single device, alone and composed, with the memory and traffic plan.py predicts."""
+equals the single device, alone and composed, with the memory and traffic tools/plan.py predicts."""
 
 import pytest
 import torch
@@ -251,7 +251,7 @@ def test_context_parallel_matches_single_device(tmp_path, world, flags, mode):
                                                                       "ep2-zero1-full-moe", "zero3-gqa"])
 def test_the_other_ways_compose_as_ring_attention_does(tmp_path, mode, flags, model):
     """cp=2 with each other dimension, grouped-query attention, rotary positions and recomputation, on 4
-    ranks: the single device's training, and the memory and traffic plan.py predicts."""
+    ranks: the single device's training, and the memory and traffic tools/plan.py predicts."""
     argv = [*ARGV, *model, "--cp", "2", "--cp-mode", mode, *flags]
     for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*ARGV, *model]))

@@ -1,4 +1,4 @@
-"""Hugging Face model folders in and out (hf.py), for every architecture it reads.
+"""Hugging Face model folders in and out (training/hf.py), for every architecture it reads.
 
 - model.py, loaded from a folder, gives the logits of an independent forward written from transformers'
   semantics (tests/hf_models.py), in float64;
@@ -7,7 +7,7 @@
   vocabulary split, across pipeline stages and on rank 0 alone in ZB-V's V, the tanh GELU and the padded
   vocabulary through tp, each norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp,
   Mixtral's experts under ep);
-- hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
+- training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
 """
 import json
 import os

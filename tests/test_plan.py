@@ -1,4 +1,4 @@
-"""plan.py: its predictions equal what train.py counts, and it answers for real sizes in seconds.
+"""tools/plan.py: its predictions equal what train.py counts, and it answers for real sizes in seconds.
 
 The benchmark table's configurations (and the 16- and 32-rank runs, ZeRO with tp) are checked against the
 planner where they run, in test_compose.py; here a seeded random sample of composed layouts adds ZeRO
@@ -27,7 +27,7 @@ BASE = ["--model", "tiny", "--layers", "4", "--steps", "2", "--batch-size", "16"
 
 
 def sampled_layouts(n, seed=5):
-    """n layouts train.py accepts on 4 or 8 ranks, drawn at random over every option plan.py models."""
+    """n layouts train.py accepts on 4 or 8 ranks, drawn at random over every option tools/plan.py models."""
     rng = random.Random(seed)
     layouts = []
     while len(layouts) < n:

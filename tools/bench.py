@@ -166,9 +166,9 @@ def recomputation_check(settings, out, modes=("none", "selective", "full")):
 
 
 def planner_check(out, seq_lens=(128, 512), model=("--model", "medium", "--arch", "llama", "--kv-heads", "8")):
-    """plan.py's strategies (its memory figure) at a size this machine runs: each strategy alone on 8 ranks
+    """tools/plan.py's strategies (its memory figure) at a size this machine runs: each strategy alone on 8 ranks
     (or one), for two sequence lengths and the three recomputation modes, one step each: the busiest
-    rank's logged memory (plot.py sets plan.py's prediction for that rank beside it)."""
+    rank's logged memory (plot.py sets tools/plan.py's prediction for that rank beside it)."""
     from tools import plan
     runs, points = os.path.join(out, "planner"), []
     for label, world, flags in plan.STRATEGIES:
@@ -356,7 +356,7 @@ def summarise(out, settings, cores):
 
 
 # ---------------------------------------------------------------------------
-# Part 2: side by side with PyTorch's built-ins (run under torchrun: bench.py --worker NAME)
+# Part 2: side by side with PyTorch's built-ins (run under torchrun: tools/bench.py --worker NAME)
 # ---------------------------------------------------------------------------
 
 def _gpt(settings, seed=0):
@@ -775,7 +775,7 @@ def fingerprint(trainer):
 
 def worker_checkpoint(settings):
     """gpt2-medium under ZeRO-3 on this launch's ranks, after one step: save and load its checkpoint,
-    sharded (checkpoint.py) and consolidated (one file), alternately for a few rounds; per round, the
+    sharded (training/checkpoint.py) and consolidated (one file), alternately for a few rounds; per round, the
     slowest rank's seconds and every rank's peak resident memory, for each. The sharded save's time is
     until the files are complete; `blocking` is what training waits (the copy aside)."""
     import gc
@@ -833,7 +833,7 @@ def worker_checkpoint(settings):
 
 def checkpoint_comparison(out, rounds=2, ranks=4):
     """worker_checkpoint on `ranks` ranks, summarised: per kind the median seconds over rounds and the largest
-    peak over ranks and rounds, beside plan.py's predicted peaks."""
+    peak over ranks and rounds, beside tools/plan.py's predicted peaks."""
     print(f"bench: checkpoints, sharded and consolidated, {ranks} ranks", flush=True)
     settings = dict(out=os.path.join(out, "checkpoint"), rounds=rounds)
     os.makedirs(settings["out"], exist_ok=True)
@@ -972,7 +972,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a few minutes")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
-                                             "scaling check, 'recompute' for the recomputation modes, 'planner' for plan.py's "
+                                             "scaling check, 'recompute' for the recomputation modes, 'planner' for tools/plan.py's "
                                              "strategies measured, 'checkpoint' for sharded against "
                                              "consolidated checkpoints, 'pipeline' for the five schedules' "
                                              "timelines, 'precision' for bfloat16 before and after its "

@@ -1,5 +1,5 @@
 """One rank of a large run, run alone on this machine: its share built, one training step taken, its
-memory measured beside plan.py's prediction.
+memory measured beside tools/plan.py's prediction.
 
     python -m tools.dryrun --world 64 --rank 5 --model llama3-8b --arch llama --tp 8 --zero 3 \\
         --seq-len 256 --batch-size 8
@@ -65,7 +65,7 @@ def check_dry_run(args, rank, world):
 def dry_run(args, rank, world):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
     first: AdamW makes its state there); returns (measured, predicted): {field: value} of this rank, the
-    prediction's peak_resident_bytes being plan.py's peak of start-up and step (a dry run saves nothing)."""
+    prediction's peak_resident_bytes being tools/plan.py's peak of start-up and step (a dry run saves nothing)."""
     config, shape = check_dry_run(args, rank, world)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
@@ -86,7 +86,7 @@ def print_report(measured, predicted, rank, world):
     unit, size = ("GiB", 2**30) if measured["peak_resident_bytes"] >= 2**30 else ("MiB", 2**20)
     row = lambda name, *values: print(f"{name:30s}" + "".join(f"{v / size:12.3f}" for v in values))  # noqa: E731
     print(f"rank {rank} of {world} (its peers simulated: values meaningless, memory and traffic real)")
-    print(f"{unit:30s}{'measured':>12s}{'plan.py':>12s}")
+    print(f"{unit:30s}{'measured':>12s}{'tools/plan.py':>12s}")
     for field in (*MEMORY, *(f for f in predicted if f.startswith("comm_") and (predicted[f] or measured[f]))):
         row(field, measured[field], predicted[field])
     row("sum of the four", sum(measured[f] for f in MEMORY), sum(predicted[f] for f in MEMORY))

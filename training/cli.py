@@ -25,7 +25,7 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
     # Today's shapes, with --arch llama (their key/value heads, SwiGLU width and rotary base are below);
-    # for planning them (plan.py) more than for training them here. Mixtral 8x7B is mixtral with
+    # for planning them (tools/plan.py) more than for training them here. Mixtral 8x7B is mixtral with
     # --experts 8 --top-k 2.
     "llama3-8b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=8192, vocab_size=128256),
     "llama3-70b": dict(n_layer=80, n_head=64, d_model=8192, seq_len=8192, vocab_size=128256),
@@ -65,7 +65,8 @@ def parse_args(argv=None):
                         "preset's with --arch llama)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2): "
-                        "its config.json sets the model (not --model, --arch, --layers, --kv-heads); see hf.py")
+                        "its config.json sets the model (not --model, --arch, --layers, --kv-heads); see "
+                        "training/hf.py")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")

@@ -1,0 +1,347 @@
+"""Every command line in the README runs, and every file, name and section it points to exists.
+
+The command lines are those of README.md's ```bash blocks and of its inline code that starts with
+`python`, `python3` or `torchrun` (a line ending in a backslash joined to the next, `# comments` dropped,
+`a && b` taken apart; pip, huggingface-cli and the like are not this repository's and are left alone).
+Nothing is run for real, so the whole file takes seconds:
+
+- `python train.py ARGS`, `torchrun [launcher flags] train.py ARGS`: ARGS go through train.py's own
+  parser (training/cli.py's parse_args), which exits on an unknown flag or a bad value;
+- `python -m tools.NAME [SUBCOMMAND] ARGS` and `python plot.py ARGS`: the command's --help runs, and names
+  every flag the line uses (an unknown flag would only fail at run time); tools.plan and tools.dryrun
+  hand the flags they do not know to train.py's parser, so there a flag of train.py's is accepted too,
+  and the line's train.py flags and values go through that parser; `--only`'s names are tools/bench.py's;
+- torchrun's own flags are torchrun's (its --help);
+- `torchrun ... dp.py` (and tp, pp, cp, ep): the self-check's file exists and has a self-check (the
+  self-checks themselves run in tests/test_copy.py and in each dimension's tests: test_dp.py, ...);
+- `python -m pytest ...`: the test files it names exist, and each word of a `-k` expression is found
+  in the tests.
+
+Besides the commands: every file the README names (name.py at the top level, dir/name.py,
+results/name.ext) exists; inline code such as `dp.Shard` names what that module defines (and a moved
+module by its package, `training.hf`); every link to a section finds its heading.
+"""
+import contextlib
+import functools
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from distributed import REPO
+
+README = os.path.join(REPO, "README.md")
+with open(README) as _f:
+    TEXT = _f.read()
+
+PYTHONS = ("python", "python3")
+SELF_CHECKS = ("dp.py", "tp.py", "pp.py", "cp.py", "ep.py")
+TOOLS = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(REPO, "tools"))
+                    if name.endswith(".py") and name != "__init__.py"))  # every command in tools/
+FORWARDS_TO_TRAIN = ("tools.plan", "tools.dryrun")  # parse_known_args: the rest is train.py's
+STDLIB_MODULES = ("venv",)  # `python3 -m venv .venv` of the install line: Python's, not this repository's
+HELP_TIMEOUT = 120
+
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[^\n]*$", re.S | re.M)
+
+
+def line_of(offset, text=TEXT):
+    return text.count("\n", 0, offset) + 1
+
+
+def without_fences(text):
+    """The text with every fenced block blanked out (its line count kept)."""
+    return FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+
+
+def split_commands(line):
+    """A shell line as token lists, one per command of `a && b; c`, comments dropped."""
+    tokens = shlex.split(line, comments=True)
+    commands, current = [], []
+    for token in tokens:
+        if token in ("&&", "||", ";", "|"):
+            commands.append(current)
+            current = []
+        else:
+            current.append(token)
+    commands.append(current)
+    return [c for c in commands if c]
+
+
+def readme_commands():
+    """[(where, tokens)] of every python/python3/torchrun command line of the README."""
+    found = []
+    for m in FENCE.finditer(TEXT):
+        if m.group(1) != "bash":
+            continue
+        first = line_of(m.start(2))
+        pending, pending_line = "", None
+        for i, raw in enumerate(m.group(2).split("\n")):
+            if pending_line is None:
+                pending_line = first + i
+            stripped = raw.rstrip()
+            if stripped.endswith("\\"):
+                pending += stripped[:-1] + " "
+                continue
+            pending += raw
+            for tokens in split_commands(pending):
+                found.append((f"README.md:{pending_line}", tokens))
+            pending, pending_line = "", None
+    prose = without_fences(TEXT)
+    for m in re.finditer(r"`([^`]+)`", prose):
+        code = " ".join(m.group(1).split())  # inline code may wrap across lines
+        for tokens in split_commands(code):
+            found.append((f"README.md:{line_of(m.start(), prose)} (inline)", tokens))
+    return [(where, tokens) for where, tokens in found if tokens[0] in PYTHONS + ("torchrun",)]
+
+
+COMMANDS = readme_commands()
+
+
+def flags_of(tokens):
+    """The option names a command line uses: --name (before any =) and -x."""
+    return [t.split("=", 1)[0] for t in tokens if re.match(r"^--?[A-Za-z]", t)]
+
+
+def flags_in_help(text):
+    return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", text))
+
+
+def help_command(key):
+    """The argv that prints the --help of key: ('module', name, *subcommand), ('script', file) or ('torchrun',)."""
+    if key[0] == "module":
+        return [sys.executable, "-m", key[1], *key[2:], "--help"]
+    if key[0] == "script":
+        return [sys.executable, key[1], "--help"]
+    return [sys.executable, "-m", "torch.distributed.run", "--help"]  # what the torchrun command runs
+
+
+def help_key(where, tokens):
+    """Which --help a command line's flags are checked against (None: none)."""
+    if tokens[0] == "torchrun":
+        return None
+    if tokens[1:2] == ["-m"] and tokens[2].startswith("tools.") and tokens[2] != "tools.NAME":
+        sub = tuple(tokens[3:4]) if tokens[2] == "tools.convert" and tokens[3:4] and \
+            not tokens[3].startswith("-") else ()
+        return ("module", tokens[2], *sub)
+    if tokens[1:2] == ["plot.py"]:
+        return ("script", "plot.py")
+    return None
+
+
+@pytest.fixture(scope="module")
+def helps():
+    """{key: CompletedProcess-like (returncode, stdout, stderr)} of every --help the README needs, all run at once."""
+    keys = {help_key(where, tokens) for where, tokens in COMMANDS} | {("torchrun",)}
+    keys.discard(None)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    running = {key: subprocess.Popen(help_command(key), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env) for key in sorted(keys)}
+    done = {}
+    for key, proc in running.items():
+        try:
+            out, err = proc.communicate(timeout=HELP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += f"\n(--help did not finish in {HELP_TIMEOUT} s)"
+        done[key] = (proc.returncode, out, err)
+    return done
+
+
+@functools.cache
+def train_help():
+    """train.py's --help (its parser is training/cli.py's parse_args; printed here, in this process)."""
+    from training import cli
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    return out.getvalue()
+
+
+def parse_train_args(where, args):
+    """train.py's parser on args, as train.py would parse them; a failure names the README line."""
+    from training import cli
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            cli.parse_args(list(args))
+        return
+    except SystemExit:
+        pass
+    why = (err.getvalue().strip().splitlines() or ["(no message)"])[-1]  # "train.py: error: ..."
+    pytest.fail(f"{where}: train.py's parser refuses {shlex.join(args)!r}: {why}")
+
+
+def check_torchrun_flags(where, launcher, helps):
+    returncode, out, err = helps[("torchrun",)]
+    assert returncode == 0, f"torchrun --help failed:\n{err[-3000:]}"
+    unknown = [f for f in flags_of(launcher) if f not in flags_in_help(out)]
+    assert not unknown, f"{where}: torchrun does not know {unknown}"
+
+
+def check_tool(where, tokens, helps):
+    module, key = tokens[2], help_key(where, tokens)
+    assert module in {f"tools.{name}" for name in TOOLS}, f"{where}: no such tool {module} (tools/: {TOOLS})"
+    args = tokens[3 + len(key) - 2:]
+    if module == "tools.convert":
+        assert len(key) == 3, f"{where}: python -m tools.convert needs a subcommand (to-file, from-file, to-hf)"
+    returncode, out, err = helps[key]
+    assert returncode == 0, f"{where}: {shlex.join(help_command(key)[1:])} failed:\n{err[-3000:]}"
+    known = flags_in_help(out)
+    own = [f for f in flags_of(args) if f in known]
+    if module in FORWARDS_TO_TRAIN:
+        known |= flags_in_help(train_help())
+    unknown = [f for f in flags_of(args) if f not in known]
+    assert not unknown, f"{where}: {module} knows no {unknown}"
+    if module in FORWARDS_TO_TRAIN:
+        # what the tool hands train.py's parser: the line less the tool's own flags (and their values)
+        rest, i = [], 0
+        while i < len(args):
+            name = args[i].split("=", 1)[0]
+            if name in own and name not in flags_in_help(train_help()):
+                takes_value = "=" not in args[i] and i + 1 < len(args) and not args[i + 1].startswith("-")
+                i += 2 if takes_value else 1
+            else:
+                rest.append(args[i])
+                i += 1
+        parse_train_args(where, rest)
+    if module == "tools.bench" and "--only" in args:
+        with open(os.path.join(REPO, "tools", "bench.py")) as f:
+            bench = f.read()
+        start = args.index("--only") + 1
+        names = []
+        for arg in args[start:]:
+            if arg.startswith("-"):
+                break
+            names.append(arg)
+        unknown = [n for n in names if f'"{n}"' not in bench]
+        assert names and not unknown, f"{where}: tools/bench.py --only knows no {unknown or 'name given'}"
+
+
+def check_pytest(where, args):
+    tests = os.path.join(REPO, "tests")
+    named = [a.split("::")[0] for a in args if a.endswith(".py") or "::" in a]
+    missing = [a for a in named if not os.path.exists(os.path.join(REPO, a))]
+    assert not missing, f"{where}: no such test file {missing}"
+    if "-k" in args:
+        files = named or [os.path.join("tests", f) for f in os.listdir(tests) if f.startswith("test_")]
+        haystack = " ".join(files)
+        for f in files:
+            with open(os.path.join(REPO, f)) as source:
+                haystack += source.read()
+        words = set(re.findall(r"\w+", args[args.index("-k") + 1])) - {"and", "or", "not"}
+        unknown = [w for w in sorted(words) if w not in haystack]
+        assert not unknown, f"{where}: -k names {unknown}, which no test of {files} has"
+
+
+@pytest.mark.parametrize("where,tokens", COMMANDS, ids=[f"{where} {shlex.join(t)[:60]}" for where, t in COMMANDS])
+def test_command_line_runs(where, tokens, helps):
+    if tokens[0] == "torchrun":
+        script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
+        check_torchrun_flags(where, tokens[1:script], helps)
+        if script is None:
+            return  # a mention of torchrun's own flags in a sentence (`torchrun --max-restarts 3`), checked above
+        name, args = tokens[script], tokens[script + 1:]
+        if name == "train.py":
+            parse_train_args(where, args)
+        elif name in SELF_CHECKS:
+            # the self-checks themselves run in tests/test_copy.py and each dimension's tests (test_dp.py, ...)
+            path = os.path.join(REPO, name)
+            assert os.path.isfile(path), f"{where}: no {name}"
+            with open(path) as f:
+                assert 'if __name__ == "__main__":' in f.read(), f"{where}: {name} has no self-check to run"
+            assert not args, f"{where}: {name}'s self-check takes no arguments"
+        else:
+            pytest.fail(f"{where}: torchrun of {name}, which this test does not know how to check")
+        return
+    args = tokens[1:]
+    if args == ["-m", "tools.NAME"]:
+        pass  # the general form, in the sentence before the file table
+    elif args[:1] == ["-m"] and args[1:2] and args[1].startswith("tools."):
+        check_tool(where, tokens, helps)
+    elif args[:2] == ["-m", "pytest"]:
+        check_pytest(where, args[2:])
+    elif args[:1] == ["-m"] and args[1:2] and args[1] in STDLIB_MODULES:
+        pass
+    elif args[:1] == ["train.py"]:
+        parse_train_args(where, args[1:])
+    elif args[:1] == ["plot.py"]:
+        returncode, out, err = helps[("script", "plot.py")]
+        assert returncode == 0, f"python plot.py --help failed:\n{err[-3000:]}"
+        unknown = [f for f in flags_of(args[1:]) if f not in flags_in_help(out)]
+        assert not unknown, f"{where}: plot.py knows no {unknown}"
+    else:
+        pytest.fail(f"{where}: {shlex.join(tokens)!r}: a command this test does not know how to check "
+                    "(a file moved? tools run as python -m tools.NAME)")
+
+
+def test_the_readme_has_the_commands_it_should():
+    """A guard on the collection above: the README's commands are found, every kind of them."""
+    lines = [shlex.join(tokens) for _, tokens in COMMANDS]
+    assert len(lines) >= 30, lines
+    for needle in ["train.py", "plot.py", "pytest", *(f"-m tools.{name}" for name in TOOLS), *SELF_CHECKS]:
+        assert any(needle in line for line in lines), f"no README command line with {needle!r}"
+
+
+PY_PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)*[\w-]+\.py)(?![\w])")
+RESULTS_PATH = re.compile(r"(?<![\w./<>-])(results/[\w./-]*\w)")
+
+
+def test_every_file_the_readme_names_exists():
+    """name.py at the top level, dir/name.py and results/name.ext where they are said to be."""
+    missing = sorted({(m.group(1), line_of(m.start())) for pattern in (PY_PATH, RESULTS_PATH)
+                      for m in pattern.finditer(TEXT) if not os.path.exists(os.path.join(REPO, m.group(1)))})
+    assert not missing, "README names files that do not exist (a bare name.py means the top folder): " + \
+        ", ".join(f"{name} (line {line})" for name, line in missing)
+
+
+FILE_EXTENSIONS = {"py", "bin", "pkl", "json", "jsonl", "png", "md", "txt", "safetensors", "pt"}
+
+
+def test_every_module_name_in_code_exists():
+    """Inline code such as `dp.Shard` or `training.hf.config_from_hf`: the module is this repository's, and
+    it defines the name (a moved module is named by its package: `training.hf`, not `hf`)."""
+    modules = {f[:-3]: f for f in os.listdir(REPO) if f.endswith(".py")}
+    for package in ("training", "tools"):
+        for f in os.listdir(os.path.join(REPO, package)):
+            if f.endswith(".py") and f != "__init__.py":
+                modules[f"{package}.{f[:-3]}"] = f"{package}/{f}"
+    moved = {name.split(".")[1]: name for name in modules if "." in name}
+    problems = []
+    prose = without_fences(TEXT)
+    for m in re.finditer(r"`([A-Za-z_][\w.]*)\.(\w+)`", prose):
+        module, name = m.groups()
+        if name in FILE_EXTENSIONS:
+            continue  # a file's name, checked above
+        where = f"line {line_of(m.start(), prose)}: `{module}.{name}`"
+        if module in moved and module not in modules:
+            problems.append(f"{where}: {module} is now {moved[module]}")
+        elif module in modules:
+            with open(os.path.join(REPO, modules[module])) as f:
+                source = f.read()
+            if not re.search(rf"^\s*(?:class|def)\s+{name}\b|^{name}\s*(?::[^=\n]*)?=", source, re.M):
+                problems.append(f"{where}: {modules[module]} defines no {name}")
+    assert not problems, "\n".join(problems)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_every_link_to_a_section_finds_it():
+    anchors = set()
+    for m in re.finditer(r"^#{1,6} (.+)$", without_fences(TEXT), re.M):
+        anchor, n = slug(m.group(1)), 1
+        while anchor in anchors:
+            anchor, n = f"{slug(m.group(1))}-{n}", n + 1
+        anchors.add(anchor)
+    broken = [(m.group(1), line_of(m.start())) for m in re.finditer(r"\]\(#([^)]+)\)", TEXT)
+              if m.group(1) not in anchors]
+    assert not broken, f"links to no section: {broken} (sections: {sorted(anchors)})"
