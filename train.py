@@ -1075,6 +1075,7 @@ def log_entry(args, step, record, wall, trainer):
     entry = dict(step=step, loss=loss, lr=lr_at(step, args), grad_norm=record["grad_norm"][0],
                  skipped_steps=trainer.skipped_steps, step_s=step_s, time_s=wall + step_s,
                  tokens_per_s=args.batch_size * args.seq_len / step_s,
+                 tokens_seen=(step + 1) * args.batch_size * args.seq_len,  # every step reads one global batch
                  **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
     entry.update(trainer.routing.log())
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one

@@ -5,17 +5,19 @@ before any process group exists (tools/plan.py asks it too, for the layouts it p
 at once instead of hanging; check_vocabulary once the data is loaded, before the first step.
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 
 import cp
-from training import hf
 import pp
 import tp
-from training.data import split_lengths, vocab_size_of
 from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
+from training import hf
+from training.data import split_lengths, tokenizer_of, vocab_size_of
+from training.tokenizer import fingerprint
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
     "tiny": dict(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=64),
@@ -89,11 +91,12 @@ def parse_args(argv=None):
     p.add_argument("--reduce-dtype", choices=DTYPES, default=None,
                    help="the gradients' accumulation over micro-batches and reduction over data ranks "
                         "(default: --master-dtype; bfloat16 halves the reduction's traffic)")
-    p.add_argument("--data", default=None, help="text file or directory with train.bin/val.bin "
-                                                "(default: the synthetic Markov language)")
+    p.add_argument("--data", default=None, help="a token directory (python -m tools.prepare's, or nanoGPT's "
+                                                "train.bin/val.bin), or a text file read as bytes (default: "
+                                                "the synthetic Markov language)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of the synthetic language (default: the preset's), or of a token directory "
-                        "without meta.pkl (default: GPT-2's 50257)")
+                        "without meta.json or meta.pkl (default: GPT-2's 50257)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one device, for model FLOPs utilisation (default: known GPUs' table)")
     p.add_argument("--seed", type=int, default=0)
@@ -154,6 +157,7 @@ def check_args(args, world):
     what is wrong. With --init-from the folder's config.json sets the model (its layers, experts, top-k),
     whatever --layers, --experts and --top-k say."""
     check_data(args)
+    check_tokenizer(args)
     config = model_config(args, data_vocab_size(args))
     check_experts(args, config)
     try:
@@ -218,10 +222,27 @@ def check_data(args):
         lengths = split_lengths(args.data)
     except FileNotFoundError as e:
         raise ConfigError(f"--data {args.data}: no such file or directory ({e.filename})") from None
+    except ValueError as e:  # a meta.json that cannot be read
+        raise ConfigError(str(e)) from None
     for split, n_tokens in lengths.items():
         if n_tokens < args.seq_len + 1:
             raise ConfigError(f"--data {args.data}: the {split} split has {n_tokens} tokens, fewer than one "
                               f"sequence of --seq-len {args.seq_len} plus its last target")
+
+
+def check_tokenizer(args):
+    """A released model (--init-from) reads its own tokenizer's ids: --data tokenized by another tokenizer, or a
+    text file (read as bytes, ids 0 to 255), would train it on ids that mean other tokens, without a word."""
+    if args.init_from is None or args.data is None:
+        return
+    prepare = f"python -m tools.prepare --tokenizer {args.init_from} --out DIR YOUR_TEXT"
+    if not os.path.isdir(args.data):
+        raise ConfigError(f"--data {args.data} is a text file, read as bytes (ids 0 to 255), but --init-from "
+                          f"{args.init_from} reads its tokenizer's ids: make a token directory with {prepare}")
+    made_by, model_tokenizer = tokenizer_of(args.data), fingerprint(args.init_from)
+    if made_by and model_tokenizer and made_by[1] != model_tokenizer:
+        raise ConfigError(f"--data {args.data} was tokenized by {made_by[0]}'s tokenizer.json, not by --init-from "
+                          f"{args.init_from}'s: its ids mean other tokens; prepare it again with {prepare}")
 
 
 def check_vocabulary(data, rank, world):
@@ -231,7 +252,7 @@ def check_vocabulary(data, rank, world):
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     if largest.item() >= data.vocab_size:
         raise ConfigError(f"--data {data.path} holds token id {largest.item()}, outside the vocabulary of "
-                          f"{data.vocab_size} (meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
+                          f"{data.vocab_size} (meta.json's or meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
 
 
 def check_pipeline(args, n_layer):

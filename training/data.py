@@ -11,11 +11,14 @@ configuration be compared token for token with the single device.
   reach on it (the "floor" drawn under every loss curve), even at GPT-2's
   vocabulary of 50304 tokens.
 - `TokenFile`: real tokens, from a text file (bytes are tokens, vocabulary
-  256, the last tenth held out) or from a nanoGPT-style directory holding
-  `train.bin` and `val.bin` (uint16 token ids) and optionally `meta.pkl`
-  (its "vocab_size"). The files are mapped, not read: only the windows of
-  each batch are loaded, and one scan, shared by the ranks, checks the ids.
+  256, the last tenth held out) or from a directory holding `train.bin` and
+  `val.bin`: written by tools/prepare.py, with `meta.json` giving the ids'
+  type (uint16 or uint32), the vocabulary and the tokenizer that made them;
+  or nanoGPT's, uint16 ids and optionally `meta.pkl` (its "vocab_size").
+  The files are mapped, not read: only the windows of each batch are loaded,
+  and one scan, shared by the ranks, checks the ids.
 """
+import json
 import os
 import pickle
 
@@ -23,7 +26,8 @@ import numpy as np
 import torch
 
 SPLITS = {"train": 0, "val": 1}
-GPT2_VOCAB_SIZE = 50257  # a token directory without meta.pkl: nanoGPT's default
+GPT2_VOCAB_SIZE = 50257  # a token directory without meta.json or meta.pkl: nanoGPT's default
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}  # meta.json's "dtype"; nanoGPT's directories: uint16
 
 
 def batch_rng(seed, split, step):
@@ -107,12 +111,45 @@ class MarkovLanguage:
         return torch.from_numpy(self.sample(batch_rng(self.seed, split, step), n_seqs, length + 1))
 
 
+def read_meta(path):
+    """meta.json of the token directory at path (tools/prepare.py's: the ids' dtype, vocab_size, the
+    tokenizer's folder and fingerprint, ...), or None where there is none: a text file, nanoGPT's directory."""
+    file = os.path.join(path, "meta.json")
+    if not os.path.isdir(path) or not os.path.exists(file):
+        return None
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--data {file}: cannot be read as JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("dtype") not in TOKEN_DTYPES:
+        raise ValueError(f"--data {file}: its dtype must be one of {', '.join(TOKEN_DTYPES)}")
+    if not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
+        raise ValueError(f"--data {file}: its vocab_size must be a positive integer")
+    return meta
+
+
+def token_dtype(path):
+    """The type of the ids in the token directory at path: meta.json's, else nanoGPT's uint16."""
+    meta = read_meta(path)
+    return np.dtype(TOKEN_DTYPES[meta["dtype"]] if meta else np.uint16)
+
+
+def tokenizer_of(path):
+    """(folder, SHA-256 of its tokenizer.json) of the tokenizer that made the data at path, from its
+    meta.json; None where unknown (no path: the synthetic language; a text file; nanoGPT's directory).
+    training/tokenizer.py's fingerprint(folder) gives the same SHA-256 for a model folder, to compare."""
+    meta = read_meta(path) if path is not None else None
+    return (meta.get("tokenizer"), meta.get("tokenizer_sha256")) if meta else None
+
+
 def vocab_size_of(path, vocab_size=None):
     """The vocabulary of the data at path (None: the synthetic language of vocab_size).
 
     Reads no tokens and builds nothing: it is called before any process group
     exists, to shape the model. A token directory's size comes from its
-    meta.pkl, else from vocab_size, else GPT-2's; never from a scan of the files.
+    meta.json or meta.pkl, else from vocab_size, else GPT-2's; never from a
+    scan of the files.
     """
     if path is None:
         if vocab_size is None:
@@ -122,9 +159,12 @@ def vocab_size_of(path, vocab_size=None):
         raise FileNotFoundError(f"--data {path}: no such file or directory")
     if not os.path.isdir(path):
         return 256  # a text file: bytes are tokens
-    meta = os.path.join(path, "meta.pkl")
-    if os.path.exists(meta):
-        with open(meta, "rb") as f:
+    meta = read_meta(path)
+    if meta:
+        return meta["vocab_size"]
+    pickled = os.path.join(path, "meta.pkl")
+    if os.path.exists(pickled):
+        with open(pickled, "rb") as f:
             return int(pickle.load(f)["vocab_size"])
     return GPT2_VOCAB_SIZE if vocab_size is None else vocab_size
 
@@ -132,7 +172,8 @@ def vocab_size_of(path, vocab_size=None):
 def split_lengths(path):
     """Tokens in each split of the data at path, from the files' sizes alone (nothing is read)."""
     if os.path.isdir(path):
-        return {split: os.path.getsize(os.path.join(path, f"{split}.bin")) // 2 for split in SPLITS}  # uint16
+        itemsize = token_dtype(path).itemsize
+        return {split: os.path.getsize(os.path.join(path, f"{split}.bin")) // itemsize for split in SPLITS}
     size = os.path.getsize(path)
     return {"train": int(size * 0.9), "val": size - int(size * 0.9)}  # the last tenth held out, as TokenFile does
 
@@ -148,7 +189,8 @@ class TokenFile:
         self.vocab_size = vocab_size_of(path, vocab_size)
         if os.path.isdir(path):
             # Mapped, not read: only the windows of each batch are ever loaded.
-            self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=np.uint16, mode="r")
+            dtype = token_dtype(path)
+            self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=dtype, mode="r")
                            for split in SPLITS}
         else:
             data = np.fromfile(path, dtype=np.uint8)

@@ -1,0 +1,389 @@
+"""Your own text as the token directory train.py reads (--data DIR), with a Hugging Face model's tokenizer.
+
+    python -m tools.prepare --tokenizer Llama-3.2-1B --out data/notes notes/ letters.jsonl
+    torchrun --nproc_per_node 2 train.py --init-from Llama-3.2-1B --data data/notes
+
+Inputs are .txt files (a document each), .jsonl files (a document a line: its "text" field, or --field's)
+and folders of them, searched recursively in sorted order (other files ignored; blank lines and empty
+documents skipped). Each document becomes its ids (training/tokenizer.py: BOS first if the model expects
+one) and then the tokenizer's EOS, which tells the model where a text ends and generation stops. The
+documents go one after another, in input order, into DIR/train.bin and DIR/val.bin: uint16 ids where the
+vocabulary fits in 16 bits, else uint32. DIR/meta.json describes them (training/data.py reads it):
+
+    dtype, vocab_size                   the ids' type, and how many ids the tokenizer has
+    eos_id, bos_id, add_bos             its special ids (bos_id null if it has none)
+    tokenizer, tokenizer_sha256         its folder, and its tokenizer.json's SHA-256
+    documents, tokens                   per split: {"train": ..., "val": ...}
+    field, val, seed, inputs_sha256     how the inputs were read and split, and their contents' SHA-256
+
+The validation split takes whole documents, never part of one: --val is a fraction of them (rounded to the
+nearest count) or a count, picked by a shuffle seeded by --seed.
+
+Two passes over the inputs. The first checks and counts every document (a bad line fails before anything
+is written; the count places the split). The second tokenizes them in chunks (--chunk-docs documents or
+--chunk-bytes characters, whichever comes first) over --workers processes, with at most two chunks a
+worker in flight, and appends each chunk's tokens to the files in input order. Memory is then bounded by
+the chunks in flight, whatever the size of the corpus (only a single document must fit), and any number
+of workers writes the same bytes.
+"""
+import argparse
+import collections
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+from training.tokenizer import Tokenizer, TokenizerError
+
+PROG = "python -m tools.prepare"
+SUFFIXES = (".txt", ".jsonl")
+SPLITS = ("train", "val")
+CHUNKS_A_WORKER = 2  # one being tokenized, one waiting: a worker never idles while the writer catches up
+
+
+class PrepareError(Exception):
+    """Bad input or flags: printed as one line, and the command exits with status 2."""
+
+
+# ---------------------------------------------------------------------------
+# Reading: input paths -> documents, lazily
+# ---------------------------------------------------------------------------
+
+def input_files(inputs):
+    """The files to read, in order: each input file as given, each folder's .txt and .jsonl files sorted."""
+    files = []
+    for path in inputs:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
+                           for name in names if name.endswith(SUFFIXES))
+            if not found:
+                raise PrepareError(f"{path}: a folder with no .txt or .jsonl files in it")
+            files += found
+        elif not os.path.exists(path):
+            raise PrepareError(f"{path}: no such file or folder")
+        elif not path.endswith(SUFFIXES):
+            raise PrepareError(f"{path}: neither a .txt file (a document) nor a .jsonl file (a document a line)")
+        else:
+            files.append(path)
+    return files
+
+
+def jsonl_document(line, field, path, number):
+    """The text of one .jsonl line (line `number` of path): its `field`, a string; "" for a blank line."""
+    if not line.strip():
+        return ""
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        raise PrepareError(f"{path}:{number}: not UTF-8 text") from None
+    except ValueError as e:
+        raise PrepareError(f"{path}:{number}: not JSON ({e})") from None
+    if not isinstance(record, dict) or field not in record:
+        raise PrepareError(f"{path}:{number}: no {field!r} field (--field names the field holding the text)")
+    text = record[field]
+    if not isinstance(text, str):
+        raise PrepareError(f"{path}:{number}: {field!r} is a {type(text).__name__}, not a string")
+    return text
+
+
+def file_documents(path, field, digest=None):
+    """The non-empty documents of one input file, read as they are asked for (a .jsonl a line at a time);
+    digest, if given, is fed the file's bytes."""
+    try:
+        with open(path, "rb") as f:
+            if path.endswith(".txt"):
+                data = f.read()
+                if digest:
+                    digest.update(data)
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise PrepareError(f"{path}: not UTF-8 text (byte {e.start})") from None
+                if text:
+                    yield text
+                return
+            for number, line in enumerate(f, 1):
+                if digest:
+                    digest.update(line)
+                text = jsonl_document(line, field, path, number)
+                if text:
+                    yield text
+    except OSError as e:
+        raise PrepareError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def documents(files, field):
+    """Every document of the files, in order, each read when it is asked for."""
+    for path in files:
+        yield from file_documents(path, field)
+
+
+def survey(files, field, progress):
+    """The first pass: every document read and checked. Returns (documents, the inputs' SHA-256): the
+    field's name, then each file's SHA-256 in order, hashed."""
+    inputs = hashlib.sha256(field.encode() + b"\0")
+    count = 0
+    for path in files:
+        digest = hashlib.sha256()
+        for _ in file_documents(path, field, digest):
+            count += 1
+            progress.show(lambda: f"read {count:,} documents")
+        inputs.update(digest.digest())
+    return count, inputs.hexdigest()
+
+
+def validation_documents(val, n_documents, seed):
+    """A boolean per document, True for the val split: --val's count of them (a fraction of n_documents
+    rounded to the nearest count), chosen by a shuffle seeded by seed."""
+    count = val if isinstance(val, int) else math.floor(val * n_documents + 0.5)
+    if count < 1 or count >= n_documents:
+        empty = "val" if count < 1 else "train"
+        raise PrepareError(f"--val {val} of {n_documents:,} documents leaves the {empty} split empty (each split "
+                           f"takes whole documents, and a .txt file is one: --val is a fraction between 0 and 1 or "
+                           f"a count below {n_documents:,})")
+    in_val = np.zeros(n_documents, dtype=bool)
+    in_val[np.random.default_rng(seed).choice(n_documents, count, replace=False)] = True
+    return in_val
+
+
+def chunks(texts, in_val, chunk_docs, chunk_bytes):
+    """(documents, their in_val flags): consecutive runs of at most chunk_docs documents, each closed once it
+    holds chunk_bytes characters (a long document closes the chunk it joins)."""
+    chunk, size, start = [], 0, 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if len(chunk) == chunk_docs or size >= chunk_bytes:
+            yield chunk, in_val[start:start + len(chunk)]
+            chunk, size, start = [], 0, start + len(chunk)
+    if chunk:
+        yield chunk, in_val[start:start + len(chunk)]
+
+
+# ---------------------------------------------------------------------------
+# Tokenizing: chunks -> token arrays, in order, over worker processes
+# ---------------------------------------------------------------------------
+
+def token_dtype(vocab_size):
+    """The narrowest unsigned type that holds every id below vocab_size (the largest is vocab_size - 1)."""
+    return "uint16" if vocab_size - 1 <= np.iinfo(np.uint16).max else "uint32"
+
+
+def encode_chunk(tokenizer, texts, in_val):
+    """(train tokens, val tokens, documents): each document's ids and then EOS, in order, in its split."""
+    splits = ([], [])
+    for text, val in zip(texts, in_val):
+        splits[int(val)].extend(tokenizer.encode(text))
+        splits[int(val)].append(tokenizer.eos_id)
+    dtype = token_dtype(tokenizer.vocab_size)
+    return np.array(splits[0], dtype=dtype), np.array(splits[1], dtype=dtype), len(texts)
+
+
+worker_tokenizer = None  # a worker process's own, loaded once by start_worker
+
+
+def start_worker(folder):
+    global worker_tokenizer
+    worker_tokenizer = Tokenizer.from_folder(folder)
+
+
+def encode_chunk_in_worker(texts, in_val):
+    return encode_chunk(worker_tokenizer, texts, in_val)
+
+
+def encoded_chunks(tasks, tokenizer, workers, deadline):
+    """encode_chunk of each (texts, in_val) of tasks, in order. With more than one worker, tasks are drawn
+    only as results are taken (at most CHUNKS_A_WORKER a worker in flight: bounded memory) and a result not
+    ready within `deadline` seconds (a worker killed, or stuck) stops everything."""
+    if workers == 1:
+        for texts, in_val in tasks:
+            yield encode_chunk(tokenizer, texts, in_val)
+        return
+    # Spawned, not forked: a fork would copy this process's tokenizer threads' locks in whatever state.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=start_worker, initargs=(tokenizer.source,)) as pool:  # exit: terminate
+        pending = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(encode_chunk_in_worker, task))
+            if len(pending) == CHUNKS_A_WORKER * workers:
+                yield result_within(pending.popleft(), deadline)
+        while pending:
+            yield result_within(pending.popleft(), deadline)
+
+
+def result_within(result, deadline):
+    try:
+        return result.get(timeout=deadline)
+    except multiprocessing.TimeoutError:
+        raise PrepareError(f"a chunk took a worker more than --timeout {deadline:g} s (the worker was killed, or "
+                           f"is stuck): stopped") from None
+
+
+# ---------------------------------------------------------------------------
+# Writing: train.bin and val.bin appended chunk by chunk, then meta.json
+# ---------------------------------------------------------------------------
+
+class Progress:
+    """One line on stderr, at most once a second: rewritten in place on a terminal, else a line every 10 s."""
+
+    def __init__(self, enabled=True, stream=sys.stderr):
+        self.enabled, self.stream = enabled, stream
+        self.in_place = enabled and stream.isatty()
+        self.interval = 1.0 if self.in_place else 10.0
+        self.last = time.monotonic()
+        self.shown = False
+
+    def show(self, line, final=False):
+        """line: a function making the text, called only when it is shown."""
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < self.interval and not final):
+            return
+        self.last = now
+        self.stream.write(f"\r{line()}\033[K" if self.in_place else f"{line()}\n")
+        self.shown = True
+        if final and self.in_place:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def write_splits(out, encoded, n_documents, progress):
+    """Append each chunk's tokens to out's train.bin and val.bin, under .partial names until prepare has
+    them all. Returns the tokens in each split."""
+    tokens, done, start = {split: 0 for split in SPLITS}, 0, time.monotonic()
+    with open(os.path.join(out, "train.bin.partial"), "wb") as train, \
+            open(os.path.join(out, "val.bin.partial"), "wb") as val:
+        for train_tokens, val_tokens, n_docs in encoded:
+            train_tokens.tofile(train)
+            val_tokens.tofile(val)
+            tokens["train"] += len(train_tokens)
+            tokens["val"] += len(val_tokens)
+            done += n_docs
+            progress.show(lambda: f"tokenized {done:,}/{n_documents:,} documents ({done / n_documents:.0%}), "
+                                  f"{sum(tokens.values()):,} tokens, {time.monotonic() - start:.0f} s",
+                          final=done == n_documents)
+    return tokens
+
+
+def write_json(path, value):
+    with open(path + ".partial", "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+    os.replace(path + ".partial", path)
+
+
+def check_out(out, force):
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise PrepareError(f"--out {out}: a file, not a folder")
+    if os.path.exists(os.path.join(out, "train.bin")) and not force:
+        raise PrepareError(f"--out {out} already holds train.bin (--force writes over it)")
+
+
+def prepare(inputs, tokenizer_folder, out, val=0.1, seed=0, field="text", workers=1, chunk_docs=1024,
+            chunk_bytes=4 << 20, deadline=600.0, force=False, progress=None):
+    """Tokenize the documents of inputs into out/{train,val}.bin and out/meta.json (see the module's
+    docstring). Returns meta.json's contents; raises PrepareError on bad input, before writing anything."""
+    progress = progress or Progress(enabled=False)
+    check_out(out, force)
+    try:
+        tokenizer = Tokenizer.from_folder(tokenizer_folder)
+    except TokenizerError as e:
+        raise PrepareError(f"--tokenizer {e}") from None
+    if tokenizer.eos_id is None:
+        raise PrepareError(f"--tokenizer {tokenizer_folder}: no file names an EOS token (eos_token_id in "
+                           f"generation_config.json or config.json, or tokenizer_config.json's eos_token), "
+                           f"and every document ends with one")
+    files = input_files(inputs)
+    n_documents, inputs_sha256 = survey(files, field, progress)
+    if n_documents == 0:
+        raise PrepareError(f"no documents in {', '.join(inputs)}: only empty files, lines or fields")
+    in_val = validation_documents(val, n_documents, seed)
+
+    os.makedirs(out, exist_ok=True)
+    encoded = encoded_chunks(chunks(documents(files, field), in_val, chunk_docs, chunk_bytes),
+                             tokenizer, workers, deadline)
+    tokens = write_splits(out, encoded, n_documents, progress)
+    n_val = int(in_val.sum())
+    meta = dict(dtype=token_dtype(tokenizer.vocab_size), vocab_size=tokenizer.vocab_size,
+                eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id, add_bos=tokenizer.add_bos,
+                tokenizer=tokenizer.source, tokenizer_sha256=tokenizer.fingerprint,
+                documents={"train": n_documents - n_val, "val": n_val}, tokens=tokens,
+                field=field, val=val, seed=seed, inputs_sha256=inputs_sha256)
+    # Until here everything went under .partial names: an interrupted run leaves the directory as it was.
+    for split in SPLITS:
+        os.replace(os.path.join(out, f"{split}.bin.partial"), os.path.join(out, f"{split}.bin"))
+    write_json(os.path.join(out, "meta.json"), meta)
+    return meta
+
+
+# ---------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------
+
+def fraction_or_count(text):
+    """--val: an integer of at least 1 is a count of documents, else a fraction strictly between 0 and 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+    if isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction between 0 and 1 nor a count of at least 1")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+        return value
+    return parse
+
+
+def parser():
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, or folders of them")
+    p.add_argument("--tokenizer", required=True, metavar="FOLDER",
+                   help="a Hugging Face model folder holding tokenizer.json (the --init-from folder)")
+    p.add_argument("--out", required=True, metavar="DATA_DIR", help="where train.bin, val.bin, meta.json go")
+    p.add_argument("--val", type=fraction_or_count, default=0.1,
+                   help="the validation split: a fraction of the documents, or a count (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the choice of the validation documents (default %(default)s)")
+    p.add_argument("--field", default="text",
+                   help="the field of each .jsonl line holding its text (default %(default)s)")
+    p.add_argument("--workers", type=positive(int), default=min(os.cpu_count() or 1, 8),
+                   help="tokenizing processes (default: the CPUs, at most 8: %(default)s)")
+    p.add_argument("--chunk-docs", type=positive(int), default=1024,
+                   help="the most documents a chunk holds (default %(default)s)")
+    p.add_argument("--chunk-bytes", type=positive(int), default=4 << 20,
+                   help="a chunk is closed once it holds this many characters (default %(default)s)")
+    p.add_argument("--timeout", type=positive(float), default=600.0,
+                   help="the most seconds a worker may take over a chunk before all stops (default %(default)s)")
+    p.add_argument("--force", action="store_true", help="write over an --out that already holds train.bin")
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    try:
+        meta = prepare(args.inputs, args.tokenizer, args.out, val=args.val, seed=args.seed, field=args.field,
+                       workers=args.workers, chunk_docs=args.chunk_docs, chunk_bytes=args.chunk_bytes,
+                       deadline=args.timeout, force=args.force, progress=Progress())
+    except PrepareError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for split in SPLITS:
+        print(f"{split}: {meta['documents'][split]:,} documents, {meta['tokens'][split]:,} tokens")
+    print(f"wrote {os.path.join(args.out, 'train.bin')} and val.bin ({meta['dtype']}), and meta.json")
+
+
+if __name__ == "__main__":
+    main()
