@@ -22,11 +22,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 import hf_models
-from tools import prepare
+from tools import convert, prepare
 from tools.prepare import CHUNKS_A_WORKER, PrepareError, encode_chunk, encoded_chunks
 from training import cli
 from training.data import TokenFile, load_data, read_meta, split_lengths, tokenizer_of, vocab_size_of
-from training.tokenizer import Tokenizer, TokenizerError, fingerprint
+from training.tokenizer import TOKENIZER_FILES, Tokenizer, TokenizerError, fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 EOT = "<|endoftext|>"
@@ -547,3 +547,19 @@ def test_train_checks_that_the_data_was_tokenized_by_the_models_tokenizer(folder
     text.write_text(" ".join(make_documents(10)))
     with pytest.raises(cli.ConfigError, match="is a text file, read as bytes .* python -m tools.prepare --tokenizer"):
         cli.check_args(cli.parse_args([*flags, "--data", str(text)]), 1)
+
+
+def test_the_hugging_face_export_carries_the_tokenizer_the_run_trained_with(folders, tmp_path):
+    data = str(tmp_path / "data")
+    prepare.prepare(write_inputs(tmp_path, make_documents(40)), folders["gpt2"], data, val=0.25)
+    run = subprocess.run([sys.executable, "train.py", "--model", "tiny", "--arch", "llama", "--data", data,
+                          "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "runs"),
+                          "--name", "r"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = tmp_path / "exported"
+    convert.export_hf(str(tmp_path / "runs" / "r" / "checkpoint-00000001"), str(out))
+    copied = sorted(name for name in os.listdir(folders["gpt2"]) if name in TOKENIZER_FILES)
+    assert copied == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    for name in copied:
+        assert (out / name).read_bytes() == (Path(folders["gpt2"]) / name).read_bytes()
+    assert Tokenizer.from_folder(str(out)).fingerprint == fingerprint(folders["gpt2"])

@@ -11,12 +11,14 @@ from-file: such a file back into a checkpoint of a run's folder, to --resume fro
 alone imports as step 0, a fresh optimizer). Export, import and export again gives the same bytes.
 to-hf: a checkpoint of any layout as a Hugging Face model folder (training/hf.py reads such folders):
 each of model.py's tensors cut back into the Hugging Face tensors it was made of, in files of at most
-5 GB with their index, and the config.json the run started from (or one made for its model).
+5 GB with their index, the config.json the run started from (or one made for its model), and the
+tokenizer's files the run trained with (tokenizer.json and its configs, where the run recorded one).
 """
 import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 from functools import lru_cache
 
@@ -27,6 +29,7 @@ from training import hf
 from training.checkpoint import (HASH_CHUNK, TORCH_DTYPES, BadCheckpoint, Checkpoint, SafetensorsFile,
                                  path_for, verify, write_manifest, write_safetensors)
 from training.hf import ARCHITECTURES, UnsupportedModel, hf_from_config
+from training.tokenizer import TOKENIZER_FILES, folder_of_run
 
 
 # ---------------------------------------------------------------------------
@@ -122,6 +125,16 @@ def export_hf(path, out, dtype=None, max_shard_bytes=5 * 10**9):
     write_json(os.path.join(out, "config.json"),
                dict(hf_config, architectures=[ARCHITECTURES[hf_config["model_type"]]],
                     torch_dtype=str(written).removeprefix("torch.")))
+    copy_tokenizer(folder_of_run(saved.manifest["args"]), out)
+
+
+def copy_tokenizer(folder, out):
+    """The tokenizer's files of the run (those of `folder` that exist) into the exported folder, so that other
+    tools load the model with the tokenizer it was trained on. None: the run recorded none (the synthetic
+    language, bytes, nanoGPT's ids), and the folder holds the model alone."""
+    for name in TOKENIZER_FILES if folder else ():
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
 
 
 def hf_tensors(saved, config, model_type, dtype):

@@ -27,6 +27,7 @@ import os
 
 from tokenizers import Tokenizer as Backend
 
+from training.data import tokenizer_of
 
 class TokenizerError(ValueError):
     """A folder whose tokenizer cannot be read or used; the message names the folder or file."""
@@ -143,3 +144,18 @@ class Tokenizer:
     def decode(self, ids):
         """The text of ids (any sequence of ints, a numpy array too), special tokens skipped."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+# The files of a model folder that describe its tokenizer: what a Hugging Face export carries along.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def folder_of_run(run_args):
+    """The folder of the tokenizer a run trained with, from its flags (a checkpoint's manifest keeps them): the
+    one that made its --data (its meta.json names it), else its --init-from folder's, if that has one; None for
+    the synthetic language, bytes, and nanoGPT's ids, whose tokenizer nothing records."""
+    made_by = tokenizer_of(run_args.get("data"))
+    if made_by:
+        return made_by[0]
+    init_from = run_args.get("init_from")
+    return init_from if init_from and fingerprint(init_from) else None
