@@ -28,8 +28,10 @@ _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.06
                    "high_freq_factor": 0.125, "original_max_position_embeddings": 16}
 
 
-def tiny_config(arch: str) -> dict:
-    """A tiny config.json dict for arch, as transformers writes it."""
+def tiny_config(arch: str, transformers: int = 4) -> dict:
+    """A tiny config.json dict for arch, as transformers 4 (or 5) writes it."""
+    if transformers == 5:
+        return _as_transformers5(tiny_config(arch))
     if arch == "gpt2":
         return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=61,
                     n_positions=32, n_embd=32, n_layer=4, n_head=4, n_inner=None,
@@ -65,6 +67,23 @@ def tiny_config(arch: str) -> dict:
         return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **qwen,
                     torch_dtype="float32", transformers_version="4.46.0")
     raise ValueError(f"unknown architecture {arch!r}")
+
+
+def _as_transformers5(cfg: dict) -> dict:
+    """A transformers 4 config.json as transformers 5 writes the same model (PreTrainedConfig.to_diff_dict of
+    5.0 to 5.24). The rotary settings move into one dict, rope_parameters: RotaryEmbeddingConfigMixin's
+    convert_rope_params_to_dict takes rope_scaling (or {}) as it, rope_theta into it, and
+    standardize_rope_params adds rope_type; no top-level rope_theta or rope_scaling is left to save. The dtype
+    is saved as dtype, not torch_dtype; Qwen2's config saves its layer_types."""
+    out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    if cfg["model_type"] != "gpt2":
+        rope = dict(cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA[cfg["model_type"]]))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        out["rope_parameters"] = rope
+    if cfg["model_type"] == "qwen2":
+        out["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    return out | dict(dtype=cfg["torch_dtype"], transformers_version="5.0.0")
 
 
 # ---------------------------------------------------------------- writing a folder
@@ -135,7 +154,7 @@ def _attention_biases(cfg):
 def make_folder(path, arch, seed=0, dtype=torch.float64, shards=1, config=None) -> dict:
     """Write config.json and seeded random weights under Hugging Face names into `path`."""
     cfg = dict(config if config is not None else tiny_config(arch))
-    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).replace("torch.", "")  # 5's name, or 4's
     g = torch.Generator().manual_seed(seed)
     shapes = _gpt2_shapes(cfg) if cfg["model_type"] == "gpt2" else _llama_shapes(cfg)
     tensors = {}
@@ -239,11 +258,29 @@ def _gpt2_logits(cfg, w, ids):
     return x @ head.T
 
 
+# rope_theta where config.json states none: the config class's default, the same in transformers 4 and 5
+# (configuration_llama/mistral/qwen2.py: 10000.0; configuration_mixtral.py: 1e6, MixtralConfig.default_theta in 5)
+_DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+
+
+def _rope_parameters(cfg):
+    """The rotary settings as transformers 5 reads any config.json, its own form or transformers 4's
+    (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict and standardize_rope_params): a rope_scaling
+    dict, else rope_parameters; rope_theta from that dict, else the top-level one, else the class's default;
+    rope_type, else type, else default; llama3's original context, else max_position_embeddings."""
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA[cfg["model_type"]]))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+    return rope
+
+
 def _rope_inv_freq(cfg, d):
     """modeling_rope_utils: _compute_default_rope_parameters and _compute_llama3_parameters."""
-    inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.get("rope_scaling") or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
+    rs = _rope_parameters(cfg)
+    inv = 1.0 / (rs["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    kind = rs["rope_type"]
     if kind == "default":
         return inv
     if kind != "llama3":

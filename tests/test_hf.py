@@ -7,6 +7,9 @@
   vocabulary split, across pipeline stages and on rank 0 alone in ZB-V's V, the tanh GELU and the padded
   vocabulary through tp, each norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp,
   Mixtral's experts under ep);
+- a folder saved by transformers 4 (rope_theta, rope_scaling) or by 5 (rope_parameters) loads as the same model,
+  rotary settings stated twice differently or of a kind model.py lacks are refused by name, and the config
+  training/hf.py exports reads back as the model it was made of;
 - training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
 """
 import json
@@ -47,6 +50,108 @@ def test_model_py_gives_the_reference_logits(folders, arch):
     logits = model(ids)[0]
     expected = hf_models.reference_logits(folders[arch], ids)
     torch.testing.assert_close(logits[..., :config.vocab_size], expected, rtol=1e-12, atol=1e-14)
+
+
+def model_logits(folder, seq_len=12):
+    """model.py's logits (float64) of a folder as hf.py reads it, and the independent reference's, for one batch."""
+    config = hf.config_from_hf(hf.read_config(folder), seq_len=seq_len)
+    model = GPT(config).double()
+    model.load_state_dict(hf.load_state_dict(folder, config))
+    ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    return model(ids)[0][..., :config.vocab_size], hf_models.reference_logits(folder, ids)
+
+
+# The rotary settings as each transformers writes them, for a Llama 3.1-style model (theta 500,000, llama3
+# scaling) and a Mixtral (theta 1e6): transformers 4 at the top level (configuration_llama.py's rope_theta and
+# rope_scaling; configuration_mixtral.py's rope_theta alone), transformers 5 in one dict, rope_parameters,
+# with rope_theta and rope_type in it and nothing at the top level (modeling_rope_utils.py's
+# RotaryEmbeddingConfigMixin: convert_rope_params_to_dict, standardize_rope_params).
+LLAMA3 = dict(factor=8.0, low_freq_factor=0.0625, high_freq_factor=0.125, original_max_position_embeddings=16)
+WRITTEN = {"llama3.1": ({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}},
+                        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}}),
+           "mixtral": ({"rope_theta": 1000000.0}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})}
+ROTARY = dict(rope_theta=None, rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+              rope_original_context=8192)  # GPTConfig's rotary fields (their defaults: no scaling)
+EXPECTED = {"llama3.1": dict(ROTARY, rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=0.0625,
+                             rope_high_freq_factor=0.125, rope_original_context=16),
+            "mixtral": dict(ROTARY, rope_theta=1e6)}
+
+
+def rotary_of(config):
+    return {name: getattr(config, name) for name in ROTARY}
+
+
+@pytest.mark.parametrize("arch", hf_models.ARCHITECTURES)
+def test_folders_saved_by_transformers_4_and_5_load_as_the_same_model(tmp_path, arch):
+    """The same model saved by transformers 4 and by 5 (and with both forms, agreeing) loads to one GPTConfig,
+    whose logits are the reference's reading each file as transformers does."""
+    v4, v5 = hf_models.tiny_config(arch), hf_models.tiny_config(arch, transformers=5)
+    if arch in WRITTEN:
+        for written, rope in zip((v4, v5), WRITTEN[arch]):
+            assert {k: written[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in written} == rope
+    configs = []
+    for name, written in [("v4", v4), ("v5", v5), ("both", v4 | v5)]:
+        hf_models.make_folder(str(tmp_path / name), arch, config=written)
+        configs.append(hf.config_from_hf(hf.read_config(str(tmp_path / name)), seq_len=12))
+        torch.testing.assert_close(*model_logits(str(tmp_path / name)), rtol=1e-12, atol=1e-14)
+    assert configs[0] == configs[1] == configs[2]
+    if arch in EXPECTED:
+        assert rotary_of(configs[1]) == EXPECTED[arch]
+
+
+@pytest.mark.parametrize("arch,theta", [("llama", 10000.0), ("mistral", 10000.0), ("qwen2", 10000.0),
+                                        ("mixtral", 1e6)])
+def test_a_folder_stating_no_rope_theta_rotates_by_its_config_class_default(tmp_path, arch, theta):
+    """transformers' default, the same in 4 and 5: MixtralConfig's 1e6, the others' 10000."""
+    v4 = {k: v for k, v in hf_models.tiny_config(arch).items() if k != "rope_theta"}
+    v5 = hf_models.tiny_config(arch, transformers=5)
+    del v5["rope_parameters"]["rope_theta"]
+    for name, written in [("v4", v4), ("v5", v5)]:
+        assert hf.config_from_hf(written, seq_len=12).rope_theta == theta
+        hf_models.make_folder(str(tmp_path / name), arch, config=written)
+        torch.testing.assert_close(*model_logits(str(tmp_path / name)), rtol=1e-12, atol=1e-14)
+
+
+def test_rotary_settings_stated_twice_differently_or_unsupported_are_refused_by_name():
+    v4, v5 = hf_models.tiny_config("llama3.1"), hf_models.tiny_config("llama3.1", transformers=5)
+    mixtral4, mixtral5 = hf_models.tiny_config("mixtral"), hf_models.tiny_config("mixtral", transformers=5)
+    rope5 = v5["rope_parameters"]
+    cases = [  # (config.json, a pattern the refusal must name)
+        # both forms, disagreeing: transformers 4 would read the first, 5 the other
+        (v4 | {"rope_parameters": dict(rope5, rope_theta=10000.0)}, r"rope_theta=500000.0.*rope_parameters"),
+        (v5 | {"rope_theta": 10000.0}, r"rope_theta=10000.0.*rope_parameters\['rope_theta'\]=500000.0"),
+        (mixtral4 | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "rope_parameters"),
+        (v4 | {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, r"rope_scaling=.*rope_parameters="),
+        (v5 | {"rope_scaling": None}, r"rope_scaling=None.*rope_parameters="),  # 4 says no scaling, 5 says llama3
+        (v5 | {"rope_scaling": dict(rope5, factor=4.0)}, r"rope_scaling=.*rope_parameters="),
+        # rope types model.py cannot represent, under either name
+        (v5 | {"rope_parameters": dict(rope5, rope_type="yarn")}, "rope_parameters.*'yarn'"),
+        (mixtral5 | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
+         "rope_parameters.*'dynamic'"),
+        (v4 | {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.*'linear'"),
+        (v4 | {"rope_scaling": dict(v4["rope_scaling"], type="linear")}, "rope_scaling.*rope_type and type"),
+        # settings of the rotary form model.py has no field for
+        (v5 | {"rope_parameters": {"full_attention": rope5, "sliding_attention": rope5}}, "rope_parameters"),
+        (v5 | {"rope_parameters": {"full_attention": None}}, "rope_parameters.*per attention kind"),
+        (v5 | {"rope_parameters": dict(rope5, partial_rotary_factor=0.5)}, "rope_parameters"),
+        (v5 | {"rope_parameters": {k: v for k, v in rope5.items() if k != "low_freq_factor"}},
+         "rope_parameters.*without low_freq_factor"),
+    ]
+    for config, pattern in cases:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.config_from_hf(config, seq_len=12)
+
+
+@pytest.mark.parametrize("arch", hf_models.ARCHITECTURES)
+def test_the_exported_config_reads_back_as_the_same_model(tmp_path, arch):
+    """hf_from_config writes transformers 4's form (which transformers 5 reads as well): it reads back to the
+    GPTConfig it was made of, and the reference, reading it as transformers does, computes model.py's logits."""
+    config = hf.config_from_hf(hf_models.tiny_config(arch, transformers=5), seq_len=12)
+    exported = hf.hf_from_config(config)
+    assert "rope_parameters" not in exported
+    assert hf.config_from_hf(exported, seq_len=12) == config
+    hf_models.make_folder(str(tmp_path), arch, config=json.loads(json.dumps(exported)))  # as config.json holds it
+    torch.testing.assert_close(*model_logits(str(tmp_path)), rtol=1e-12, atol=1e-14)
 
 
 # (architecture, ranks, layout): each new config field through the dimensions it touches.

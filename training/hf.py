@@ -180,25 +180,91 @@ def llama_fields(hf, seq_len):
         refuse(hf, "mlp_bias", "model.py has biases in every linear layer or in none (besides q, k, v)")
     fields = dict(n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
                   d_model=d, d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
-                  position="rope", rope_theta=hf.get("rope_theta", 10000.0), norm="rms",
-                  norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", bias=bias,
+                  position="rope", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", bias=bias,
                   qkv_bias=True if model_type == "qwen2" else bias,
-                  tie_embeddings=hf.get("tie_word_embeddings", False), **rope_scaling_fields(hf))
+                  tie_embeddings=hf.get("tie_word_embeddings", False), **rope_fields(hf))
     if model_type == "mixtral":
         fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
     return fields
 
 
-def rope_scaling_fields(hf):
-    scaling = hf.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+# The rotary settings, in the two forms transformers writes them:
+# - transformers 4 (models/*/configuration_*.py, up to 4.57): at the top level, `rope_theta`, and for Llama
+#   and Qwen2 `rope_scaling`: null, or a dict naming its kind by `rope_type` (or the older `type`) beside the
+#   kind's values, Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+#   "original_max_position_embeddings"}. Mistral's and Mixtral's configs have no rope_scaling attribute
+#   (their rotary embedding still reads one the file has).
+# - transformers 5 (modeling_rope_utils.py's RotaryEmbeddingConfigMixin, 5.0 to 5.24): one dict,
+#   `rope_parameters`, holding rope_theta and rope_type beside the kind's values (standardize_rope_params
+#   fills in both before a save, and original_max_position_embeddings for llama3), and neither top-level key.
+#   It reads the first form too (convert_rope_params_to_dict: a rope_scaling replaces rope_parameters, a
+#   top-level rope_theta fills in one rope_parameters lacks); transformers 4 reads only the first.
+#   rope_parameters nested by attention kind ({"full_attention": {...}, "sliding_attention": {...}}) is for
+#   models whose kinds of layer rotate differently (Gemma 3 and the like): the rotary embedding of Llama,
+#   Mistral, Qwen2 and Mixtral reads one flat dict (rope_parameters["rope_type"]), so a nested one is refused.
+# Both forms in one file (edited by hand, or by a tool that knows one of them): where each states a value,
+# they must agree, or the folder is refused by name, since transformers 4 and 5 would each take another one.
+ROPE_FORMS = ("rope_scaling", "rope_parameters")  # transformers 4's dict, transformers 5's
+LLAMA3 = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+          "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_context"}
+# A file that states no rope_theta at all rotates by its config class's default, the same in transformers 4
+# and 5: 10000.0 for Llama, Mistral and Qwen2 (their rope_theta argument in 4, RotaryEmbeddingConfigMixin's
+# default_theta in 5), 1e6 for Mixtral (rope_theta=1e6 in 4, MixtralConfig.default_theta in 5). Neither
+# version depends on which wrote the file, so the default is taken, not refused.
+DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+
+
+def rope_fields(hf):
+    """GPTConfig's rotary fields (rope_theta, and Llama 3.1's scaling) from either form of a config."""
+    model_type, forms = hf["model_type"], {name: hf[name] for name in ROPE_FORMS if name in hf}
+    for name, form in forms.items():
+        if form is not None and not isinstance(form, dict):
+            refuse(hf, name, "not a dict of rotary settings")
+        if any(isinstance(value, dict) or key.endswith("attention") for key, value in (form or {}).items()):
+            refuse(hf, name, f"one set of rotary settings per attention kind: transformers' {model_type} "
+                             "reads one flat dict, and model.py rotates every layer alike")
+    thetas = {where: value for where, value in [("rope_theta", hf.get("rope_theta"))]
+              + [(f"{name}['rope_theta']", (form or {}).get("rope_theta")) for name, form in forms.items()]
+              if value is not None}
+    disagree(hf, thetas)
+    partial = [where for where, value in [("partial_rotary_factor", hf.get("partial_rotary_factor"))]
+               + [(name, (form or {}).get("partial_rotary_factor")) for name, form in forms.items()]
+               if value not in (None, 1, 1.0)]
+    if partial:
+        refuse(hf, partial[0], "model.py rotates the whole head (partial_rotary_factor 1)")
+    scalings = {name: scaling(hf, name, form or {}) for name, form in forms.items()}
+    disagree(hf, scalings, shown=forms)
+    fields = dict(rope_theta=float(next(iter(thetas.values()), DEFAULT_THETA[model_type])))
+    return fields | next(iter(scalings.values()), {})
+
+
+def scaling(hf, name, form):
+    """model.py's scaling fields of one form's dict (rope_scaling or rope_parameters): {} for none."""
+    kinds = {form[key] for key in ("rope_type", "type") if form.get(key) is not None}
+    if len(kinds) > 1:
+        refuse(hf, name, "its rope_type and type disagree (transformers 4's Llama takes type, 5 takes rope_type)")
+    kind = kinds.pop() if kinds else "default"
     if kind == "default":
         return {}
     if kind != "llama3":
-        refuse(hf, "rope_scaling", "model.py's rotary scaling is Llama 3.1's alone")
-    return dict(rope_factor=scaling["factor"], rope_low_freq_factor=scaling["low_freq_factor"],
-                rope_high_freq_factor=scaling["high_freq_factor"],
-                rope_original_context=scaling["original_max_position_embeddings"])
+        refuse(hf, name, f"rope type {kind!r}: model.py's rotary scaling is Llama 3.1's (llama3) alone")
+    missing = [key for key in LLAMA3 if form.get(key) is None]
+    if missing:
+        refuse(hf, name, f"llama3 scaling without {', '.join(missing)}")
+    return {field: form[key] for key, field in LLAMA3.items()}
+
+
+def disagree(hf, stated, shown=None):
+    """Refuses a config that states one setting in several places ({where: value}) with different values;
+    `shown`: what to name for each place, where not the value itself."""
+    values = list(stated.values())
+    if any(value != values[0] for value in values[1:]):
+        shown = shown or stated
+        raise UnsupportedModel(f"{hf.get('model_type')} states its rotary settings both as transformers 4 writes "
+                               "them (rope_theta, rope_scaling) and as transformers 5 does (rope_parameters), and "
+                               "they disagree: " + ", ".join(f"{where}={shown[where]!r}" for where in stated)
+                               + " (transformers 4 reads the first form; 5 prefers rope_scaling to rope_parameters"
+                               " and rope_parameters' rope_theta to the top-level one): refused, not guessed")
 
 
 def hf_from_config(config):
@@ -224,6 +290,8 @@ def hf_from_config(config):
         fields.update(attention_bias=c.bias, mlp_bias=c.bias)
     if model_type == "mixtral":
         fields.update(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k)
+    # transformers 4's form alone (rope_theta, rope_scaling): transformers 4 reads nothing else, and 5 reads it
+    # as its own (convert_rope_params_to_dict moves both into rope_parameters), so one form is written once.
     if c.rope_factor != 1:
         fields["rope_scaling"] = dict(rope_type="llama3", factor=c.rope_factor,
                                       low_freq_factor=c.rope_low_freq_factor,
