@@ -517,14 +517,30 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Sample max_new_tokens continuations of idx (batch, seq), one at a time."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, eos_id=None):
+        """idx (batch, seq) continued by up to max_new_tokens tokens, one at a time, each from the last position's
+        logits: sampled at `temperature` among the top_k most likely (None: all), or with temperature 0 the most
+        likely (greedy). A row that emits eos_id is finished: it is padded with eos_id until every row is, and
+        then generation stops. The context is the last max_seq_len tokens (the positions the model knows).
+        No key/value cache: each new token runs the whole context through the model again."""
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} is negative")
+        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.max_seq_len:]
-            logits = without_padding(self(context)[0][:, -1, :], self.config.vocab_size) / temperature
-            if top_k is not None:
-                kth_largest = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-            next_token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            logits = without_padding(self(context)[0][:, -1, :], self.config.vocab_size)
+            if temperature == 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth_largest = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+                next_token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            if eos_id is not None:
+                next_token[finished] = eos_id
+                finished |= next_token[:, 0] == eos_id
             idx = torch.cat([idx, next_token], dim=1)
+            if finished.all():
+                break
         return idx
