@@ -1,35 +1,28 @@
 """python -m tools.sample: a prompt's continuation from a checkpoint of any layout or a Hugging Face folder.
 
-A byte-level BPE tokenizer is trained here (the tokenizers library's trainer, nothing downloaded), text is
-prepared with it (python -m tools.prepare) and tiny models train on it for a step or two. What the command
+A byte-level BPE tokenizer is trained (tests/texts.py: the tokenizers library's trainer, nothing downloaded), text
+is prepared with it (python -m tools.prepare) and tiny models train on it for a step or two. What the command
 prints is checked against model.py's greedy decoding written out in the test, on weights read independently
 (python -m tools.convert's one-file export, read by the safetensors library).
 """
 import json
 import os
-import random
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import hf_models
 import train
 from distributed import run_on_ranks
 from model import GPT, GPTConfig
+from texts import documents, greedy, run, tokenizer_folder, write_documents
 from tools import convert, sample
 from training import cli
-from training.checkpoint import MANIFEST, Checkpoint
+from training.checkpoint import MANIFEST, Checkpoint, checkpoint_at
 from training.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-EOT = "<|endoftext|>"
 PROMPT = "the cat sat on"
 NEW = 24  # more than the tiny models' 16 positions with the prompt: the context is cropped too
 TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2", "--warmup", "1",
@@ -38,35 +31,9 @@ TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2
 
 # -- what the tests sample from ---------------------------------------------------------------------------
 
-def documents(n=40, seed=0):
-    rng = random.Random(seed)
-    vocabulary = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 6))) for _ in range(60)]
-    return [" ".join(rng.choice(vocabulary + ["the", "cat", "sat", "on"]) for _ in range(50)) for _ in range(n)]
-
-
-def tokenizer_folder(path, vocab_size=300):
-    """GPT-2's layout (byte-level BPE, <|endoftext|> its EOS) as a Hugging Face folder."""
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(documents(), trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    path.mkdir()
-    backend.save(str(path / "tokenizer.json"))
-    eot = backend.token_to_id(EOT)
-    (path / "generation_config.json").write_text(json.dumps(dict(bos_token_id=eot, eos_token_id=eot)))
-    return str(path)
-
-
 def train_run(argv):
     """train.py on this rank (for run_on_ranks): its checkpoints are what the tests read."""
     train.train(cli.parse_args(argv))
-
-
-def run(module, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +41,7 @@ def made(tmp_path_factory):
     """{tokenizer, data, runs...}: a tokenizer, text prepared with it, and the runs trained on it."""
     root = tmp_path_factory.mktemp("sample")
     tokenizer = tokenizer_folder(root / "tokenizer")
-    texts = root / "texts"
-    texts.mkdir()
-    for i, text in enumerate(documents()):
-        (texts / f"{i:03d}.txt").write_text(text)
+    texts = write_documents(root / "texts", documents())
     prepared = run("tools.prepare", "--tokenizer", tokenizer, "--out", root / "data", texts)
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     vocab = Tokenizer.from_folder(tokenizer).vocab_size
@@ -103,21 +67,6 @@ def weights(checkpoint, folder):
     if config.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]  # saved once, as the embedding
     return config, state
-
-
-def greedy(config, state, ids, max_new_tokens, eos_id):
-    """The argmax at every step, the context cropped to the positions the model has, up to EOS (left out)."""
-    model = GPT(config)
-    model.load_state_dict(state)
-    idx, new = torch.tensor([ids]), []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            token = model(idx[:, -config.max_seq_len:])[0][0, -1, :config.vocab_size].argmax().item()
-            if token == eos_id:
-                break
-            new.append(token)
-            idx = torch.cat([idx, torch.tensor([[token]])], dim=1)
-    return new
 
 
 def expected_text(made, checkpoint, tmp_path, tokenizer=None, prompt=PROMPT):
@@ -207,7 +156,7 @@ def test_a_run_folder_samples_its_newest_good_checkpoint(made, tmp_path, capsys)
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     os.remove(copy / "checkpoint-00000002" / MANIFEST)  # a save that never finished
-    assert sample.checkpoint_of(str(copy)) == str(copy / "checkpoint-00000001")
+    assert checkpoint_at(str(copy), report=sample.note) == str(copy / "checkpoint-00000001")
     assert "checkpoint-00000002: incomplete" in capsys.readouterr().err
     os.remove(copy / "checkpoint-00000001" / MANIFEST)
     assert "none of its checkpoints is complete" in refused(capsys, "--checkpoint", copy)

@@ -2,8 +2,9 @@
 
     python -m tools.convert to-file runs/x/checkpoint-00000100 model.safetensors [--weights-only]
     python -m tools.convert from-file model.safetensors runs/y
-    python -m tools.convert to-hf runs/x/checkpoint-00000100 llama-continued [--dtype bfloat16]
+    python -m tools.convert to-hf runs/x llama-continued [--dtype bfloat16]
 
+A checkpoint is named by its folder, or by its run's folder for the newest complete, undamaged one.
 to-file: a sharded checkpoint of any layout (training/checkpoint.py) as one safetensors file in
 model.py's state-dict layout: the weights, for inference and other tools, and unless --weights-only the
 optimizer's state too, under "optimizer.<key>.<name>", with the step counts in its metadata.
@@ -27,7 +28,7 @@ import torch
 from model import GPT, GPTConfig
 from training import hf
 from training.checkpoint import (HASH_CHUNK, TORCH_DTYPES, BadCheckpoint, Checkpoint, SafetensorsFile,
-                                 path_for, verify, write_manifest, write_safetensors)
+                                 checkpoint_at, path_for, write_manifest, write_safetensors)
 from training.hf import ARCHITECTURES, UnsupportedModel, hf_from_config
 from training.tokenizer import TOKENIZER_FILES, folder_of_run
 
@@ -38,8 +39,7 @@ from training.tokenizer import TOKENIZER_FILES, folder_of_run
 
 def export(path, out, weights_only=False):
     """Write the checkpoint at path as one safetensors file, a tensor at a time (see the module's docstring)."""
-    saved = Checkpoint(path)
-    verify(path)
+    saved = Checkpoint(checkpoint_at(path))
     entries = []
     for name, layout in saved.tensors.items():
         keys = ["model"] + ([] if weights_only else saved.optimizer_keys(name))
@@ -104,8 +104,7 @@ def export_hf(path, out, dtype=None, max_shard_bytes=5 * 10**9):
     """Write the checkpoint at path as a Hugging Face model folder `out`, a tensor at a time: the weights
     in dtype (default: as saved), in files of at most max_shard_bytes (as save_pretrained names them), and
     config.json (the one the run started from, or one made for its model)."""
-    saved = Checkpoint(path)
-    verify(path)
+    saved = Checkpoint(checkpoint_at(path))
     if not saved.manifest.get("model"):
         raise UnsupportedModel(f"{path} does not record its model's config (saved by an older version, or "
                                f"imported): resume the run from it and save again")
@@ -194,20 +193,23 @@ def write_json(path, value):
         json.dump(value, f, indent=2)
 
 
+CHECKPOINT_HELP = "a checkpoint folder (runs/NAME/checkpoint-STEP), or a run folder (runs/NAME) for its newest good one"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tools.convert",
                                      description="Convert a sharded checkpoint to one safetensors file in model.py's "
                                                  "layout and back, or to a Hugging Face model folder.")
     commands = parser.add_subparsers(dest="command", required=True)
-    to_file = commands.add_parser("to-file", help="a checkpoint folder (any layout) -> one .safetensors file")
-    to_file.add_argument("checkpoint")
+    to_file = commands.add_parser("to-file", help="a checkpoint (any layout) -> one .safetensors file")
+    to_file.add_argument("checkpoint", help=CHECKPOINT_HELP)
     to_file.add_argument("file")
     to_file.add_argument("--weights-only", action="store_true", help="the weights alone, no optimizer state")
     from_file = commands.add_parser("from-file", help="one .safetensors file -> a checkpoint of a run's folder")
     from_file.add_argument("file")
     from_file.add_argument("run_dir")
-    to_hf = commands.add_parser("to-hf", help="a checkpoint folder (any layout) -> a Hugging Face model folder")
-    to_hf.add_argument("checkpoint")
+    to_hf = commands.add_parser("to-hf", help="a checkpoint (any layout) -> a Hugging Face model folder")
+    to_hf.add_argument("checkpoint", help=CHECKPOINT_HELP)
     to_hf.add_argument("folder")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
                        help="the weights' dtype in the folder (default: as the checkpoint holds them)")

@@ -33,11 +33,10 @@ import torch
 
 from model import GPT, GPTConfig, fill_in_chunks, tied_name
 from training import hf
-from training.checkpoint import (MANIFEST, NAME, TORCH_DTYPES, BadCheckpoint, Checkpoint, checkpoints, newest_good,
-                                 verify)
+from training.checkpoint import TORCH_DTYPES, BadCheckpoint, Checkpoint, checkpoint_at
 from training.data import tokenizer_of
 from training.hf import UnsupportedModel
-from training.tokenizer import Tokenizer, TokenizerError, fingerprint
+from training.tokenizer import Tokenizer, TokenizerError, fingerprint, folder_of_run
 
 PROG = "python -m tools.sample"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -77,25 +76,10 @@ def fill(model, names, values_at):
         fill_in_chunks(tensors[name].detach().view(-1), partial(values_at, name), torch.arange)
 
 
-def checkpoint_of(path):
-    """The checkpoint folder `path` names: itself, or a run folder's newest complete, undamaged checkpoint."""
-    if not os.path.isdir(path):
-        raise SampleError(f"{path}: no such folder")
-    if os.path.isfile(os.path.join(path, MANIFEST)) or NAME.fullmatch(os.path.basename(os.path.normpath(path))):
-        verify(path)  # incomplete or damaged: BadCheckpoint says which
-        return path
-    if not checkpoints(path):
-        raise SampleError(f"{path}: neither a checkpoint (no {MANIFEST}) nor a run folder (no checkpoint-* in it)")
-    newest = newest_good(path, report=note)
-    if newest is None:
-        raise SampleError(f"{path}: none of its checkpoints is complete and undamaged")
-    return newest
-
-
 def from_checkpoint(path, given):
-    """(config, tokenizer, load(dtype, device) -> model) of a checkpoint or run folder (see checkpoint_of) and
+    """(config, tokenizer, load(dtype, device) -> model) of a checkpoint or run folder (its newest good one) and
     `given` (--tokenizer): the tokenizer is found, and checked, before any weight is read."""
-    saved = Checkpoint(checkpoint_of(path))
+    saved = Checkpoint(checkpoint_at(path, report=note))
     if not saved.manifest.get("model"):
         raise SampleError(f"{saved.path} does not record its model's config (saved by an older version, or "
                           f"imported from a file): resume the run from it and save again")
@@ -162,14 +146,14 @@ def tokenizer_of_run(run_args, vocab_size, given):
     that did not make the run's data (another tokenizer.json: its ids are other tokens)."""
     data, init_from = run_args.get("data"), run_args.get("init_from")
     made_by = tokenizer_of(data)  # (folder, SHA-256) from a prepared directory's meta.json, else None
+    recorded = folder_of_run(run_args)
     if given:
         tokenizer = Tokenizer.from_folder(given)
-    elif made_by:
-        tokenizer = from_recorded_folder(made_by[0], f"the tokenizer that prepared its --data {data}")
+    elif recorded:
+        what = f"the tokenizer that prepared its --data {data}" if made_by else "its --init-from folder"
+        tokenizer = from_recorded_folder(recorded, what)
     elif data and not os.path.isdir(data) and vocab_size == 256:
         return Bytes()
-    elif init_from and fingerprint(init_from):
-        tokenizer = from_recorded_folder(init_from, "its --init-from folder")
     else:
         raise SampleError(f"{unrecorded(data, init_from)}: pass --tokenizer FOLDER, a Hugging Face folder whose "
                           f"tokenizer.json reads and writes the model's ids")

@@ -343,6 +343,22 @@ def newest_good(run_dir, report=print, group=None):
     return None
 
 
+def checkpoint_at(path, report=print):
+    """The checkpoint `path` names, verified: itself (a checkpoint-* folder, or any folder with a manifest), or
+    a run folder's newest complete, undamaged one; else BadCheckpoint, saying why."""
+    if not os.path.isdir(path):
+        raise BadCheckpoint(f"{path}: no such folder")
+    if os.path.isfile(os.path.join(path, MANIFEST)) or NAME.fullmatch(os.path.basename(os.path.normpath(path))):
+        verify(path)
+        return path
+    if not checkpoints(path):
+        raise BadCheckpoint(f"{path}: neither a checkpoint (no {MANIFEST}) nor a run folder (no checkpoint-* in it)")
+    newest = newest_good(path, report)
+    if newest is None:
+        raise BadCheckpoint(f"{path}: none of its checkpoints is complete and undamaged")
+    return newest
+
+
 # ---------------------------------------------------------------------------
 # Reading: any elements of any tensor, from the pieces holding them
 # ---------------------------------------------------------------------------
