@@ -7,7 +7,6 @@ holds no per-micro-batch copy of a weight.
 """
 import functools
 import math
-import os
 import tempfile
 
 import pytest

@@ -453,7 +453,7 @@ def pp_traffic(config, layout, stage):
 def block_activations(c, layout, layer):
     """Bytes one block saves for backward in one micro-batch's forward, term by term (Korthikanti et al.,
     2022, section 4, count Megatron's block the same way: b*s*h units, sharded by t where tp splits them)."""
-    t, a, w = layout.tp, layout.activation_bytes, layout.weight_bytes
+    t, a = layout.tp, layout.activation_bytes
     tokens = tokens_per_rank(c, layout)
     sharded = tokens // t if layout.sp else tokens  # the residual stream: a sequence shard under sp
     h, head_dim, wide = c.d_model, c.d_model // c.n_head, max(a, 4)
@@ -539,7 +539,7 @@ def recomputed_block(c, layout, layer):
 
 def edge_activations(c, layout, first, last):
     """(the embedding's token ids; the final norm and the head's input, the loss's softmax and targets)."""
-    t, a, w, tokens = layout.tp, layout.activation_bytes, layout.weight_bytes, tokens_per_rank(c, layout)
+    t, a, tokens = layout.tp, layout.activation_bytes, tokens_per_rank(c, layout)
     embedding = head = loss = 0
     if first:
         if t > 1:  # the vocabulary-parallel embedding's local ids and what lies outside its range
