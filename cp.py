@@ -27,11 +27,31 @@ ones (online softmax):
 
 computed in float32 or better. A pair of chunks whose keys all come after
 its queries is skipped; a chunk paired with itself gets the causal mask; any
-other pair needs no mask at all.
+other pair needs no mask at all (within packed documents, below, each pair
+gets its mask written out).
 
 Backward recomputes each block's probabilities from the saved log-sum-exp
 (P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
 K/V block, picking up each rank's contribution, until they are back home.
+
+Packed documents. A sequence may hold several documents back to back: query
+i then sees the keys j <= i of its own document. The core takes the document
+ids of the whole sequence (every rank has all of them), so a rank knows the
+mask of any pair of chunks without asking (`attention_masks`: one small
+object per call; plain causal attention keeps the pairs and flags above).
+Ring attention skips what no query needs, decided alike on every rank from
+the ids, copied to the host once per call (`_RingPlan`): a pair where no
+query sees a key, in any row, is not computed; a K/V block goes round only
+as far as the furthest rank that needs it, in backward too, and its dK/dV
+accumulators come home from there in one message instead of round the rest
+of the ring (a block no other rank needs never leaves home, nor do its
+gradients). Not skipped, as the layout stands: a rank between a block's home
+and the furthest rank that needs it relays it all the same (the ring is the
+only path); a pair empty in some rows only (the batch shares one plan); and
+a document across the boundary of two ranks' chunks makes the later one need
+the earlier's block. The all-gather and the all-to-all move the whole
+sequence whatever the mask (the all-gather skips an empty block, the
+all-to-all computes one masked block).
 
 Each block is computed by one of PyTorch's fused attention kernels that
 return the log-sum-exp the merge needs and whose backward takes the merged
@@ -43,7 +63,10 @@ ways and their glue to model.py. A block's (s/2N)² scores are never
 materialised, so memory grows linearly with the sequence. The same
 computation written out (`block_attention`, `block_attention_backward`) is
 the readable reference that the self-check runs too; it is also what float64
-on CUDA (no fused CUDA kernel takes it) and other devices get.
+on CUDA (no fused CUDA kernel takes it) and other devices get. A block within
+documents takes its mask as a boolean tensor; the fused kernels take it as an
+additive one (0 or -inf), CUDA's FlashAttention not at all (its masked blocks
+go to the memory-efficient kernel).
 
 Mixed precision. The kernels take q, k, v in their own dtype, and K, V and
 their gradient accumulators travel in it (bfloat16 halves the ring's
@@ -64,7 +87,15 @@ shapes from the previous one, in one batch (K, V in forward; K, V, then dK,
 dV at each step of backward). The n-th message from a rank to its successor
 is therefore the n-th receive its successor posts from it, and since both
 ends of an exchange sit in the batch of the same step on every rank, the
-exchange of step s completes once every rank has reached step s.
+exchange of step s completes once every rank has reached step s. Within
+documents every rank plans the skipped messages from the same ids, so both
+ends of a message leave it out or post it, in the same step's batch (the
+accumulators coming home from the furthest rank too, the one message not
+between neighbours). Then a rank may post nothing in a call, and on NCCL
+PyTorch asks every rank of a group to take part in its first
+batch_isend_irecv: create the process group bound to a device
+(init_process_group's device_id), whose communicators are made at once, as
+this file's self-check and training/launch.py do.
 
 Two other ways split attention over the same zigzag shards (`MODES`, below ring attention): every rank
 all-gathers the whole sequence's K and V and reduce-scatters their gradients (Llama 3's long-context
@@ -75,12 +106,15 @@ all three keep tensors of the same sizes for backward (q, k, v, the output, the 
 What a model must offer (the contract for copying this file elsewhere): its
 attention calls a replaceable function on q, k, v of shape (batch, heads,
 seq, head_dim), k and v possibly with fewer heads, after any rotary
-embedding; and it takes token positions as an argument, so that a rank's
-zigzag shard (`shard_sequence`) is embedded at its true positions
-(`zigzag_positions`). The glue is one line per attention layer,
-`core = lambda q, k, v: ring_attention(q, k, v, group)[0]` (or all_gather_attention, all_to_all_attention),
-plus sharding the
-batch; gradients are then averaged over the group as data parallelism does.
+embedding, and, for packed documents, the document ids (batch, seq) of the
+WHOLE sequence in natural order, not this rank's shard (non-decreasing along
+a row; None: one causal sequence); and it takes token positions as an
+argument, so that a rank's zigzag shard (`shard_sequence`) is embedded at its
+true positions (`zigzag_positions`). The glue is one line per attention
+layer, `core = lambda q, k, v, documents=None: ring_attention(q, k, v, group,
+documents=documents)[0]` (or all_gather_attention, all_to_all_attention;
+`ContextParallelCore` is this line), plus sharding the batch; gradients are
+then averaged over the group as data parallelism does.
 
 Self-check: torchrun --nproc_per_node 4 cp.py
 """
@@ -131,6 +165,73 @@ def restore_order(shards, dim=1):
 
 
 # ---------------------------------------------------------------------------
+# Which keys a query sees: causal attention, or causal within packed documents
+# ---------------------------------------------------------------------------
+#
+# Each way cuts attention into blocks, a run of queries against a run of keys (slices of sequence indices),
+# and asks one object per call (`attention_masks`) what mask a block gets: None where no query of it sees
+# any key (the block is skipped), else what the block kernels take: True (the causal mask of a run of
+# queries against their own keys), False (every key seen) or a boolean tensor (batch or 1, 1, queries,
+# keys), True where a query sees a key.
+
+class CausalMasks:
+    """Plain causal attention, query i sees keys 0..i: the blocks the three ways cut are queries against their
+    own keys (True), against keys all before them (False) or all after them (None: skipped)."""
+
+    def sees(self, queries, keys):
+        """Whether any query of the block sees any of its keys: there are keys, and not all after the queries."""
+        return keys.start < min(keys.stop, queries.stop)
+
+    def mask(self, queries, keys):
+        if not self.sees(queries, keys):
+            return None
+        if keys == queries:
+            return True
+        if keys.stop - 1 <= queries.start:
+            return False
+        raise ValueError(f"keys {keys} are neither the queries' own ({queries}) nor all before them")
+
+
+class DocumentMasks:
+    """Causal attention within packed documents, query i sees the keys j <= i of its own document.
+
+    documents (batch, seq): each token's document id over the whole sequence, non-decreasing along a row, so
+    a document is a run of tokens and query i sees keys first[i]..i, first[i] its document's first token.
+    Queries qs..qe-1 together see keys first[qs]..qe-1 (first does not decrease), so whether a block is
+    empty depends on first[:, qs] alone: decided on the host (the ring plans its messages there), from one
+    copy of the ids per call. The masks are made on the ids' device when asked for (again in backward: only
+    the caller's ids are kept).
+    """
+
+    def __init__(self, documents):
+        self.documents = documents
+        on_host = documents.cpu()
+        starts = torch.ones_like(on_host, dtype=torch.bool)
+        starts[:, 1:] = on_host[:, 1:] != on_host[:, :-1]
+        index = torch.arange(on_host.shape[1]).expand_as(on_host)
+        self.first_on_host = torch.where(starts, index, 0).cummax(dim=1).values  # (batch, seq)
+
+    def sees(self, queries, keys):
+        """Whether, in any row, a query of the block sees a key of it: keys first[qs]..qe-1 meet the block's."""
+        return (keys.start < min(keys.stop, queries.stop)
+                and bool((self.first_on_host[:, queries.start] < keys.stop).any()))
+
+    def mask(self, queries, keys):
+        if not self.sees(queries, keys):
+            return None
+        device = self.documents.device
+        earlier = torch.arange(keys.start, keys.stop, device=device) <= torch.arange(
+            queries.start, queries.stop, device=device).unsqueeze(1)
+        same = self.documents[:, queries].unsqueeze(2) == self.documents[:, keys].unsqueeze(1)
+        return (earlier & same).unsqueeze(1)
+
+
+def attention_masks(documents):
+    """What mask each block of this call gets: plain causal attention (documents None), or within documents."""
+    return CausalMasks() if documents is None else DocumentMasks(documents)
+
+
+# ---------------------------------------------------------------------------
 # One block, and merging blocks
 # ---------------------------------------------------------------------------
 
@@ -151,30 +252,46 @@ def _widened(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, causal):
+def _scores(q, k, mask):
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal:  # the diagonal block: query i sees keys 0..i
+    if isinstance(mask, torch.Tensor):  # within documents: True where a query sees a key
+        return scores.masked_fill(~mask, float("-inf"))
+    if mask:  # the diagonal block: query i sees keys 0..i
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
     return scores
 
 
-def block_attention(q, k, v, causal):
+def _without_keyless_rows(out, lse, mask):
+    """A block's (output, log-sum-exp) with the rows its mask lets see no key set to 0 and to the lowest finite
+    value, standing in for log 0 = -inf: merging two -inf would be inf - inf (NaN), and each kernel leaves its
+    own values there (the reference NaN; the CPU kernel a log-sum-exp of 0, which the merge would count as a
+    weight of 1). Blocks of plain causal attention (mask True or False) have no such rows."""
+    if not isinstance(mask, torch.Tensor):
+        return out, lse
+    keyless = ~mask.any(dim=-1)  # (batch or 1, 1, queries)
+    return out.masked_fill(keyless.unsqueeze(-1), 0), lse.masked_fill(keyless, torch.finfo(lse.dtype).min)
+
+
+def block_attention(q, k, v, mask):
     """(output, log-sum-exp) of q against one block of keys and values, written out (the reference).
-    Computed in float32 or better whatever the inputs' dtype, as the fused kernels keep their softmax."""
+    Computed in float32 or better whatever the inputs' dtype, as the fused kernels keep their softmax.
+    mask: True (causal: queries against their own keys), False (none) or a boolean tensor (batch or 1, 1,
+    queries, keys), True where a query sees a key."""
     q, k, v = (_widened(t) for t in (q, k, v))
-    scores = _scores(q, k, causal)
+    scores = _scores(q, k, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+    return _without_keyless_rows(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse, mask)
 
 
-def block_attention_backward(grad_out, q, k, v, out, lse, causal):
+def block_attention_backward(grad_out, q, k, v, out, lse, mask):
     """(dQ, dK, dV) of one block, from the merged output and log-sum-exp of the whole row (the reference).
 
     P = exp(S - L) recomputed with the final L is this block's share of the softmax; then
     dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO O)), dQ = dS K / √d, dK = dSᵀ Q / √d. In float32 or better.
+    (Every query sees at least itself, so the final L is finite and masked scores give P = 0.)
     """
     grad_out, q, k, v, out = (_widened(t) for t in (grad_out, q, k, v, out))
-    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, mask) - lse.unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
     ds = p * (torch.matmul(grad_out, v.transpose(-2, -1)) - delta) / math.sqrt(q.shape[-1])
     return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), grad_out)
@@ -193,39 +310,97 @@ def merge(out, lse, block_out, block_lse):
 # The first way: ring attention
 # ---------------------------------------------------------------------------
 
-def chunk_pairs(rank, source, n_ranks):
-    """(query half, key half, causal) for every pair of chunks that needs computing.
+def chunk_slices(rank, n_ranks, chunk):
+    """The sequence indices of rank `rank`'s two chunks, r and 2N-1-r, as slices."""
+    return [slice(c * chunk, (c + 1) * chunk) for c in (rank, 2 * n_ranks - 1 - rank)]
 
-    The local queries are chunks (r, 2N-1-r); the block from rank j holds chunks
-    (j, 2N-1-j). Keys after the queries are skipped, equal chunks are causal.
+
+class _RingPlan:
+    """Which blocks this rank computes at each step of one call, and which messages the ring carries.
+
+    The local queries are chunks (r, 2N-1-r); the block from rank j holds chunks (j, 2N-1-j), and a pair of
+    them is computed unless its mask sees nothing (`attention_masks`). A K/V block goes only as far round the
+    ring as it is needed: block j travels hops[j] steps, to the furthest rank ahead of it that sees any of its
+    keys (0: no other rank does, it never leaves), through the ranks between whether they need it or not.
+    Every rank computes hops from the same masks, so the sender and the receiver of a message both post it
+    or neither does. Plain causal attention: a rank's late chunk comes after every rank's early one, so every
+    rank needs every block and every hops[j] is N-1, the full ring.
     """
-    q_chunks = (rank, 2 * n_ranks - 1 - rank)
-    k_chunks = (source, 2 * n_ranks - 1 - source)
-    return [(qi, ki, q_chunks[qi] == k_chunks[ki]) for qi in range(2) for ki in range(2)
-            if k_chunks[ki] <= q_chunks[qi]]
+
+    def __init__(self, masks, rank, n_ranks, chunk):
+        self.masks, self.rank, self.n, self.chunk = masks, rank, n_ranks, chunk
+        self.hops = [max(t for t in range(n_ranks) if self._sees((j + t) % n_ranks, j)) for j in range(n_ranks)]
+
+    def _sees(self, rank, source):
+        """Whether any query of `rank` sees any key of `source`'s block."""
+        return any(self.masks.sees(q, k) for q in chunk_slices(rank, self.n, self.chunk)
+                   for k in chunk_slices(source, self.n, self.chunk))
+
+    def source(self, step):
+        """Whose block this rank holds at `step` (if it came this far)."""
+        return (self.rank - step) % self.n
+
+    def blocks(self, step):
+        """(query half, key half, mask) of every block this rank computes at `step`: none if the block of this
+        step never came this far."""
+        if step > self.hops[self.source(step)]:
+            return []
+        q_chunks, k_chunks = (chunk_slices(r, self.n, self.chunk) for r in (self.rank, self.source(step)))
+        masks = [(qi, ki, self.masks.mask(q_chunks[qi], k_chunks[ki])) for qi in range(2) for ki in range(2)]
+        return [(qi, ki, mask) for qi, ki, mask in masks if mask is not None]
+
+    def passes_on(self, step, rank=None):
+        """Whether `rank` (default this one) sends the block it holds at `step` on to the next rank."""
+        rank = self.rank if rank is None else rank
+        return step < self.hops[(rank - step) % self.n]
+
+    def receives(self, step):
+        """Whether the previous rank passes its block of `step` on to this one (this rank holds it next step)."""
+        return self.passes_on(step, (self.rank - 1) % self.n)
+
+    def gradients_to(self, step):
+        """Where the dK/dV accumulators of the block held at `step` go once this rank's share is added: on with
+        the block to the next rank; from the furthest rank that needed it straight home (one message, not round
+        the rest of the ring; the ring's own last hop when that rank is the previous one); None if they never
+        left home."""
+        hops = self.hops[self.source(step)]
+        if step < hops:
+            return (self.rank + 1) % self.n
+        return self.source(step) if hops else None
+
+    def home_from(self, step):
+        """The rank this rank's own accumulators come home from at `step`, or None (not at this step)."""
+        hops = self.hops[self.rank]
+        return (self.rank + hops) % self.n if step == hops > 0 else None
 
 
 class _Ring:
-    """Sends to the next rank and receives from the previous one, posted together and waited on later."""
+    """Point-to-point messages between the ranks of a group (by group rank), posted in batches and waited on
+    later."""
 
     def __init__(self, group):
         self.group = group
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
-        world = group or dist.group.WORLD
-        self.next = dist.get_global_rank(world, (rank + 1) % n)
-        self.prev = dist.get_global_rank(world, (rank - 1) % n)
-        self.alone = n == 1
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        self.world = group or dist.group.WORLD
 
-    def pass_on(self, tensors):
-        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
-        if self.alone:
-            return [], list(tensors)  # a ring of one rank: what it sends is what it receives
-        tensors = [t.contiguous() for t in tensors]
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        comm_bytes["send_recv"] += sum(t.numel() * t.element_size() for t in tensors)
-        return dist.batch_isend_irecv(ops), received
+    def post(self, sends=(), receives=()):
+        """Post sends [(tensors, to rank)], then receives [(tensors shaped like, from rank)], in one batch:
+        (works, the received tensors of each receive)."""
+        ops, received = [], []
+        for tensors, peer in sends:
+            tensors = [t.contiguous() for t in tensors]
+            ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(self.world, peer), self.group) for t in tensors]
+            comm_bytes["send_recv"] += sum(t.numel() * t.element_size() for t in tensors)
+        for like, peer in receives:
+            received.append([torch.empty_like(t, memory_format=torch.contiguous_format) for t in like])
+            ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(self.world, peer), self.group) for r in received[-1]]
+        return (dist.batch_isend_irecv(ops) if ops else []), received
+
+    def pass_block(self, plan, step, kv, like):
+        """Post this step's K/V exchange: the held block on to the next rank, the previous rank's from it."""
+        return self.post(sends=[(kv, self.next)] if plan.passes_on(step) else [],
+                         receives=[(like, self.prev)] if plan.receives(step) else [])
 
 
 def _wait(works):
@@ -234,7 +409,8 @@ def _wait(works):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring.
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring, within
+    documents if `masks` says so (`attention_masks`).
 
     Mixed precision, FlashAttention's split (tensors in half precision, softmax statistics in float32):
     what travels round the ring and what the block kernels take is in the inputs' dtype (in bfloat16 the
@@ -243,87 +419,114 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernels):
+    def forward(ctx, q, k, v, group, kernels, masks):
         if not q.dtype == k.dtype == v.dtype:
             raise TypeError(f"ring attention takes q, k, v of one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
         # Under bf16 autocast the written-out blocks' matmuls would run in bf16 again, and backward (which
         # autocast does not cover) in float32: keep it off here, where the dtypes are chosen explicitly.
         with torch.autocast(q.device.type, enabled=False):
-            return RingAttention._forward(ctx, q, k, v, group, kernels)
+            return RingAttention._forward(ctx, q, k, v, group, kernels, masks)
 
     @staticmethod
-    def _forward(ctx, q, k, v, group, kernels):
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
+    def _forward(ctx, q, k, v, group, kernels, masks):
         ring, heads_per_kv = _Ring(group), q.shape[1] // k.shape[1]  # query heads per key/value head
+        plan = _RingPlan(masks, ring.rank, ring.n, q.shape[2] // 2)
         merged = torch.promote_types(q.dtype, torch.float32)  # the running output and log-sum-exp
         qh = q.chunk(2, dim=2)  # the two local chunks
         out = [torch.zeros(h.shape, dtype=merged, device=q.device) for h in qh]
         lse = [torch.full(h.shape[:-1], float("-inf"), dtype=merged, device=q.device) for h in qh]
-        kv = (k, v)  # sent in their own dtype
-        for step in range(n):
-            source = (rank - step) % n
-            if step < n - 1:  # the next block is on its way while this one is computed
-                works, next_kv = ring.pass_on(kv)
-            kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
-            for qi, ki, causal in chunk_pairs(rank, source, n):
-                block_out, block_lse = kernels[0](qh[qi], kh[ki], vh[ki], causal)
+        kv = (k, v)  # the block held (sent in its own dtype); None once blocks stop coming this far
+        for step in range(ring.n):
+            works, received = ring.pass_block(plan, step, kv, (k, v))  # on its way while this one is computed
+            blocks = plan.blocks(step)
+            if blocks:
+                kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
+            for qi, ki, mask in blocks:
+                block_out, block_lse = kernels[0](qh[qi], kh[ki], vh[ki], mask)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
                 blocks_computed["forward"] += 1
-            if step < n - 1:
-                _wait(works)
-                kv = next_kv
+            _wait(works)
+            kv = received[0] if received else None
         out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         # The output is kept in the inputs' dtype (the fused backward kernels take it so; the reference
         # widens it again), the log-sum-exp in float32 or better: an error e in L is a relative error e
         # in every P = exp(S - L) that backward recomputes from it.
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernels = group, kernels
+        ctx.group, ctx.kernels, ctx.plan = group, kernels, plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        ring, heads_per_kv = _Ring(ctx.group), q.shape[1] // k.shape[1]
+        ring, plan, heads_per_kv = _Ring(ctx.group), ctx.plan, q.shape[1] // k.shape[1]
         summed = lse.dtype  # float32 or better: this rank's sums of block gradients
         qh, do, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
         dq = [torch.zeros(h.shape, dtype=summed, device=q.device) for h in qh]
         kv = (k, v)
-        pending = None
-        for step in range(n):
-            source = (rank - step) % n
-            if step < n - 1:
-                works, next_kv = ring.pass_on(kv)
-            kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
-            dk, dv = ([torch.zeros(h.shape, dtype=summed, device=q.device) for h in hs] for hs in (kh, vh))
-            for qi, ki, causal in chunk_pairs(rank, source, n):
-                block_dq, block_dk, block_dv = ctx.kernels[1](do[qi], qh[qi], kh[ki], vh[ki], oh[qi], lh[qi], causal)
-                dq[qi] += block_dq
-                dk[ki] += block_dk
-                dv[ki] += block_dv
-                blocks_computed["backward"] += 1
-            grad_acc = (sum_groups(torch.cat(dk, dim=2), heads_per_kv),
-                        sum_groups(torch.cat(dv, dim=2), heads_per_kv))
-            if pending is not None:  # the accumulators of this block, from the ranks it visited before
-                _wait(pending[0])
-                grad_acc = tuple(a.to(summed) + c for a, c in zip(pending[1], grad_acc))
-            # The accumulators travel in K's and V's dtype, as K and V do: in bfloat16 half the bytes, at
-            # one rounding (2^-8 relative) per hop.
-            pending = ring.pass_on((grad_acc[0].to(k.dtype), grad_acc[1].to(v.dtype)))  # last step: home
-            if step < n - 1:
-                _wait(works)
-                kv = next_kv
-        _wait(pending[0])
-        dk_home, dv_home = pending[1]
-        return torch.cat(dq, dim=2).to(q.dtype), dk_home, dv_home, None, None
+        pending, from_prev, home = [], None, None  # last step's accumulator batch, what it brought, this rank's own
+        for step in range(ring.n):
+            works, received = ring.pass_block(plan, step, kv, (k, v))
+            grad_acc = RingAttention._block_gradients(ctx.kernels[1], plan.blocks(step), kv, (do, qh, oh, lh), dq,
+                                                      heads_per_kv)
+            _wait(pending)
+            if from_prev is not None:  # the accumulators of this block, from the ranks it visited before
+                grad_acc = (from_prev if grad_acc is None  # a relay: it needed nothing of the block
+                            else tuple(a.to(summed) + c for a, c in zip(from_prev, grad_acc)))
+            pending, from_prev, home = RingAttention._pass_gradients(ring, plan, step, grad_acc, (k, v), home)
+            _wait(works)
+            kv = received[0] if received else None
+        _wait(pending)
+        return torch.cat(dq, dim=2).to(q.dtype), home[0], home[1], None, None, None
+
+    @staticmethod
+    def _block_gradients(kernel, blocks, kv, rows, dq, heads_per_kv):
+        """Add `blocks`' dQ to dq (this rank's two chunks) and return their dK, dV of the held K/V block,
+        summed over each group's query heads, in dq's dtype: None if there are no blocks. rows: (dO, Q, O,
+        L) of this rank's two chunks."""
+        if not blocks:
+            return None
+        do, qh, oh, lh = rows
+        kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
+        dk, dv = ([torch.zeros(h.shape, dtype=dq[0].dtype, device=h.device) for h in hs] for hs in (kh, vh))
+        for qi, ki, mask in blocks:
+            block_dq, block_dk, block_dv = kernel(do[qi], qh[qi], kh[ki], vh[ki], oh[qi], lh[qi], mask)
+            dq[qi] += block_dq
+            dk[ki] += block_dk
+            dv[ki] += block_dv
+            blocks_computed["backward"] += 1
+        return sum_groups(torch.cat(dk, dim=2), heads_per_kv), sum_groups(torch.cat(dv, dim=2), heads_per_kv)
+
+    @staticmethod
+    def _pass_gradients(ring, plan, step, grad_acc, kv, home):
+        """Post this step's accumulator exchange: the held block's accumulators (grad_acc, None if no block is
+        held) on to the next rank or home, and receive the previous rank's and this rank's own coming home.
+        The accumulators travel in K's and V's dtype, as K and V do: in bfloat16 half the bytes, at one
+        rounding (2^-8 relative) per hop. (works, the previous rank's accumulators or None, this rank's own
+        dK and dV once known)."""
+        sends = []
+        if grad_acc is not None:
+            grad_acc = tuple(a.to(t.dtype) for a, t in zip(grad_acc, kv))
+            to = plan.gradients_to(step)
+            if to is None:  # no other rank needed this rank's block: its gradients are home already
+                home = grad_acc
+            else:
+                sends.append((grad_acc, to))
+        sender = plan.home_from(step)
+        receives = ([(kv, ring.prev)] if plan.receives(step) else []) + ([(kv, sender)] if sender is not None else [])
+        works, received = ring.post(sends, receives)
+        from_prev = received[0] if plan.receives(step) else None
+        return works, from_prev, received[-1] if sender is not None else home
 
 
-def ring_attention(q, k, v, group, kernels=None):
+def ring_attention(q, k, v, group, kernels=None, documents=None):
     """Causal attention output for this rank's zigzag shard, in q's dtype (and its log-sum-exp, second, in
     float32 or better). kernels: EXPLICIT, FUSED (CPU), CUDA_FLASH or CUDA_EFFICIENT (default:
-    default_kernels for q's device, dtype and head size)."""
-    return RingAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]))
+    default_kernels for q's device, dtype and head size). documents: None, or (batch, seq) the document id
+    of every token of the whole sequence (not sharded), non-decreasing along a row: attention stays within
+    each document."""
+    return RingAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]),
+                               attention_masks(documents))
 
 
 # ---------------------------------------------------------------------------
@@ -370,12 +573,12 @@ def _prefix_and_diagonal(rank, n_ranks, chunk):
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim), K and V all-gathered.
-    Mixed precision as RingAttention: K, V and dK, dV travel in the inputs' dtype, merges and sums in float32
-    or better."""
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim), K and V all-gathered,
+    within documents if `masks` says so. Mixed precision as RingAttention: K, V and dK, dV travel in the
+    inputs' dtype, merges and sums in float32 or better."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernels):
+    def forward(ctx, q, k, v, group, kernels, masks):
         with torch.autocast(q.device.type, enabled=False):
             n, rank = dist.get_world_size(group), dist.get_rank(group)
             order, heads_per_kv = shard_order(n * q.shape[2], n, q.device), q.shape[1] // k.shape[1]
@@ -383,13 +586,17 @@ class AllGatherAttention(torch.autograd.Function):
             merged, qh = torch.promote_types(q.dtype, torch.float32), q.chunk(2, dim=2)
             out, lse = [None, None], [None, None]
             for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
-                out[qi], lse[qi] = (t.to(merged) for t in kernels[0](qh[qi], k_all[:, :, own], v_all[:, :, own], True))
-                if before.stop:  # the first chunk has no keys before it
+                # Its own keys first: every query sees itself, so each row's log-sum-exp is finite before the
+                # merge (a row that sees none of the keys before it then merges as weight 0).
+                own_mask, before_mask = masks.mask(own, own), masks.mask(own, before)
+                out[qi], lse[qi] = (t.to(merged) for t in kernels[0](qh[qi], k_all[:, :, own], v_all[:, :, own],
+                                                                     own_mask))
+                if before_mask is not None:  # the first chunk has no keys before it (within documents: may see none)
                     out[qi], lse[qi] = merge(out[qi], lse[qi], *kernels[0](qh[qi], k_all[:, :, before],
-                                                                           v_all[:, :, before], False))
+                                                                           v_all[:, :, before], before_mask))
             out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernels = group, kernels
+        ctx.group, ctx.kernels, ctx.masks = group, kernels, masks
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -404,20 +611,22 @@ class AllGatherAttention(torch.autograd.Function):
         dq = [torch.zeros(h.shape, dtype=summed, device=q.device) for h in qh]
         dk, dv = (torch.zeros(t.shape, dtype=summed, device=q.device) for t in (k_all, v_all))
         for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
-            for keys, causal in ((own, True), (before, False)):
-                if keys.stop > keys.start:
-                    block = ctx.kernels[1](do[qi], qh[qi], k_all[:, :, keys], v_all[:, :, keys], oh[qi], lh[qi], causal)
+            for keys in (own, before):
+                mask = ctx.masks.mask(own, keys)
+                if mask is not None:
+                    block = ctx.kernels[1](do[qi], qh[qi], k_all[:, :, keys], v_all[:, :, keys], oh[qi], lh[qi], mask)
                     dq[qi] += block[0]
                     dk[:, :, keys] += block[1]
                     dv[:, :, keys] += block[2]
         dk, dv = (_reduce_scatter_sequence(sum_groups(t, heads_per_kv).to(k.dtype), ctx.group, order)
                   for t in (dk, dv))
-        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None
 
 
-def all_gather_attention(q, k, v, group, kernels=None):
+def all_gather_attention(q, k, v, group, kernels=None, documents=None):
     """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
-    return AllGatherAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]))
+    return AllGatherAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]),
+                                    attention_masks(documents))
 
 
 # ---------------------------------------------------------------------------
@@ -477,39 +686,42 @@ class Relayout(torch.autograd.Function):
 
 
 class CausalAttention(torch.autograd.Function):
-    """Causal attention of a whole sequence by one block kernel, keeping what ring attention keeps (q, k, v,
-    the output and the log-sum-exp: on head shards the same sizes as its sequence shards)."""
+    """Causal attention of a whole sequence (in natural order) by one block kernel, within documents if
+    `masks` says so, keeping what ring attention keeps (q, k, v, the output and the log-sum-exp: on head
+    shards the same sizes as its sequence shards; the mask is made again in backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernels):
-        heads_per_kv = q.shape[1] // k.shape[1]
+    def forward(ctx, q, k, v, kernels, masks):
+        heads_per_kv, whole = q.shape[1] // k.shape[1], slice(0, q.shape[2])
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = kernels[0](q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), True)
+            out, lse = kernels[0](q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), masks.mask(whole, whole))
         out, lse = out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernels = kernels
+        ctx.kernels, ctx.masks = kernels, masks
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        heads_per_kv = q.shape[1] // k.shape[1]
+        heads_per_kv, whole = q.shape[1] // k.shape[1], slice(0, q.shape[2])
         dq, dk, dv = ctx.kernels[1](grad_out, q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), out, lse,
-                                    True)
-        return dq.to(q.dtype), sum_groups(dk, heads_per_kv).to(k.dtype), sum_groups(dv, heads_per_kv).to(v.dtype), None
+                                    ctx.masks.mask(whole, whole))
+        return (dq.to(q.dtype), sum_groups(dk, heads_per_kv).to(k.dtype), sum_groups(dv, heads_per_kv).to(v.dtype),
+                None, None)
 
 
-def all_to_all_attention(q, k, v, group, kernels=None):
+def all_to_all_attention(q, k, v, group, kernels=None, documents=None):
     """ring_attention's output by DeepSpeed-Ulysses: to head shards, attention, back to sequence shards
-    (and the log-sum-exp of this rank's heads over the whole sequence, second)."""
+    (and the log-sum-exp of this rank's heads over the whole sequence, second). The head shards hold the
+    sequence in natural order (sequence_to_heads puts it so), where documents' ids index it directly."""
     n = dist.get_world_size(group)
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(f"all-to-all attention splits the heads over {n} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key/value heads do not divide")
     kernels = kernels or default_kernels(q.device, q.dtype, q.shape[-1])
     on_heads = (Relayout.apply(t, group, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
-    out, lse = CausalAttention.apply(*on_heads, kernels)
+    out, lse = CausalAttention.apply(*on_heads, kernels, attention_masks(documents))
     return Relayout.apply(out, group, heads_to_sequence, sequence_to_heads), lse
 
 
@@ -521,13 +733,14 @@ MODES = {"ring": ring_attention, "allgather": all_gather_attention, "alltoall": 
 
 
 class ContextParallelCore:
-    """A drop-in for model.causal_attention on zigzag-sharded sequences, by one of the three ways."""
+    """A drop-in for model.causal_attention on zigzag-sharded sequences, by one of the three ways: called as
+    core(q, k, v, documents), documents the whole sequence's document ids or None."""
 
     def __init__(self, group, mode="ring"):
         self.group, self.attention = group, MODES[mode]
 
-    def __call__(self, q, k, v):
-        return self.attention(q, k, v, self.group)[0]
+    def __call__(self, q, k, v, documents=None):
+        return self.attention(q, k, v, self.group, documents=documents)[0]
 
 
 def apply_context_parallel(model, group, mode="ring"):
@@ -561,6 +774,17 @@ def apply_context_parallel(model, group, mode="ring"):
 # `_lse_for_backward` are the one place that converts. (The memory-efficient backward also assumes its
 # output laid out as its forward writes it, (batch, queries, heads, head_dim) in memory: its row
 # stride is computed, not read off the tensor; see `_efficient_layout`.)
+#
+# A block's mask (`attention_masks`): True or False is the kernels' is_causal. A boolean tensor (within
+# documents) is passed as an additive float mask, 0 where a query sees a key and -inf elsewhere, in the
+# inputs' dtype (`_causal_and_bias`): the CPU kernel refuses a boolean attn_mask ("Attention mask is the
+# same data type as query", PyTorch 2.13) and takes the additive one, equal to the reference in float64
+# (tests/test_cp.py); the memory-efficient kernel's attn_bias is additive by definition, (batch, heads,
+# queries, keys) with aligned rows (`_efficient_bias`). FlashAttention on CUDA takes no mask, so
+# CUDA_FLASH hands masked blocks to the memory-efficient kernel, fused too and taking the same dtypes (the
+# written-out reference would hold a block's scores in float32). A row of a block that sees no key gets
+# output 0 and the lowest finite log-sum-exp from every kernel (`_without_keyless_rows`; the CPU kernel
+# returns a log-sum-exp of 0 there).
 _EFFICIENT_LSE_TILE = 1 if torch.version.hip else 32
 
 
@@ -587,57 +811,89 @@ _CUDA_FLASH = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash
 _CUDA_EFFICIENT = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
 
 
-def cpu_flash_block(q, k, v, causal):
+def _causal_and_bias(mask, dtype):
+    """A block's mask as the fused kernels take it: (is_causal, None) for plain causal blocks (True or False);
+    for a boolean mask (within documents), (False, an additive float mask in `dtype`: 0 where a query sees a
+    key, -inf elsewhere)."""
+    if not isinstance(mask, torch.Tensor):
+        return mask, None
+    return False, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _efficient_bias(mask, q, k):
+    """_causal_and_bias for the memory-efficient kernel, whose attn_bias must be (batch, heads, queries, keys)
+    (here expanded: strides 0, no copies) with rows aligned in memory: padded to 16 elements, as SDPA's
+    preprocess_mask pads them."""
+    causal, bias = _causal_and_bias(mask, q.dtype)
+    if bias is None:
+        return causal, None
+    keys = bias.shape[-1]
+    bias = F.pad(bias, (0, -keys % 16))[..., :keys]
+    return causal, bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def cpu_flash_block(q, k, v, mask):
     """block_attention by PyTorch's fused CPU kernel (flash attention): the scores never exist whole."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    causal, bias = _causal_and_bias(mask, q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
+    return _without_keyless_rows(out, lse, mask)
 
 
-def cpu_flash_block_backward(grad_out, q, k, v, out, lse, causal):
+def cpu_flash_block_backward(grad_out, q, k, v, out, lse, mask):
     """block_attention_backward by the CPU kernel's backward, given the merged output and log-sum-exp."""
+    causal, bias = _causal_and_bias(mask, q.dtype)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0,
-                                                                               causal)
+                                                                               causal, attn_mask=bias)
 
 
-def cpu_flash_block_in_float32(q, k, v, causal):
+def cpu_flash_block_in_float32(q, k, v, mask):
     """cpu_flash_block on q, k, v widened to float32: in half precision the CPU kernel's backward is many
     times slower than in float32 (20x measured at head size 32, PyTorch 2.13), and a CPU gains nothing
     from computing the block narrower. (What travels round the ring stays in the inputs' dtype.)"""
-    return cpu_flash_block(*(_widened(t) for t in (q, k, v)), causal)
+    return cpu_flash_block(*(_widened(t) for t in (q, k, v)), mask)
 
 
-def cpu_flash_block_backward_in_float32(grad_out, q, k, v, out, lse, causal):
+def cpu_flash_block_backward_in_float32(grad_out, q, k, v, out, lse, mask):
     """cpu_flash_block_backward on its tensors widened to float32 (its gradients come back in float32,
     which the ring sums in anyway)."""
-    return cpu_flash_block_backward(*(_widened(t) for t in (grad_out, q, k, v, out)), lse, causal)
+    return cpu_flash_block_backward(*(_widened(t) for t in (grad_out, q, k, v, out)), lse, mask)
 
 
-def cuda_flash_block(q, k, v, causal):
-    """block_attention by FlashAttention-2 on CUDA (float16 and bfloat16 only)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal)[:2]
+def cuda_flash_block(q, k, v, mask):
+    """block_attention by FlashAttention-2 on CUDA (float16 and bfloat16 only). It takes no mask: a block
+    within documents goes to the memory-efficient kernel (fused as well, and it takes the same dtypes)."""
+    if isinstance(mask, torch.Tensor):
+        return cuda_efficient_block(q, k, v, mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, mask)[:2]
     return out, _lse_for_merge(lse, q.shape[2])
 
 
-def cuda_flash_block_backward(grad_out, q, k, v, out, lse, causal):
-    """block_attention_backward by FlashAttention-2's backward. No cumulative sequence lengths (the
-    batch is dense); the random-number state is read only under dropout, which is 0."""
+def cuda_flash_block_backward(grad_out, q, k, v, out, lse, mask):
+    """block_attention_backward by FlashAttention-2's backward (by the memory-efficient kernel's for a block
+    within documents, as its forward). No cumulative sequence lengths (the batch is dense); the
+    random-number state is read only under dropout, which is 0."""
+    if isinstance(mask, torch.Tensor):
+        return cuda_efficient_block_backward(grad_out, q, k, v, out, lse, mask)
     unused = torch.empty(0, dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
-        grad_out, q, k, v, out, _lse_for_backward(lse), None, None, q.shape[2], k.shape[2], 0.0, causal,
+        grad_out, q, k, v, out, _lse_for_backward(lse), None, None, q.shape[2], k.shape[2], 0.0, mask,
         unused, unused)
 
 
-def cuda_efficient_block(q, k, v, causal):
+def cuda_efficient_block(q, k, v, mask):
     """block_attention by the memory-efficient kernel on CUDA (xFormers' CUTLASS kernel: float32 too)."""
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal)[:2]
-    return out, _lse_for_merge(lse, q.shape[2])
+    causal, bias = _efficient_bias(mask, q, k)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, True, 0.0, causal)[:2]
+    return _without_keyless_rows(out, _lse_for_merge(lse, q.shape[2]), mask)
 
 
-def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, causal):
+def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, mask):
     """block_attention_backward by the memory-efficient kernel's backward (dQ, dK, dV; no bias gradient).
     Its random-number seed and offset are read only under dropout, which is 0."""
+    causal, bias = _efficient_bias(mask, q, k)
     unused = torch.empty(0, dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
-        grad_out, q, k, v, None, _efficient_layout(out), _lse_for_backward(lse, _EFFICIENT_LSE_TILE),
+        grad_out, q, k, v, bias, _efficient_layout(out), _lse_for_backward(lse, _EFFICIENT_LSE_TILE),
         unused, unused, 0.0, [True, True, True, False], causal)[:3]
 
 
@@ -695,17 +951,28 @@ def _join_process_group():
     return device
 
 
-def _check_against_full_attention(attention, n_heads, n_kv_heads, rank, n, device, kernels):
+def _self_check_documents(seq_len, device):
+    """(2, seq_len) document ids: one token each in one row (boundaries inside chunks); in the other, two
+    chunks each (the self-check's chunks are 2 tokens), so that a rank needs one or two other ranks' blocks
+    and the ring skips the others' blocks and messages."""
+    return torch.stack([torch.arange(seq_len), torch.arange(seq_len) // 4]).to(device)
+
+
+def _check_against_full_attention(attention, n_heads, n_kv_heads, rank, n, device, kernels, documents=None):
     """The largest difference of `attention` (ring_attention, ...) from full causal attention (output, dQ, dK,
-    dV) on this rank."""
+    dV) on this rank, within documents if given: the mask written out from the ids, for the whole sequence."""
     g = torch.Generator().manual_seed(0)
     q, grad = (torch.randn(2, n_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
     k, v = (torch.randn(2, n_kv_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    mask = None
+    if documents is not None:  # query i sees key j: j <= i in the same document
+        earlier = torch.ones(4 * n, 4 * n, dtype=torch.bool, device=device).tril()
+        mask = (earlier & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     expected.backward(grad)
     local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    out, _ = attention(*local, None, kernels)
+    out, _ = attention(*local, None, kernels, documents)
     out.backward(shard_sequence(grad, n, rank, dim=2))
     worst = (out - shard_sequence(expected, n, rank, dim=2)).abs().max().item()
     for mine, reference in zip(local, full):
@@ -722,24 +989,29 @@ def _self_check():
     # In float64: the fused CPU kernel and the reference; on CUDA the reference only (no fused CUDA kernel
     # takes float64; tests/test_cuda.py checks those against the reference in bfloat16 and float32).
     kernel_sets = [("fused", FUSED), ("explicit", EXPLICIT)] if device.type == "cpu" else [("explicit", EXPLICIT)]
-    for (name, kernels), n_kv_heads in [(k, h) for k in kernel_sets for h in (4, 1)]:  # multi-head and GQA
-        comm_bytes.clear(), blocks_computed.clear()
-        difference = _check_against_full_attention(ring_attention, 4, n_kv_heads, rank, n, device, kernels)
-        worst = max(worst, difference)
-        if rank == 0:
-            print(f"cp.py self-check on {n} ranks ({backend}), {name} blocks, 4 query heads, {n_kv_heads} key/value "
-                  f"heads: largest difference from full causal attention (output, dQ, dK, dV, float64) = "
-                  f"{difference:.3g}; bytes sent per rank {comm_bytes['send_recv']}; blocks per rank: "
-                  f"{blocks_computed['forward']} forward, {blocks_computed['backward']} backward", flush=True)
-    # The other two ways, by the first kernels: the all-gather with grouped-query attention, the all-to-all with
-    # two heads a rank (any N).
-    for mode, heads, kv_heads in [("allgather", 4, 1), ("alltoall", 2 * n, 2 * n)]:
-        comm_bytes.clear()
-        difference = _check_against_full_attention(MODES[mode], heads, kv_heads, rank, n, device, kernel_sets[0][1])
-        worst = max(worst, difference)
-        if rank == 0:
-            print(f"cp.py self-check on {n} ranks ({backend}), {mode}: largest difference from full causal attention "
-                  f"= {difference:.3g}; bytes sent per rank {dict(comm_bytes)}", flush=True)
+    # Plain causal attention, then within packed documents (the ring skipping blocks and messages).
+    for documents, within in [(None, ""), (_self_check_documents(4 * n, device), " within packed documents")]:
+        for (name, kernels), n_kv_heads in [(k, h) for k in kernel_sets for h in (4, 1)]:  # multi-head and GQA
+            comm_bytes.clear(), blocks_computed.clear()
+            difference = _check_against_full_attention(ring_attention, 4, n_kv_heads, rank, n, device, kernels,
+                                                       documents)
+            worst = max(worst, difference)
+            if rank == 0:
+                print(f"cp.py self-check on {n} ranks ({backend}), {name} blocks, 4 query heads, {n_kv_heads} "
+                      f"key/value heads: largest difference from full causal attention{within} (output, dQ, dK, dV, "
+                      f"float64) = {difference:.3g}; bytes sent by rank 0 {comm_bytes['send_recv']}; blocks on "
+                      f"rank 0: {blocks_computed['forward']} forward, {blocks_computed['backward']} backward",
+                      flush=True)
+        # The other two ways, by the first kernels: the all-gather with grouped-query attention, the all-to-all
+        # with two heads a rank (any N).
+        for mode, heads, kv_heads in [("allgather", 4, 1), ("alltoall", 2 * n, 2 * n)]:
+            comm_bytes.clear()
+            difference = _check_against_full_attention(MODES[mode], heads, kv_heads, rank, n, device,
+                                                       kernel_sets[0][1], documents)
+            worst = max(worst, difference)
+            if rank == 0:
+                print(f"cp.py self-check on {n} ranks ({backend}), {mode}: largest difference from full causal "
+                      f"attention{within} = {difference:.3g}; bytes sent per rank {dict(comm_bytes)}", flush=True)
     dist.destroy_process_group()
     if worst > 1e-12:
         raise SystemExit(f"rank {rank}: ring attention differs from full attention")

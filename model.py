@@ -10,13 +10,21 @@ Everything is plain PyTorch on one device. The parallel files never change
 this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:
 
-- `CausalSelfAttention.core(q, k, v)` is the attention core (context
-  parallelism replaces it with ring attention);
-- `GPT.loss_fn(logits, targets)` is the cross-entropy (tensor parallelism
-  replaces it with one that never gathers the vocabulary-sharded logits);
+- `CausalSelfAttention.core(q, k, v, documents)` is the attention core
+  (context parallelism replaces it with ring attention);
+- `GPT.loss_fn(logits, targets, tokens=None)` is the cross-entropy (tensor
+  parallelism replaces it with one that never gathers the vocabulary-sharded
+  logits);
 - positions are passed in explicitly (`pos`, down to every block, where rotary
   embeddings need them), so a rank holding a shard of the sequence that is
   not contiguous still embeds and rotates the right positions.
+
+Packed documents: a training sequence may hold several documents back to
+back, each ended by an EOS token. With `documents` (each token's document,
+`document_ids`) attention stays within a document, positions restart at each
+document's first token (`token_positions`), and the prediction that would
+cross into the next document (the target after an EOS) is marked IGNORE and
+left out of the loss. Without it (None), one causal sequence, as GPT-2 trained.
 
 Initial values are drawn by position (`initial_values`): each element's is a
 function of (seed, parameter name, its position in the full tensor), so a
@@ -144,18 +152,68 @@ def without_padding(logits, vocab_size, first_id=0):
     return logits.index_fill(-1, torch.arange(real, logits.shape[-1], device=logits.device), float("-inf"))
 
 
-def cross_entropy(logits, targets, vocab_size):
-    """Mean cross-entropy over all tokens of logits over vocab_size ids (and padding), in float32 or better."""
-    return F.cross_entropy(without_padding(at_least_float32(logits.flatten(0, 1)), vocab_size), targets.flatten())
+IGNORE = -100  # a target left out of the loss (PyTorch's ignore_index): the prediction across a document's end
 
 
-def causal_attention(q, k, v):
-    """softmax(q kᵀ / √d + causal mask) v for (batch, heads, seq, head_dim) tensors.
+def cross_entropy(logits, targets, vocab_size, tokens=None):
+    """Cross-entropy of logits over vocab_size ids (and padding), in float32 or better, over the targets that
+    count (not IGNORE): their mean, or summed and divided by `tokens`. A run whose shards count different
+    numbers passes the same `tokens` to each, so that the shards' losses average to the mean over every
+    counted target of the whole batch (and a shard where none counts adds zero)."""
+    logits = without_padding(at_least_float32(logits.flatten(0, 1)), vocab_size)
+    if tokens is None:
+        return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE)
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum") / tokens
+
+
+# ---------------------------------------------------------------------------
+# Packed documents: which document each token is in, and where in it
+# ---------------------------------------------------------------------------
+
+def document_ids(idx, eos_id):
+    """(batch, seq) the document of each token of idx in its row, counted from 0: a document ends with its
+    EOS, so a token's document is the number of EOS tokens before it."""
+    ends = (idx == eos_id).long()
+    return ends.cumsum(1) - ends
+
+
+def document_targets(idx, targets, eos_id):
+    """targets with the prediction made at each EOS (the next document's first token) set to IGNORE: a
+    document is not predicted from the one before it."""
+    return targets.masked_fill(idx == eos_id, IGNORE)
+
+
+def token_positions(pos, documents):
+    """The position each token is embedded and rotated at: its index in the sequence (pos: of the tokens this
+    rank holds), or with documents (of the whole sequence) its place in its own document, 0 at its first token."""
+    if documents is None:
+        return pos
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first_of_document = torch.where(starts, index, 0).cummax(dim=1).values
+    return (index - first_of_document)[:, pos.to(documents.device)]
+
+
+def document_mask(documents, queries, keys):
+    """(batch, 1, queries, keys) True where query i may attend key j: j <= i in the same document. queries and
+    keys: their indices in the sequence (any subset of it, in any order)."""
+    earlier = keys[None, :] <= queries[:, None]
+    same = documents[:, queries, None] == documents[:, None, keys]
+    return (earlier & same).unsqueeze(1)
+
+
+def causal_attention(q, k, v, documents=None):
+    """softmax(q kᵀ / √d + causal mask) v for (batch, heads, seq, head_dim) tensors; with documents (batch,
+    seq), each token attends only to the earlier tokens of its own document (document_mask).
 
     k and v may have fewer heads than q (grouped-query attention): each group
     of consecutive query heads shares one key/value head.
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    everything = torch.arange(q.shape[2], device=q.device)
+    mask = None if documents is None else document_mask(documents, everything, everything)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def rotary_frequencies(config, head_dim, dtype, device):
@@ -180,10 +238,11 @@ def rotary(x, pos, frequencies):
 
     Feature pairs (i, i + head_dim/2) of the token at position p are turned by the
     angle p * frequencies[i], so q . k depends on positions only through
-    their difference. Positions come from `pos`, never from the place in x.
+    their difference. Positions come from `pos`, (seq,) or each row its own (batch, seq), never from the
+    place in x.
     """
     x1, x2 = at_least_float32(x).chunk(2, dim=-1)
-    angles = pos.to(x1.dtype).unsqueeze(-1) * frequencies.to(x1.dtype)  # (seq, half)
+    angles = (pos.to(x1.dtype).unsqueeze(-1) * frequencies.to(x1.dtype)).unsqueeze(-3)  # (1 or batch, 1, seq, half)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -200,7 +259,7 @@ class CausalSelfAttention(nn.Module):
         self.frequencies = partial(rotary_frequencies, config, self.head_dim) if config.position == "rope" else None
         self.core = causal_attention  # the swappable seam (see the module docstring)
 
-    def forward(self, x, pos):
+    def forward(self, x, pos, documents=None):
         qkv = self.qkv(x)
         # Shapes are read off qkv's output, so a rank holding some of the heads (tensor parallelism),
         # or whose qkv gathers the sequence (sequence parallelism), runs this unchanged.
@@ -211,7 +270,7 @@ class CausalSelfAttention(nn.Module):
         if self.frequencies:
             frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
             q, k = rotary(q, pos, frequencies), rotary(k, pos, frequencies)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v, documents)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -341,8 +400,8 @@ class Block(nn.Module):
         self.norm2 = make_norm(config)
         self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
 
-    def forward(self, x, pos):
-        x = x + self.attn(self.norm1(x), pos)
+    def forward(self, x, pos, documents=None):
+        x = x + self.attn(self.norm1(x), pos, documents)
         return x + self.mlp(self.norm2(x))
 
 
@@ -459,6 +518,8 @@ def fill_in_chunks(flat, values_at, positions):
 
 
 class GPT(nn.Module):
+    token_positions = staticmethod(token_positions)  # for what runs the blocks itself (a pipeline stage)
+
     def __init__(self, config: GPTConfig, seed=0):
         super().__init__()
         self.config = config
@@ -494,23 +555,25 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)
         return x if self.pos_emb is None else x + self.pos_emb(pos)
 
-    def forward(self, idx, targets=None, pos=None):
+    def forward(self, idx, targets=None, pos=None, documents=None, loss_tokens=None):
         """Logits for token ids idx (batch, seq); with targets, also the loss.
 
         The logits cover the tables' padded_vocab_size rows; those past vocab_size are padding, which the
-        loss and generate leave out. pos holds each token's position (default 0..seq-1). The loss is the
-        mean cross-entropy over all tokens plus aux_loss_coef times the sum of
-        the MoE layers' load-balancing losses.
+        loss and generate leave out. pos holds each token's index in the sequence (default 0..seq-1);
+        documents (batch, whole sequence), each token's document (document_ids), or None: one causal
+        sequence. The loss is the cross-entropy over the targets that count, divided by loss_tokens (default:
+        their number, the mean), plus aux_loss_coef times the sum of the MoE layers' load-balancing losses.
         """
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.embed(idx, pos)
+        at = token_positions(pos, documents)
+        x = self.embed(idx, at)
         for block in self.blocks:
-            x = block(x, pos)
+            x = block(x, at, documents)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None
-        loss = self.loss_fn(logits, targets)
+        loss = self.loss_fn(logits, targets, tokens=loss_tokens)
         aux_losses = moe_aux_losses(self.blocks)
         if aux_losses:
             loss = loss + self.config.aux_loss_coef * sum(aux_losses)

@@ -74,7 +74,10 @@ NCCL requires, and nothing can deadlock (`exchanges` gives the argument).
 What a model must offer (the contract for copying this file elsewhere): a
 way to run a contiguous slice of its layers as a callable (token ids in on
 the first stage, logits out on the last, activations of one fixed shape in
-between), and a loss function of (output, targets). The glue is that stage
+between), and a loss function of (output, targets). A micro-batch may carry
+more than (inputs, targets): what follows is handed to every stage function
+after its input (model.py's packed documents: each token's document, from
+which a stage finds its positions and attention mask). The glue is that stage
 function, about ten lines (`GPTChunk` below is model.py's).
 
 Self-check: torchrun --nproc_per_node 4 pp.py
@@ -700,7 +703,7 @@ class _Stage:
         last = self.is_last[c]
         x = self.micro_batches[m][0] if activation is None else activation.requires_grad_()
         with self.forward_context():  # the losses too (activation counting)
-            y = self.chunks[c](x)
+            y = self.chunks[c](x, *self.micro_batches[m][2:])  # and what else it takes (packed documents)
             y, side = y if isinstance(y, tuple) else (y, None)
             roots = self._loss_roots(m, side, y if last else None)
         if torch.is_grad_enabled():  # not an inference pass
@@ -778,7 +781,8 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     computed, so no stage has to hold every stage's side losses.
     chunks: this rank's model chunks, callables x -> y or (y, side_loss), in the order of
     placement.model_chunks(rank) (a Placement; by default chunk c is model chunk c*P + rank).
-    micro_batches: (inputs, targets) per micro-batch; the first stage reads inputs, the last targets.
+    micro_batches: (inputs, targets, *rest) per micro-batch; the first stage reads inputs, the last targets,
+    and every chunk takes the rest after its input (model.py's packed documents: their ids).
     loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
     grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): gradients are
     reduced only during the last backward (ZB-H1: weight pass) of each chunk, once per step, and only
@@ -839,13 +843,15 @@ class GPTChunk:
         # (rotary embeddings); a later stage only sees hidden states, which may be a shard of them.
         self.positions = torch.arange(model.config.seq_len) if positions is None else positions
 
-    def __call__(self, x):
+    def __call__(self, x, documents=None):
+        """x: token ids (the first chunk) or the previous chunk's output; documents: the micro-batch's
+        packed documents (model.py's document_ids, of the whole sequence), or None."""
         m = self.model
-        pos = self.positions.to(x.device)
+        pos = m.token_positions(self.positions.to(x.device), documents)
         if self.first:
             x = m.embed(x, pos)
         for i in self.layers:
-            x = m.blocks[i](x, pos)
+            x = m.blocks[i](x, pos, documents)
         y = m.lm_head(m.norm(x)) if self.last else x
         # The load-balancing losses of this chunk's MoE layers (set by their forward) are its side loss.
         aux = [mod.aux_loss for i in self.layers for mod in m.blocks[i].modules()

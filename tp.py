@@ -62,7 +62,8 @@ TensorParallel(group)`; then `VocabParallelEmbedding(embedding, plan)`,
 `ColumnParallelLinear(linear, plan)` and `RowParallelLinear(linear, plan)`
 in place of the layers, `plan.norm(norm)` on each norm (a learned position
 table: `plan.position_embedding(table)`), and `vocab_parallel_cross_entropy`
-as the loss. For a Llama-style model with separate projections that is about
+as the loss (targets IGNORE, -100, are left out, as PyTorch's ignore_index;
+positions may be per sequence, (batch, seq)). For a Llama-style model with separate projections that is about
 a dozen lines (tests/test_copy.py, `glue_tp`); for model.py's,
 `apply_tensor_parallel`.
 
@@ -397,6 +398,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     loss = log sum_v exp(z_v - m) - (z_target - m), with the max m, the target
     logit and the sum of exponentials each reduced over the group. The
     gradient is softmax - one_hot(target), on this rank's shard only.
+
+    A target that is IGNORE has loss 0 and sends no gradient to its logits.
     """
 
     @staticmethod
@@ -415,9 +418,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         # One all-reduce for both sums: the target's logit (on one rank) and the sum of exponentials.
         target_logit, sum_exp = all_reduce(torch.stack([target_logit, exp.sum(-1)]), group)
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, inside)
+        counts = targets != IGNORE
+        # An ignored target's row of the softmax is kept as zeros, and IGNORE (negative) is in no rank's shard:
+        # its logits get no gradient.
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1) * counts.unsqueeze(-1), local_target, inside)
         ctx.input_dtype = logits.dtype
-        return sum_exp.log() - target_logit
+        return (sum_exp.log() - target_logit) * counts
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -427,10 +433,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size=None):
-    """Mean over all tokens: a drop-in for the single device's cross-entropy. vocab_size: the ids that exist,
-    when the tables hold padding rows past them (None: none)."""
-    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, vocab_size).mean()
+IGNORE = -100  # a target left out of the loss, as PyTorch's ignore_index (model.py's IGNORE: a deliberate copy)
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size=None, tokens=None):
+    """A drop-in for the single device's cross-entropy: summed over the targets that count (not IGNORE) and
+    divided by `tokens` (default: their number, the mean). vocab_size: the ids that exist, when the tables
+    hold padding rows past them (None: none)."""
+    losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, vocab_size)
+    return losses.sum() / ((targets != IGNORE).sum() if tokens is None else tokens)
 
 
 # ---------------------------------------------------------------------------

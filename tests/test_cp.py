@@ -1,5 +1,6 @@
-"""Context parallelism: ring attention, the all-gather and the all-to-all equal full causal attention; training
-equals the single device, alone and composed, with the memory and traffic tools/plan.py predicts."""
+"""Context parallelism: ring attention, the all-gather and the all-to-all equal full causal attention, and
+within packed documents (the ring skipping the blocks and messages no query needs); training equals the
+single device, alone and composed, with the memory and traffic tools/plan.py predicts."""
 
 import pytest
 import torch
@@ -15,12 +16,22 @@ from planned import assert_matches_plan
 B, H, D = 2, 3, 8  # batch, heads, head_dim of the unit tests
 
 
-def full_causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d) + causal mask) v and its log-sum-exp, written out; k and v may have fewer
-    heads than q, each serving consecutive query heads (grouped-query attention)."""
+def document_mask(documents):
+    """(batch, 1, seq, seq): query i sees key j iff j <= i and both are in the same document."""
+    earlier = torch.ones(documents.shape[1], documents.shape[1], dtype=torch.bool).tril()
+    return (earlier & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
+
+
+def full_causal_attention(q, k, v, documents=None):
+    """softmax(q k^T / sqrt(d) + causal mask) v and its log-sum-exp, written out, within documents if given
+    (batch, seq); k and v may have fewer heads than q, each serving consecutive query heads (grouped-query
+    attention)."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = q @ k.transpose(-2, -1) / D ** 0.5
-    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    if documents is None:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    else:
+        scores = scores.masked_fill(~document_mask(documents), float("-inf"))
     lse = scores.logsumexp(-1)
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
@@ -123,14 +134,16 @@ def test_ring_attention_in_bfloat16_sends_half_the_bytes_and_stays_within_its_ro
                                            ("CUDA_EFFICIENT", torch.bfloat16), ("CUDA_EFFICIENT", torch.float32)])
 def test_cuda_kernels_shapes_on_the_meta_device(kernels, dtype):
     """The CUDA kernels' wrappers through the operators' shape rules (meta tensors need no GPU): the
-    merge gets (batch, heads, queries) float32 log-sum-exps, backward the inputs' shapes and dtype."""
+    merge gets (batch, heads, queries) float32 log-sum-exps, backward the inputs' shapes and dtype; for a
+    boolean mask too."""
     forward, backward = getattr(cp, kernels)
     b, h, n, d = 2, 4, 37, 8  # 37 queries: not a multiple of the memory-efficient kernel's 32-row tiles
     q, k, v, grad = (torch.empty(b, h, n, d, device="meta", dtype=dtype) for _ in range(4))
-    for causal in (True, False):
+    within_documents = torch.ones(b, 1, n, n, dtype=torch.bool, device="meta")  # flash hands these to efficient
+    for mask in (True, False, within_documents):
         try:
-            out, lse = forward(q, k, v, causal)
-            grads = backward(grad, q, k, v, out, lse, causal)
+            out, lse = forward(q, k, v, mask)
+            grads = backward(grad, q, k, v, out, lse, mask)
         except NotImplementedError as e:  # an operator without a meta kernel in this PyTorch
             pytest.skip(f"no meta kernel: {e}")
         assert (out.shape, out.dtype) == (q.shape, dtype)
@@ -229,6 +242,165 @@ def test_the_other_ways_match_full_causal_attention_with_their_traffic(mode, n, 
         assert r["saved"] == 2 * q_bytes + 2 * kv_bytes + lse_bytes
 
 
+# -- Packed documents --------------------------------------------------------------------------------------
+
+def documents_from_starts(seq_len, *rows):
+    """(len(rows), seq_len) document ids, each row's documents beginning at its listed indices (0 among them)."""
+    begins = torch.zeros(len(rows), seq_len, dtype=torch.int64)
+    for b, starts in enumerate(rows):
+        begins[b, list(starts)] = 1
+    return begins.cumsum(1) - 1
+
+
+def packed_documents(seq_len, chunk, seed=0):
+    """Three rows: one document longer than the sequence (the whole row); documents of random lengths from 1
+    to 2 chunks + 1 (most boundaries inside chunks); one document per two chunks (boundaries on chunk
+    boundaries) with one split just after a chunk's first token."""
+    lengths = torch.randint(1, 2 * chunk + 2, (seq_len,), generator=torch.Generator().manual_seed(seed))
+    random_starts = [0] + [s for s in lengths.cumsum(0).tolist() if s < seq_len]
+    aligned_starts = [*range(0, seq_len, 2 * chunk), chunk + 1]
+    return documents_from_starts(seq_len, [0], random_starts, aligned_starts)
+
+
+def test_block_kernels_take_a_boolean_mask():
+    """The written-out and the CPU flash kernels on a block with a boolean mask in which some rows see no key,
+    merged as the ring merges (that block first, from nothing, then a block every query sees whole), against
+    the softmax over both written out in float64; each block's backward from the merged pair likewise. A row
+    that sees no key of a block gives output 0 and the lowest log-sum-exp there (log 0 without the NaNs)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, H, 5, D, generator=g, dtype=torch.float64) for _ in range(4))
+    k_seen, v_seen = (torch.randn(2, H, 3, D, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(2, 1, 5, 5, generator=g) < 0.5
+    mask[0, 0, 1] = mask[1, 0, 4] = False  # rows that see nothing
+    keyless = ~mask.any(-1).expand(2, H, 5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, k_seen, v_seen)]
+    scores = leaves[0] @ torch.cat([leaves[3], leaves[1]], 2).transpose(-2, -1) / D ** 0.5
+    scores = scores.masked_fill(~torch.cat([torch.ones(2, 1, 5, 3, dtype=torch.bool), mask], -1), float("-inf"))
+    (torch.softmax(scores, -1) @ torch.cat([leaves[4], leaves[2]], 2)).backward(grad)
+    expected = [torch.softmax(scores, -1) @ torch.cat([v_seen, v], 2), scores.logsumexp(-1)]
+    for forward, backward in (cp.EXPLICIT, cp.FUSED):
+        out, lse = forward(q, k, v, mask)
+        assert not out[keyless].any() and (lse[keyless] == torch.finfo(torch.float64).min).all()
+        merged = cp.merge(torch.zeros_like(out), torch.full_like(lse, float("-inf")), out, lse)
+        merged = cp.merge(*merged, *forward(q, k_seen, v_seen, False))
+        assert max((a - b).abs().max() for a, b in zip(merged, expected)) < 1e-14
+        dq, dk, dv = backward(grad, q, k, v, *merged, mask)
+        dq_seen, dk_seen, dv_seen = backward(grad, q, k_seen, v_seen, *merged, False)
+        grads = [dq + dq_seen, dk, dv, dk_seen, dv_seen]
+        assert max((a - b.grad).abs().max() for a, b in zip(grads, leaves)) < 1e-13
+
+
+def document_worker(mode, heads, kv_heads, seq_len, documents):
+    """One way with documents against full attention within them (output, dQ, dK, dV), by each kernel: the
+    largest differences; and the output through ContextParallelCore (as model.py calls it) equals the call's."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, grad = (torch.randn(len(documents), heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(len(documents), kv_heads, seq_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = full_causal_attention(*full, documents)
+    expected.backward(grad)
+    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    worst = {}
+    for kernels in ("FUSED", "EXPLICIT"):
+        local = [mine(t).requires_grad_() for t in (q, k, v)]
+        out, _ = cp.MODES[mode](*local, None, getattr(cp, kernels), documents)
+        out.backward(mine(grad))
+        worst[kernels] = max([(out - mine(expected)).abs().max().item()] +
+                             [(a.grad - mine(b.grad)).abs().max().item() for a, b in zip(local, full)])
+        if kernels == "FUSED":  # the default kernels on CPU
+            assert torch.equal(cp.ContextParallelCore(None, mode)(*local, documents), out)
+    return worst
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("n,heads,kv_heads", [(2, 4, 4), (4, 4, 4), (2, 8, 2), (4, 8, 4)],
+                         ids=["2", "4", "2-gqa", "4-gqa"])
+def test_each_way_matches_full_attention_within_documents(mode, n, heads, kv_heads):
+    """Documents shorter than a chunk, longer than the sequence, ending on chunk boundaries and inside chunks,
+    different in each row: each way equals full attention within them, by the fused and the written-out
+    kernels, in float64."""
+    chunk = 3
+    seq_len = 2 * n * chunk
+    for worst in run_on_ranks(n, document_worker, mode, heads, kv_heads, seq_len, packed_documents(seq_len, chunk)):
+        assert max(worst.values()) < 1e-13
+
+
+def ring_traffic_worker(seq_len, documents, kernels):
+    """Ring attention without and with documents: blocks computed, bytes sent forward and backward, and the
+    largest difference from full attention within the documents."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(len(documents), H, seq_len, D, generator=g, dtype=torch.float64) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = full_causal_attention(*full, documents)
+    expected.backward(grad)
+    mine = lambda t: cp.shard_sequence(t, n, rank, dim=2)  # noqa: E731
+    results = {}
+    for given in (None, documents):
+        local = [mine(t).requires_grad_() for t in (q, k, v)]
+        cp.comm_bytes.clear(), cp.blocks_computed.clear()
+        out, _ = cp.ring_attention(*local, None, getattr(cp, kernels), given)
+        forward_bytes = cp.comm_bytes["send_recv"]
+        out.backward(mine(grad))
+        results["documents" if given is not None else "causal"] = dict(
+            blocks=dict(cp.blocks_computed), forward_bytes=forward_bytes,
+            backward_bytes=cp.comm_bytes["send_recv"] - forward_bytes,
+            worst=max([(out - mine(expected)).abs().max().item()] +
+                      [(a.grad - mine(b.grad)).abs().max().item() for a, b in zip(local, full)]))
+    return results
+
+
+def ring_skips(documents, n):
+    """Per rank, from the ids alone: the empty blocks (pairs of a query chunk of this rank and a key chunk at or
+    before it where no query sees a key in any row), and the K/V sends and dK/dV sends left if a K/V block goes
+    round only as far as the furthest rank that needs it and its gradients come home from there in one
+    message (plain causal attention: N-1 and N); and how far each block goes."""
+    chunk = documents.shape[1] // (2 * n)
+    seen = document_mask(documents)[:, 0].unflatten(1, (2 * n, chunk)).unflatten(3, (2 * n, chunk)).any(dim=(0, 2, 4))
+    chunks = lambda r: (r, 2 * n - 1 - r)  # noqa: E731
+    needs = [[any(seen[qc, kc] for qc in chunks(r) for kc in chunks(j)) for j in range(n)] for r in range(n)]
+    reach = [max(t for t in range(n) if needs[(j + t) % n][j]) for j in range(n)]
+    sends = []
+    for r in range(n):
+        goes = [reach[(r - step) % n] for step in range(n)]  # how far the block rank r holds at each step goes
+        sends.append(dict(
+            empty_blocks=sum(1 for j in range(n) for qc in chunks(r) for kc in chunks(j)
+                             if kc <= qc and not seen[qc, kc]),
+            kv=sum(1 for step in range(n - 1) if step < goes[step]),  # on to the next rank
+            grad=sum(1 for step in range(n) if 0 < goes[step] and step <= goes[step])))  # on, or home from the last
+    return sends, reach
+
+
+@pytest.mark.parametrize("kernels", ["FUSED", "EXPLICIT"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_skips_the_blocks_and_messages_no_query_needs(n, kernels):
+    """Documents that leave blocks empty in every row: ring attention computes fewer blocks by exactly the
+    empty ones and sends fewer bytes by exactly the messages no rank needs, never more, and still equals
+    full attention within the documents. On 4 ranks one block goes one hop (its gradients come home from
+    two ranks on, in one message) and one round the whole ring through ranks that only relay it."""
+    chunk = 3
+    seq_len = 2 * n * chunk
+    if n == 2:  # rank 1 sees rank 0's block (a document across chunks 0 and 1); rank 0 sees no other block
+        documents = documents_from_starts(seq_len, [0, 2, 6, 9, 10], [0, 3, 4, 6, 7, 9])
+    else:  # rank 2 sees rank 1's block (chunks 1 and 2), rank 1 rank 2's (chunks 5 and 6)
+        documents = documents_from_starts(seq_len, [0, 1, 3, 9, 12, 15, 18, 21], [0, 3, 6, 9, 12, 15, 16, 21, 22])
+    sends, reach = ring_skips(documents, n)
+    assert reach == {2: [1, 0], 4: [0, 1, 3, 0]}[n]
+    local_kv = len(documents) * H * (seq_len // n) * D * 8  # bytes of one rank's K (or V)
+    results = run_on_ranks(n, ring_traffic_worker, seq_len, documents, kernels)
+    for left, r in zip(sends, results):
+        causal, within = r["causal"], r["documents"]
+        assert within["worst"] < 1e-13 and causal["worst"] > 0.1  # (plain causal attention is not the same)
+        computed = 2 * n + 1 - left["empty_blocks"]
+        assert causal["blocks"] == {"forward": 2 * n + 1, "backward": 2 * n + 1}
+        assert within["blocks"] == {"forward": computed, "backward": computed}
+        skipped_kv, skipped_grad = (n - 1 - left["kv"]) * 2 * local_kv, (n - left["grad"]) * 2 * local_kv
+        assert within["forward_bytes"] == causal["forward_bytes"] - skipped_kv
+        assert within["backward_bytes"] == causal["backward_bytes"] - skipped_kv - skipped_grad
+        assert skipped_kv >= 0 and skipped_grad >= 0
+    assert sum(left["empty_blocks"] for left in sends) > 0 and sum(left["kv"] for left in sends) < n * (n - 1)
+
 ARGV = EQUIVALENCE
 
 
@@ -272,5 +444,6 @@ def test_sequence_length_must_split_into_two_chunks_per_rank():
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("cp.py", 4, tmp_path)  # ring: fused and explicit, multi-head and GQA; the others
-    assert len(differences) == 6 and max(differences) < 1e-12
+    # ring: fused and explicit, multi-head and GQA; the others; each again within packed documents
+    differences = self_check_alone("cp.py", 4, tmp_path)
+    assert len(differences) == 12 and max(differences) < 1e-12

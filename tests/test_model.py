@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from training.meter import ActivationMeter
-from model import (GPT, MoE, GPTConfig, apply_recomputation, causal_attention, load_balancing_loss, route, rotary,
-                   rotary_frequencies, update_route_biases)
+from model import (GPT, IGNORE, MoE, GPTConfig, apply_recomputation, causal_attention, document_ids, document_mask,
+                   document_targets, load_balancing_loss, route, rotary, rotary_frequencies, token_positions,
+                   update_route_biases)
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
@@ -37,7 +38,7 @@ def explicit_attention(q, k, v, mask):
 
 def attention_masked_by_positions(pos):
     """An attention core where query i sees key j exactly when pos[j] <= pos[i]."""
-    def core(q, k, v):
+    def core(q, k, v, documents=None):  # (no packed documents in these tests)
         return explicit_attention(q, k, v, pos[None, :] > pos[:, None])
     return core
 
@@ -475,3 +476,66 @@ def test_a_recomputed_moe_counts_its_tokens_once():
     _, _, model = saved_and_grads("full", 2, n_experts=4, top_k=2)
     for block in model.blocks:
         assert block.mlp.load.sum() == 2 * 32 * 2  # every token's two choices, once (not again in backward)
+
+
+# Packed documents ------------------------------------------------------------------------------------------
+
+EOS = 0
+
+
+def packed_row(lengths, seed):
+    """Documents of these lengths, each ended by EOS (their other ids never EOS), to lay back to back."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.cat([torch.randint(1, TINY["vocab_size"], (n - 1,), generator=g), torch.tensor([EOS])])
+            for n in lengths]
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt", "llama"])
+def test_a_packed_document_gives_the_logits_and_loss_it_gives_alone(arch):
+    """Logits at every position of a packed row are those of its document run alone from its first token, and
+    the loss is the mean over every document's own next-token losses, the EOS's prediction of the next
+    document's first token left out."""
+    model = tiny_gpt(**arch)
+    rows = [packed_row([5, 1, 7, 3], seed=2), packed_row([16], seed=3), packed_row([2, 9, 1, 4], seed=4),
+            packed_row([6, 12], seed=5)]  # the last row's second document cut short by the window
+    rows[-1][-1] = rows[-1][-1][:10]
+    idx = torch.stack([torch.cat(row) for row in rows])  # (4, 16)
+    targets = torch.cat([idx[:, 1:], random_tokens(4, 1)], dim=1)
+    documents = document_ids(idx, EOS)
+    logits, loss = model(idx, document_targets(idx, targets, EOS), documents=documents)
+    own_losses = []
+    for b, row in enumerate(rows):
+        start = 0
+        for document in row:
+            alone = model(document[None])[0][0]
+            torch.testing.assert_close(logits[b, start:start + len(document)], alone, rtol=1e-12, atol=1e-12)
+            own = F.cross_entropy(alone[:-1], document[1:], reduction="none")  # within the document
+            own_losses.append(own)
+            start += len(document)
+        last_target = targets[b, -1]  # the row's last token predicts what follows the window: within its
+        if idx[b, -1] != EOS:         # document unless that token is an EOS
+            own_losses.append(F.cross_entropy(logits[b, -1:], last_target[None], reduction="none"))
+    torch.testing.assert_close(loss, torch.cat(own_losses).mean(), rtol=1e-12, atol=1e-12)
+
+
+def test_document_ids_positions_and_mask():
+    idx = torch.tensor([[3, EOS, 4, 5, EOS, EOS, 6]])
+    documents = document_ids(idx, EOS)
+    assert documents.tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    assert token_positions(torch.arange(7), documents).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    assert token_positions(torch.tensor([6, 2, 3]), documents).tolist() == [[0, 0, 1]]  # a shard's, in its order
+    mask = document_mask(documents, torch.arange(7), torch.arange(7))[0, 0]
+    expected = torch.tensor([[documents[0, j] == documents[0, i] and j <= i for j in range(7)] for i in range(7)])
+    assert torch.equal(mask, expected)
+    assert document_targets(idx, idx, EOS).tolist() == [[3, IGNORE, 4, 5, IGNORE, IGNORE, 6]]
+    assert torch.equal(token_positions(torch.arange(7), None), torch.arange(7))  # no documents: the index
+
+
+def test_a_shard_with_no_counted_target_adds_zero_and_tokens_sets_the_divisor():
+    model = tiny_gpt()
+    idx = random_tokens(2, 8)
+    ignored = torch.full_like(idx, IGNORE)
+    assert model(idx, ignored, loss_tokens=3.0)[1].item() == 0.0
+    targets = random_tokens(2, 8, seed=5)
+    mean = model(idx, targets)[1]
+    torch.testing.assert_close(model(idx, targets, loss_tokens=4)[1], mean * 16 / 4, rtol=1e-12, atol=0)
