@@ -41,9 +41,11 @@ import tp
 from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_units, ring_bytes_sent,
                 unallocated)
 from mesh import Mesh
-from model import GPT, apply_recomputation, fill_in_chunks, initial_values, tied_name, update_route_biases
+from model import (GPT, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
+                   tied_name, update_route_biases)
 from training import checkpoint, hf
-from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, parse_args
+from training.cli import (DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, document_eos,
+                          parse_args)
 from training.data import load_data
 from training.launch import Preemption, exit_with_error, in_collective, init_distributed, rank_and_world, where
 from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
@@ -191,6 +193,7 @@ class Trainer:
 
     def __init__(self, args, config, mesh, data, device):
         self.args, self.mesh, self.data, self.device = args, mesh, data, device
+        self.packing = packing_of(document_eos(args))
         precision = Precision.from_args(args)
         # The full model's shapes, on the meta device: no memory until parallelize keeps this rank's share.
         with torch.device("meta"):
@@ -223,7 +226,8 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self.routing.reset()
-        contribution = self.runner.train(micro_batches, clock.pipeline)  # this rank's share of the step's loss
+        loss_tokens = self.packing.loss_tokens(tokens, self.n_shards)
+        contribution = self.runner.train(micro_batches, clock.pipeline, loss_tokens)  # this rank's share of the loss
         with clock.waiting():
             self.grad_sync.finish_grad_sync()
             self.tied.sum_gradients()
@@ -254,13 +258,21 @@ class Trainer:
         return math.isfinite(grad_norm)
 
     def local_micro_batches(self, tokens):
-        """This rank's (inputs, targets) per micro-batch: its data slice, and its sequence shard under cp."""
+        """This rank's (inputs, targets, documents) per micro-batch: its data slice, and its sequence shard
+        under cp (documents, the whole sequence's, are not sharded: attention asks about any token's)."""
         mesh = self.mesh
         batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("data"), mesh.index("data"))
+        batches = [self.packing.split(inputs, targets) for inputs, targets in batches]
         if mesh.size("cp") == 1:
-            return list(batches)
+            return batches
         shard = lambda t: cp.shard_sequence(t, mesh.size("cp"), mesh.index("cp"))  # noqa: E731
-        return [(shard(inputs), shard(targets)) for inputs, targets in batches]
+        return [(shard(inputs), shard(targets), documents) for inputs, targets, documents in batches]
+
+    @property
+    def n_shards(self):
+        """The pieces the global batch is cut into, whose losses (and gradients) are averaged: micro-batches,
+        data slices, sequence shards."""
+        return self.args.micro_batches * self.mesh.size("data") * self.mesh.size("cp")
 
     def forward_context(self):
         """Around every forward: count the activations saved for backward."""
@@ -292,7 +304,8 @@ class Trainer:
         for i in range(args.eval_batches):
             tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
             # The same micro-batches as training, so a pipeline sees the shapes it was built for.
-            losses += self.runner.evaluate(self.local_micro_batches(tokens))
+            losses += self.runner.evaluate(self.local_micro_batches(tokens),
+                                           self.packing.loss_tokens(tokens, self.n_shards))
         return mean_over_ranks(losses)
 
     # -- what the log counts -----------------------------------------------------
@@ -775,26 +788,26 @@ class GradientAccumulation:
         self.model, self.positions, self.grad_sync = model, positions, grad_sync
         self.forward_context = forward_context
 
-    def train(self, micro_batches, stats):
-        """Forward and backward of every micro-batch; returns the mean of their losses. (`stats`, a
-        pipeline's measurements, stays empty.)"""
+    def train(self, micro_batches, stats, loss_tokens=None):
+        """Forward and backward of every micro-batch; returns the mean of their losses, each divided by
+        loss_tokens (None: its own mean). (`stats`, a pipeline's measurements, stays empty.)"""
         losses = []
-        for m, (inputs, targets) in enumerate(micro_batches):
+        for m, (inputs, targets, documents) in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
             # Gradients are reduced once, during the last micro-batch's backward.
             with self.grad_sync.no_sync() if not last else nullcontext():
                 with self.forward_context():
-                    _, loss = self.model(inputs, targets, pos=self.positions)
+                    _, loss = self.model(inputs, targets, self.positions, documents, loss_tokens)
                 (loss / len(micro_batches)).backward()  # the mean over micro-batches, as on one device
             losses.append(loss.item())
         return sum(losses) / len(losses)
 
-    def evaluate(self, micro_batches):
+    def evaluate(self, micro_batches, loss_tokens=None):
         """The loss of every micro-batch, forward only."""
         losses = []
-        for inputs, targets in micro_batches:
-            logits, _ = self.model(inputs, pos=self.positions)
-            losses.append(self.model.loss_fn(logits, targets).item())
+        for inputs, targets, documents in micro_batches:
+            logits, _ = self.model(inputs, pos=self.positions, documents=documents)
+            losses.append(self.model.loss_fn(logits, targets, tokens=loss_tokens).item())
         return losses
 
     def sum_over_stages(self, counts):
@@ -816,16 +829,17 @@ class PipelineStage:
         self.shape, self.dtype = (micro, seq, model.config.d_model), next(model.parameters()).dtype
         self.bytes_sent = 0
 
-    def train(self, micro_batches, stats):
+    def train(self, micro_batches, stats, loss_tokens=None):
         """Forward and backward of every micro-batch on the --schedule; returns this stage's share of the
-        step's loss: the cross-entropy (last stage) and its layers' side losses."""
+        step's loss: the cross-entropy (last stage, each divided by loss_tokens) and its layers' side losses."""
         schedules = self.schedules(partial(pp.make_schedule, self.args.schedule))
-        losses, side_losses = self.run(schedules, micro_batches, stats)
+        losses, side_losses = self.run(schedules, micro_batches, stats, loss_tokens)
         return (sum(losses) + sum(side_losses)) / self.args.micro_batches
 
-    def evaluate(self, micro_batches):
+    def evaluate(self, micro_batches, loss_tokens=None):
         """The loss of every micro-batch, forward only, on the last stage (elsewhere, none)."""
-        return self.run(self.schedules(pp.forward_only), micro_batches, pp.PipelineStats(self.device))[0]
+        return self.run(self.schedules(pp.forward_only), micro_batches, pp.PipelineStats(self.device),
+                        loss_tokens)[0]
 
     def schedules(self, make):
         """Every stage's actions, make(micro-batches, stages, rank, chunks): each rank runs its own, placed
@@ -833,9 +847,10 @@ class PipelineStage:
         args = self.args
         return [make(args.micro_batches, self.n_stages, r, args.virtual_stages) for r in range(self.n_stages)]
 
-    def run(self, schedules, micro_batches, stats):
+    def run(self, schedules, micro_batches, stats, loss_tokens):
         """Run a pipeline schedule on this rank's chunks: (last stage's micro-batch losses, side losses)."""
-        losses = pp.run_schedule(schedules, self.chunks, micro_batches, self.model.loss_fn, self.group,
+        loss_fn = partial(self.model.loss_fn, tokens=loss_tokens)
+        losses = pp.run_schedule(schedules, self.chunks, micro_batches, loss_fn, self.group,
                                  self.shape, self.dtype, self.device, grad_sync=self.grad_sync, stats=stats,
                                  debug=self.args.pp_debug, forward_context=self.forward_context,
                                  placement=pipeline_placement(self.args))
@@ -989,6 +1004,43 @@ def local_micro_batches(tokens, n_micro, n_data, data_rank):
     for micro in tokens.chunk(n_micro):
         mine = micro.chunk(n_data)[data_rank]
         yield mine[:, :-1], mine[:, 1:]
+
+
+class OneSequence:
+    """Each training sequence is one causal sequence (the synthetic language, bytes, --no-document-mask)."""
+
+    def split(self, inputs, targets):
+        """(inputs, targets, documents) of a micro-batch: no documents."""
+        return inputs, targets, None
+
+    def loss_tokens(self, tokens, n_shards):
+        """What each of the n_shards pieces of the global batch `tokens` divides its summed loss by: its
+        targets, every one of which counts (their mean)."""
+        return tokens[:, 1:].numel() / n_shards
+
+
+class PackedDocuments:
+    """Sequences packed with documents, each ended by eos_id: attention and positions stop at each document's
+    end, and the prediction across it (made at the EOS) is not trained (model.py's document_ids and
+    document_targets)."""
+
+    def __init__(self, eos_id):
+        self.eos_id = eos_id
+
+    def split(self, inputs, targets):
+        return inputs, document_targets(inputs, targets, self.eos_id), document_ids(inputs, self.eos_id)
+
+    def loss_tokens(self, tokens, n_shards):
+        """What each of the n_shards pieces of the global batch `tokens` divides its summed loss by: the batch's
+        counted targets (those not predicted at an EOS) over n_shards. Shards count different numbers, and
+        their losses average (over micro-batches, data and sequence shards) to the mean over the whole batch's
+        counted targets, on every layout alike."""
+        return max(1, (tokens[:, :-1] != self.eos_id).sum().item()) / n_shards
+
+
+def packing_of(eos_id):
+    """How the training sequences are read: packed documents ended by eos_id, or (None) one sequence each."""
+    return OneSequence() if eos_id is None else PackedDocuments(eos_id)
 
 
 def lr_at(step, args):

@@ -49,14 +49,15 @@ def reference_run(argv, skipped_steps=()):
     if args.init_from:  # a Hugging Face folder's weights (read whole, as one device can)
         model.load_state_dict(hf.load_state_dict(args.init_from, config))
     optimizer = train.make_optimizer(model.parameters(), args)
+    eos_id = cli.document_eos(args)  # packed documents, each ended by it (None: one sequence each)
     losses, grad_norms = [], []
     for step in range(args.steps):
         tokens = data.batch("train", step, args.batch_size, args.seq_len)
         step_loss = 0.0
         for micro in tokens.chunk(args.micro_batches):  # gradient accumulation
-            _, loss = model(micro[:, :-1], micro[:, 1:])
-            (loss / args.micro_batches).backward()
-            step_loss += loss.item() / args.micro_batches
+            loss = micro_batch_loss(model, micro[:, :-1], micro[:, 1:], eos_id, tokens) / args.micro_batches
+            loss.backward()
+            step_loss += loss.item()
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(step, args)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
@@ -66,6 +67,18 @@ def reference_run(argv, skipped_steps=()):
         model_lib.update_route_biases(model)  # MoE routing biases move towards balance (--balance bias)
         losses.append(step_loss)
     return dict(losses=losses, grad_norms=grad_norms, state_dict=model.state_dict())
+
+
+def micro_batch_loss(model, inputs, targets, eos_id, batch):
+    """The loss of one micro-batch, times the micro-batches: the mean over its targets, or with packed
+    documents its summed loss over the targets that count, divided by those of the whole `batch` over the
+    micro-batches (so the step's loss is the mean over every counted target of the batch)."""
+    if eos_id is None:
+        return model(inputs, targets)[1]
+    counted_in_batch = (batch[:, :-1] != eos_id).sum()
+    micro_batches = len(batch) // len(inputs)
+    return model(inputs, model_lib.document_targets(inputs, targets, eos_id), documents=model_lib.document_ids(
+        inputs, eos_id), loss_tokens=counted_in_batch / micro_batches)[1]
 
 
 def assert_matches_oracle(result, oracle, rtol=1e-9, atol=1e-12):

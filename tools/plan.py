@@ -95,6 +95,7 @@ class Layout:
     master_dtype: str
     reduce_dtype: str
     bucket_bytes: int
+    documents: bool = False  # packed documents (--document-mask): attention masked, positions per sequence
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
@@ -134,7 +135,7 @@ def layout_of(args, world):
                   sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
-                  bucket_bytes=int(args.bucket_mb * 2**20))
+                  bucket_bytes=int(args.bucket_mb * 2**20), documents=cli.document_eos(args) is not None)
 
 
 # ---------------------------------------------------------------------------
@@ -463,13 +464,28 @@ def block_activations(c, layout, layer):
                  + tokens * h // t * a                     # the core's output
                  + tokens * c.n_head // t * wide)          # and its log-sum-exp per head
     if c.position == "rope":  # rotated q and k, and the cos and sin tables of q's and k's rotations
-        attention += 2 * (c.seq_len // layout.cp) * head_dim * wide
+        attention += 2 * position_rows(layout) * (c.seq_len // layout.cp) * head_dim * wide
         if rotated_kept(layout):
             attention += tokens * (h + c.kv_dim) // t * a
     if proj_copies_heads(c, layout):
         attention += tokens * h // t * a
+    attention += document_mask_bytes(c, layout)
     mlp = moe_activations(c, layout, tokens) if c.is_moe(layer) else tokens * h * a + mlp_activations(c, tokens, t, a)
     return 2 * norm + attention + mlp
+
+
+def position_rows(layout):
+    """Rows of positions a micro-batch has: one for all its sequences, or with packed documents one a sequence
+    (each restarts at its documents' first tokens)."""
+    return layout.micro_batch if layout.documents else 1
+
+
+def document_mask_bytes(c, layout):
+    """Packed documents: the fused kernel keeps the block-diagonal causal mask it was given, (b, 1, s, s) in the
+    activations' dtype, for its backward (every head and tensor-parallel rank shares it). cp.py's three ways
+    keep none: their backward makes each block's mask again from the documents' ids."""
+    masked = layout.documents and layout.cp == 1
+    return layout.micro_batch * c.seq_len ** 2 * layout.activation_bytes if masked else 0
 
 
 def rotated_kept(layout):
@@ -529,12 +545,24 @@ def recomputed_block(c, layout, layer):
     if layout.recompute == "full":  # only the block's input, the residual stream
         kept = (tokens // layout.tp if layout.sp else tokens) * c.d_model * layout.weight_bytes
         return kept, full
-    if layout.recompute == "selective":  # the core's log-sum-exp goes, and its output unless proj keeps it
-        core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4)
+    if layout.recompute == "selective":  # the core's log-sum-exp goes (and a mask), and its output unless proj
+        core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4) + document_mask_bytes(c, layout)
         if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
             core += tokens * c.d_model // layout.tp * layout.activation_bytes
         return full - core, core
     return full, 0
+
+
+def recomputed_inputs(c, layout, first):
+    """With packed documents, what recomputed blocks keep besides the residual stream, once for all of them: the
+    micro-batch's documents (of the whole sequence, for the core), and under full recomputation the positions,
+    unless they are the ones the first chunk's learned table keeps already. (Counted per model chunk: a rank
+    holding two chunks of a model would count the documents twice, where the meter counts them once.)"""
+    if not layout.documents or layout.recompute == "none":
+        return 0
+    documents = layout.micro_batch * c.seq_len * INT64
+    positions = layout.recompute == "full" and not (first and c.position == "learned")
+    return documents + (tokens_per_rank(c, layout) * INT64 if positions else 0)
 
 
 def edge_activations(c, layout, first, last):
@@ -546,6 +574,8 @@ def edge_activations(c, layout, first, last):
             embedding = tokens * (INT64 + BOOL)
         elif layout.cp > 1:  # the ids: a copy, this rank's zigzag shard (else a view, see shared_activations)
             embedding = tokens * INT64
+        if c.position == "learned" and layout.documents:  # the micro-batch's own positions, which it looks up
+            embedding += tokens * INT64
     if last:
         sharded = tokens // t if layout.sp else tokens
         norm = sharded * norm_activations(c, layout)
@@ -564,7 +594,7 @@ def batch_view_targets(layout):
     """Whether the cross-entropy keeps the targets as a view into the step's batch of tokens rather than a
     flat copy: a single sequence's (1, s) slice flattens without copying (unless cp copied out a shard, or
     tp's cross-entropy keeps local targets instead)."""
-    return layout.micro_batch == 1 and layout.cp == 1 and layout.tp == 1
+    return layout.micro_batch == 1 and layout.cp == 1 and layout.tp == 1 and not layout.documents
 
 
 def shared_activations(c, layout, stage):
@@ -576,7 +606,7 @@ def shared_activations(c, layout, stage):
     shared, first, last = 0, stage == layout.placement.first_rank, stage == layout.placement.last_rank
     if (first and layout.cp == 1 and layout.tp == 1) or (last and batch_view_targets(layout)):
         shared += layout.batch_size * (c.seq_len + 1) * INT64
-    if (first and c.position == "learned") or layout.recompute == "full":
+    if ((first and c.position == "learned") or layout.recompute == "full") and not layout.documents:
         shared += c.seq_len // layout.cp * INT64
     return shared
 
@@ -590,7 +620,7 @@ def chunk_activations(c, layout, model_chunk):
     blocks = [recomputed_block(c, layout, layer) for layer in layers]
     first, last = model_chunk == 0, model_chunk == n_model_chunks - 1
     edges, loss = edge_activations(c, layout, first, last)
-    kept = sum(kept for kept, _ in blocks) + edges + loss
+    kept = sum(kept for kept, _ in blocks) + edges + loss + recomputed_inputs(c, layout, first)
     if layout.recompute != "full":  # (a recomputed block keeps only its input)
         loss += sum(balance_statistics(c, layout) for layer in layers if c.is_moe(layer))
     return kept, loss, max(r for _, r in blocks)

@@ -16,7 +16,7 @@ import tp
 from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
 from training import hf
-from training.data import split_lengths, tokenizer_of, vocab_size_of
+from training.data import data_eos_id, split_lengths, tokenizer_of, vocab_size_of
 from training.tokenizer import fingerprint
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
@@ -94,6 +94,13 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="a token directory (python -m tools.prepare's, or nanoGPT's "
                                                 "train.bin/val.bin), or a text file read as bytes (default: "
                                                 "the synthetic Markov language)")
+    p.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="packed documents: attention and positions stop at each EOS and the prediction across it "
+                        "is not trained (default: on when the data declares its EOS id, as tools.prepare's does, "
+                        "or --eos-id gives one)")
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="the id that ends each document (default: the data's meta.json's; for nanoGPT's GPT-2 ids, "
+                        "50256)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of the synthetic language (default: the preset's), or of a token directory "
                         "without meta.json or meta.pkl (default: GPT-2's 50257)")
@@ -159,6 +166,7 @@ def check_args(args, world):
     check_data(args)
     check_tokenizer(args)
     config = model_config(args, data_vocab_size(args))
+    document_eos(args, config.vocab_size)
     check_experts(args, config)
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
@@ -243,6 +251,22 @@ def check_tokenizer(args):
     if made_by and model_tokenizer and made_by[1] != model_tokenizer:
         raise ConfigError(f"--data {args.data} was tokenized by {made_by[0]}'s tokenizer.json, not by --init-from "
                           f"{args.init_from}'s: its ids mean other tokens; prepare it again with {prepare}")
+
+
+def document_eos(args, vocab_size=None):
+    """The EOS id that ends each packed document (--eos-id, else the data's meta.json's), or None where
+    training sees one causal sequence: --no-document-mask, or data that declares no EOS (the synthetic
+    language, bytes, nanoGPT's ids without --eos-id). --document-mask without an EOS id is an error."""
+    eos_id = args.eos_id if args.eos_id is not None else data_eos_id(args.data)
+    if args.document_mask is False:
+        return None
+    if args.document_mask and eos_id is None:
+        data = args.data or "the synthetic language"
+        raise ConfigError(f"--document-mask needs the id that ends each document: {data} declares none; pass "
+                          f"--eos-id")
+    if eos_id is not None and not 0 <= eos_id < (vocab_size or eos_id + 1):
+        raise ConfigError(f"--eos-id {eos_id} is not an id of the vocabulary of {vocab_size}")
+    return eos_id
 
 
 def check_vocabulary(data, rank, world):

@@ -135,6 +135,12 @@ def token_dtype(path):
     return np.dtype(TOKEN_DTYPES[meta["dtype"]] if meta else np.uint16)
 
 
+def data_eos_id(path):
+    """The id that ends each document of the data at path (meta.json's eos_id), or None where it declares none."""
+    meta = read_meta(path) if path is not None else None
+    return meta.get("eos_id") if meta else None
+
+
 def tokenizer_of(path):
     """(folder, SHA-256 of its tokenizer.json) of the tokenizer that made the data at path, from its
     meta.json; None where unknown (no path: the synthetic language; a text file; nanoGPT's directory).
