@@ -4,7 +4,8 @@
     python plot.py --timeline runs/<name>/log.jsonl   # a pipeline run's measured timeline
 
 Writes results/throughput.png, loss.png, memory.png, communication.png,
-bubble.png, experts.png, memory_planned.png (tools/plan.py's memory per strategy by
+bubble.png, experts.png, documents.png (packed documents' attention mask and the ring attention
+blocks it skips), memory_planned.png (tools/plan.py's memory per strategy by
 sequence length), memory_measured.png (tools/bench.py's small runs of the same
 strategies, measured beside predicted), timelines.png (the pipeline
 schedules as measured) and results/results.md (the seed table's columns,
@@ -347,6 +348,50 @@ def run_timeline(log_path):
     return out
 
 
+def document_masking(results, lengths=(7, 3, 12, 1, 9), n_ranks=4):
+    """Packed documents (model.py's document_mask): left, which keys each query of one packed sequence attends
+    to, cut into cp.py's 2N zigzag chunks; right, ring attention's blocks (query chunk, key chunk) each rank
+    computes at each step, plain causal against document masking (a block whose mask is empty is skipped)."""
+    import torch
+    from model import document_ids, document_mask
+    seq_len = sum(lengths)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    idx = torch.ones(1, seq_len, dtype=torch.long)
+    idx[0, ends] = 0  # the EOS id: 0
+    documents = document_ids(idx, 0)
+    everything = torch.arange(seq_len)
+    mask = document_mask(documents, everything, everything)[0, 0]
+    chunk = seq_len // (2 * n_ranks)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
+    left.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.4)
+    for edge in range(chunk, seq_len, chunk):
+        left.axhline(edge - 0.5, color="grey", lw=0.5)
+        left.axvline(edge - 0.5, color="grey", lw=0.5)
+    left.set(title=f"documents of {', '.join(map(str, lengths))} tokens: the mask",
+             xlabel="key position", ylabel="query position")
+    causal, masked = np.zeros((n_ranks, n_ranks)), np.zeros((n_ranks, n_ranks))
+    for rank in range(n_ranks):
+        for step in range(n_ranks):
+            source = (rank - step) % n_ranks
+            for q_chunk in (rank, 2 * n_ranks - 1 - rank):
+                for k_chunk in (source, 2 * n_ranks - 1 - source):
+                    queries = torch.arange(q_chunk * chunk, (q_chunk + 1) * chunk)
+                    keys = torch.arange(k_chunk * chunk, (k_chunk + 1) * chunk)
+                    causal[rank, step] += k_chunk <= q_chunk
+                    masked[rank, step] += bool(document_mask(documents, queries, keys).any())
+    right.imshow(masked / np.maximum(causal, 1), cmap="Greens", vmin=0, vmax=1.2)
+    for rank in range(n_ranks):
+        for step in range(n_ranks):
+            right.text(step, rank, f"{masked[rank, step]:.0f} of {causal[rank, step]:.0f}", ha="center", va="center")
+    right.set(title=f"ring attention, cp={n_ranks}: blocks computed, of plain causal's",
+              xlabel="ring step (the K/V block of rank - step)", ylabel="rank", xticks=range(n_ranks),
+              yticks=range(n_ranks))
+    fig.tight_layout()
+    fig.savefig(os.path.join(results, "documents.png"), dpi=90)
+    plt.close(fig)
+    return int(causal.sum()), int(masked.sum())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -368,6 +413,7 @@ def main():
     planned_memory(results)
     measured_memory(results)
     timelines(results)
+    document_masking(results)
     print(f"plot.py: figures and results.md written to {results}")
 
 

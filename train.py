@@ -788,9 +788,9 @@ class GradientAccumulation:
         self.model, self.positions, self.grad_sync = model, positions, grad_sync
         self.forward_context = forward_context
 
-    def train(self, micro_batches, stats, loss_tokens=None):
-        """Forward and backward of every micro-batch; returns the mean of their losses, each divided by
-        loss_tokens (None: its own mean). (`stats`, a pipeline's measurements, stays empty.)"""
+    def train(self, micro_batches, stats, loss_tokens):
+        """Forward and backward of every micro-batch; returns the mean of their losses, each summed and divided
+        by loss_tokens. (`stats`, a pipeline's measurements, stays empty.)"""
         losses = []
         for m, (inputs, targets, documents) in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
@@ -802,7 +802,7 @@ class GradientAccumulation:
             losses.append(loss.item())
         return sum(losses) / len(losses)
 
-    def evaluate(self, micro_batches, loss_tokens=None):
+    def evaluate(self, micro_batches, loss_tokens):
         """The loss of every micro-batch, forward only."""
         losses = []
         for inputs, targets, documents in micro_batches:
@@ -829,14 +829,14 @@ class PipelineStage:
         self.shape, self.dtype = (micro, seq, model.config.d_model), next(model.parameters()).dtype
         self.bytes_sent = 0
 
-    def train(self, micro_batches, stats, loss_tokens=None):
+    def train(self, micro_batches, stats, loss_tokens):
         """Forward and backward of every micro-batch on the --schedule; returns this stage's share of the
         step's loss: the cross-entropy (last stage, each divided by loss_tokens) and its layers' side losses."""
         schedules = self.schedules(partial(pp.make_schedule, self.args.schedule))
         losses, side_losses = self.run(schedules, micro_batches, stats, loss_tokens)
         return (sum(losses) + sum(side_losses)) / self.args.micro_batches
 
-    def evaluate(self, micro_batches, loss_tokens=None):
+    def evaluate(self, micro_batches, loss_tokens):
         """The loss of every micro-batch, forward only, on the last stage (elsewhere, none)."""
         return self.run(self.schedules(pp.forward_only), micro_batches, pp.PipelineStats(self.device),
                         loss_tokens)[0]

@@ -44,3 +44,24 @@ def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):
     assert "| gpu2_tp1_pp1_cp1_ep1 | DP=2 |" in table and "DistributedDataParallel" in table
     assert f"data parallelism on {check['ranks']} ranks reaches {check['efficiency']:.0%}" in table
     assert f"takes {comparison['over_no_communication']:.2f}x" in table
+
+
+def test_quick_documents_row_times_document_masking_against_plain_causal(tmp_path):
+    """--only documents: per document length distribution, train.py with and without --document-mask in turn,
+    and the attention core alone; ratios are the medians of per-round ratios, inside their range."""
+    run = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--out", str(tmp_path), "--only", "documents"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "documents.json").read_text())
+    assert set(result["rows"]) == {"short", "half", "long"}
+    for name, row in result["rows"].items():
+        # the data written holds documents of the asked mean length: 1 / (mean in sequences) a sequence
+        assert abs(row["documents_per_sequence"] * row["mean_document_sequences"] - 1) < 0.1, name
+        for ratio in ("step_time", "attention_time"):
+            low, high = row[f"{ratio}_range"]
+            assert low <= row[f"{ratio}_ratio"] <= high
+        assert row["tokens_per_s"]["documents"] > 0 and row["attention_s"]["documents"] > 0
+    for name in result["rows"]:  # both arms trained on the same tokens, the mask changing what they learn
+        causal, masked = ([json.loads(line) for line in open(tmp_path / "documents" / "runs" / f"{name}-{arm}0" /
+                                                           "log.jsonl")] for arm in ("causal", "documents"))
+        assert causal[-1]["tokens_seen"] == masked[-1]["tokens_seen"] and causal[0]["loss"] != masked[0]["loss"]

@@ -6,6 +6,8 @@ The data is the synthetic language with one of its most frequent ids declared th
 documents' lengths vary freely: shorter than a context-parallel chunk, across every shard boundary, and longer
 than a whole sequence (a row with no EOS at all). `test_the_data_covers_every_case` checks that they do.
 """
+import json
+
 import pytest
 import torch
 
@@ -69,3 +71,21 @@ def test_layouts_train_on_packed_documents_as_one_device(tmp_path, world, model,
     for result in run_on_ranks(world, train_worker, argv, timeout=180):
         assert_matches_oracle(result, oracle([*PACKED, *model]))
     assert_matches_plan(tmp_path, argv[:-2], world)
+
+
+def test_masking_needs_an_eos_id_inside_the_vocabulary():
+    """--document-mask on data that declares no EOS (the synthetic language) needs --eos-id; an --eos-id the
+    vocabulary does not have is refused; --no-document-mask wins over a declared EOS."""
+    plain = [*EQUIVALENCE, "--document-mask"]
+    with pytest.raises(cli.ConfigError, match="needs the id that ends each document: the synthetic language"):
+        cli.check_args(cli.parse_args(plain), 1)
+    with pytest.raises(cli.ConfigError, match="--eos-id 64 is not an id of the vocabulary of 64"):
+        cli.check_args(cli.parse_args([*plain, "--eos-id", "64"]), 1)
+    assert cli.document_eos(cli.parse_args([*PACKED, "--no-document-mask"])) is None
+    assert cli.document_eos(cli.parse_args(EQUIVALENCE)) is None  # the synthetic language: one sequence each
+
+
+def test_data_that_declares_its_eos_is_masked_by_default(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps(dict(dtype="uint16", vocab_size=64, eos_id=5)))
+    assert cli.document_eos(cli.parse_args([*EQUIVALENCE, "--data", str(tmp_path)])) == 5
+    assert cli.document_eos(cli.parse_args([*EQUIVALENCE, "--data", str(tmp_path), "--eos-id", "7"])) == 7

@@ -398,7 +398,9 @@ def cp_traffic(config, layout, layers):
                  (N-1) kv each
       alltoall   q, k, v to head shards and the output back, forward, and their gradients in backward:
                  (N-1)/N of each
-    Recomputation runs the forward's part again."""
+    Recomputation runs the forward's part again. With packed documents the ring's figure is its most: a K/V
+    block that no rank ahead needs in any row of the micro-batch goes no further, which depends on the data
+    (cp.py's tests count the bytes saved exactly)."""
     n = layout.cp
     if n == 1:
         return Counter()
