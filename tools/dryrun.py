@@ -14,14 +14,25 @@ Measured: the counters of train.py's log (parameter, gradient, optimizer and act
 per dimension and collective) and the process's peak resident memory (Linux's VmHWM: the interpreter,
 PyTorch's libraries and the allocator's caches too; on a GPU, the allocator's peak beside it).
 
+The arithmetic that dominates a step is skipped (`SkipArithmetic`; --compute keeps it): matrix products
+and the fused attention kernels, forward and backward, answer with zeros of their output's shape, dtype,
+strides and device. The step allocates what it would and counts the same traffic (the
+values were meaningless already), in seconds, where a large layout's bfloat16 products on a CPU without
+bfloat16 instructions would take the better part of an hour in software. What is skipped: aten's mm, addmm,
+bmm and baddbmm (every linear layer and written-out attention) and the scaled-dot-product attention
+kernels of CPUs and CUDA with their backwards; everything else (norms, activations, the optimizer, the
+collectives' bookkeeping) runs.
+
 Expert parallelism is refused: a rank learns how many tokens it will receive from its peers, which a
-fake peer never says.
+fake peer never says. (Experts without ep run, routed by whatever the skipped router product holds.)
 """
 import argparse
 import json
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from training import cli
 from tools import plan
@@ -39,6 +50,40 @@ class DryRunTrainer(train.Trainer):
     @staticmethod
     def updates(grad_norm):
         return True
+
+
+def _arithmetic_operators():
+    """The aten operators SkipArithmetic answers without computing: those of this PyTorch among the names."""
+    names = ["mm", "addmm", "bmm", "baddbmm"] + [
+        f"_scaled_dot_product_{kernel}_attention{part}" for kernel in ("flash", "efficient", "cudnn")
+        for part in ("", "_backward")] + ["_scaled_dot_product_flash_attention_for_cpu",
+                                          "_scaled_dot_product_flash_attention_for_cpu_backward"]
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+
+
+try:  # an internal module of PyTorch (torch.utils._python_dispatch, in every release from 2.0 to today's)
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # then the arithmetic runs: slower, the same memory and traffic
+    TorchDispatchMode = None
+
+
+class SkipArithmetic(TorchDispatchMode or object):
+    """While active, the matrix products and attention kernels (`_arithmetic_operators`) return zeros shaped as
+    their outputs: each operator runs on the meta device to learn its outputs' shapes, dtypes and strides,
+    and the real device gets an allocation of each, zeroed (written, as the kernel would write it, so its
+    pages are resident as they would be: filling is linear in the output, a product's work is not)."""
+
+    operators = _arithmetic_operators()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.operators:
+            return func(*args, **kwargs)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        on_meta = tree_map(lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        shapes = func(*on_meta[0], **on_meta[1])
+        return tree_map(lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
+                        if isinstance(m, torch.Tensor) else m, shapes)
 
 
 def join_fake_world(rank, world):
@@ -62,16 +107,18 @@ def check_dry_run(args, rank, world):
     return checked
 
 
-def dry_run(args, rank, world):
+def dry_run(args, rank, world, compute=False):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
-    first: AdamW makes its state there); returns (measured, predicted): {field: value} of this rank, the
-    prediction's peak_resident_bytes being tools/plan.py's peak of start-up and step (a dry run saves nothing)."""
+    first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
+    predicted): {field: value} of this rank, the prediction's peak_resident_bytes being tools/plan.py's peak
+    of start-up and step (a dry run saves nothing)."""
     config, shape = check_dry_run(args, rank, world)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
     try:
         trainer = DryRunTrainer(args, config, Mesh(shape), train.load_training_data(args), device)
-        record = trainer.train_step(0)
+        with nullcontext() if compute or TorchDispatchMode is None else SkipArithmetic():
+            record = trainer.train_step(0)
     finally:
         dist.destroy_process_group()
     predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
@@ -101,10 +148,12 @@ def main(argv=None):
     p.add_argument("--world", type=int, required=True, help="ranks of the run")
     p.add_argument("--rank", type=int, default=0, help="the rank to run")
     p.add_argument("--json", action="store_true", help="print {measured: {...}, predicted: {...}}")
+    p.add_argument("--compute", action="store_true",
+                   help="compute the matrix products and attention too (slower; the same memory and traffic)")
     own, rest = p.parse_known_args(argv)
     args = cli.parse_args(rest)
     try:
-        measured, predicted = dry_run(args, own.rank, own.world)
+        measured, predicted = dry_run(args, own.rank, own.world, own.compute)
     except cli.ConfigError as e:
         p.exit(2, f"python -m tools.dryrun: error: {e}\n")
     if own.json:
