@@ -514,6 +514,12 @@ class ReplicatedOptimizer:
         for name, master in self.masters.items():
             yield name, 0, master.numel(), master
 
+    def gradient_pieces(self):
+        """(name, start, end, averaged gradient or None) of each piece, once the gradients are synchronised
+        and before the step (what a parity check compares with one device)."""
+        for name, master in self.masters.items():
+            yield name, 0, master.numel(), self.grad_sync.grads.get(self.params[name])
+
 
 def _weighted_squares(grads, weights, device):
     """sum over (p, grad) in grads of weights[p] * the sum of grad's squared elements, in float64; a
@@ -786,6 +792,12 @@ class ZeRO1(DataParallel):
             for p, (lo, hi) in shard.ranges.items():
                 first = shard.start - bucket.offsets[p]  # the index in p of the shard's first element
                 yield self.names[p], lo + first, hi + first, shard.pieces[p]
+
+    def gradient_pieces(self):
+        """(name, start, end, averaged gradient or None) of each piece of pieces(), once the gradients are
+        synchronised and before the step (what a parity check compares with one device)."""
+        for name, start, end, piece in self.pieces():
+            yield name, start, end, piece.grad
 
 
 class ZeRO2(ZeRO1):

@@ -202,7 +202,8 @@ class Trainer:
         saved = checkpoint.Checkpoint(args.resume) if args.resume else None
         # The Hugging Face config a run started from, kept in its checkpoints for the Hugging Face export.
         self.hf_config = (saved.manifest.get("hf_config") if saved
-                          else hf.read_config(args.init_from) if args.init_from else None)
+                          else hf.with_layers(hf.read_config(args.init_from), config.n_layer) if args.init_from
+                          else None)
         parallel = parallelize(self.model, mesh, args, starting_values(args, config, saved), device, precision)
         self.params, self.tp_layouts, self.share = list(self.model.parameters()), parallel.tp_layouts, parallel.share
         self.optimizers, self.grad_sync, self.tied = parallel.optimizers, parallel.grad_sync, parallel.tied
@@ -1118,13 +1119,16 @@ def nonfinite_problem(step, record, skipped_steps, args):
             f"--skip-nonfinite-steps {args.skip_nonfinite_steps})")
 
 
+def step_loss(args, losses):
+    """The step's loss from every rank's (losses, indexed by rank): each reported its stage's share of its
+    data's loss, so the mean over ranks, times the stages."""
+    return args.pp * sum(losses) / len(losses)
+
+
 def log_entry(args, step, record, wall, trainer):
     """The log record of a step, from every rank's values (lists indexed by rank)."""
-    world = len(record["loss"])
     step_s = max(c + w for c, w in zip(record["compute_s"], record["comm_wait_s"]))
-    # Each rank reported its stage's share of its data's loss: the mean over ranks, times the stages.
-    loss = args.pp * sum(record["loss"]) / world
-    entry = dict(step=step, loss=loss, lr=lr_at(step, args), grad_norm=record["grad_norm"][0],
+    entry = dict(step=step, loss=step_loss(args, record["loss"]), lr=lr_at(step, args), grad_norm=record["grad_norm"][0],
                  skipped_steps=trainer.skipped_steps, step_s=step_s, time_s=wall + step_s,
                  tokens_per_s=args.batch_size * args.seq_len / step_s,
                  tokens_seen=(step + 1) * args.batch_size * args.seq_len,  # every step reads one global batch

@@ -42,7 +42,7 @@ PYTHONS = ("python", "python3")
 SELF_CHECKS = ("dp.py", "tp.py", "pp.py", "cp.py", "ep.py")
 TOOLS = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(REPO, "tools"))
                     if name.endswith(".py") and name != "__init__.py"))  # every command in tools/
-FORWARDS_TO_TRAIN = ("tools.plan", "tools.dryrun")  # parse_known_args: the rest is train.py's
+FORWARDS_TO_TRAIN = ("tools.plan", "tools.dryrun", "tools.parity")  # parse_known_args: the rest is train.py's
 STDLIB_MODULES = ("venv",)  # `python3 -m venv .venv` of the install line: Python's, not this repository's
 HELP_TIMEOUT = 120
 

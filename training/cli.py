@@ -5,6 +5,7 @@ before any process group exists (tools/plan.py asks it too, for the layouts it p
 at once instead of hanging; check_vocabulary once the data is loaded, before the first step.
 """
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -67,8 +68,8 @@ def parse_args(argv=None):
                         "preset's with --arch llama)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2): "
-                        "its config.json sets the model (not --model, --arch, --layers, --kv-heads); see "
-                        "training/hf.py")
+                        "its config.json sets the model (not --model, --arch, --kv-heads; --layers N keeps its "
+                        "first N blocks, a smaller model to check a layout with); see training/hf.py")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -151,7 +152,7 @@ def parse_args(argv=None):
                    help="torch.compile each block's computation (its parallel communication stays eager)")
     args = p.parse_args(argv)
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
-    args.layers = args.layers or PRESETS[args.model]["n_layer"]
+    args.layers = args.layers or (None if args.init_from else PRESETS[args.model]["n_layer"])
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     args.virtual_stages = args.virtual_stages or pp.CHUNKS_A_RANK.get(args.schedule, 1)
     args.master_dtype = args.master_dtype or ("float32" if args.dtype == "bfloat16" else args.dtype)
@@ -319,9 +320,13 @@ def model_config(args, vocab_size):
                bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
     if args.init_from:
         try:
-            return hf.config_from_hf(hf.read_config(args.init_from), args.seq_len, **moe)
+            config = hf.config_from_hf(hf.read_config(args.init_from), args.seq_len, **moe)
         except hf.UnsupportedModel as e:
             raise ConfigError(f"--init-from {args.init_from}: {e}") from None
+        if args.layers and not 1 <= args.layers <= config.n_layer:
+            raise ConfigError(f"--layers {args.layers}: --init-from {args.init_from} has {config.n_layer} blocks "
+                              f"(--layers keeps the first N of them)")
+        return dataclasses.replace(config, n_layer=args.layers or config.n_layer)
     if args.model in LLAMA_ONLY and args.arch != "llama":
         raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=vocab_size,

@@ -121,6 +121,12 @@ def source(model_type, name):
 # Configs: Hugging Face's config.json <-> model.py's GPTConfig
 # ---------------------------------------------------------------------------
 
+def with_layers(hf_config, n_layer):
+    """hf_config (a config.json's dict) of a model of its first n_layer blocks (train.py --layers)."""
+    key = "n_layer" if hf_config.get("model_type") == "gpt2" else "num_hidden_layers"
+    return dict(hf_config, **{key: n_layer})
+
+
 def read_config(folder):
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):

@@ -1,0 +1,265 @@
+"""A layout against one process, gradient by gradient: is this layout (or my change) training the same model?
+
+    python -m tools.parity --world 4 --model tiny --tp 2 --pp 2
+    python -m tools.parity --world 8 --init-from Llama-3.2-1B --layers 2 --seq-len 64 --tp 2 --cp 2 --zero 1 --steps 2
+
+Takes train.py's flags and --world, the number of ranks. Runs --steps steps (default 1) of that layout on
+--world processes of this machine (gloo, so no GPU is needed; point-to-point messages matched by their order
+alone, as NCCL matches them) and the same steps on one process, both in float64, from the same initial
+weights (model.py's, or the --init-from folder's) and on the same batches. It prints the loss of each step
+side by side, then one row per parameter (its name, shape and the dimensions that split or shard it): the
+largest difference of its gradient (synchronised, before clipping) and of its weight after the update, as
+an absolute figure and relative to the parameter's largest magnitude, and the first step at which either
+left the tolerance; the worst rows first.
+
+It exits with status 1 when any element is off by more than atol + rtol |expected| (float64: the order of
+a sum alone moves a value by about 1e-16 of its magnitude, hence rtol 1e-9), naming the dimensions whose
+groups touch the worst parameter; 2 for flags train.py refuses; 3 when the layout raised, died or hung on
+some rank (its error printed). A piece of a gradient that two ranks hold (replicas of data parallelism, the
+copies of tensor parallelism) must be the same on both; where it is not, that is reported too.
+
+The dimension files are imported from the working tree, so an edit to one of them is what is checked. The
+one process is `reference_steps`, the single device's training written out (the tests' oracle is it too).
+"""
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ep
+import model as model_lib
+import train
+from mesh import Mesh
+from training import cli, hf
+from training.local import run_on_ranks
+
+PROG = "python -m tools.parity"
+RTOL, ATOL = 1e-9, 1e-12
+
+
+# ---------------------------------------------------------------------------
+# One process: the single device's training, written out
+# ---------------------------------------------------------------------------
+
+def reference_steps(argv, skipped_steps=(), record=False):
+    """Train on one process in float64 from train.py's flags argv: {losses, grad_norms (before clipping),
+    state_dict (after the last step)}, and with `record` each step's gradients and state dict ({name: tensor}).
+    It shares with train.py only the definition of the experiment (the flags, the initial weights, the
+    optimizer's hyper-parameters, the learning-rate schedule, the batches); the loop is written out here, as
+    simply as it can be, so that a bug in train.py cannot hide in both. The steps in skipped_steps make no
+    update (as train.py skips a step whose gradient is not finite)."""
+    args = cli.parse_args([*argv, "--dtype", "float64"])
+    data = train.load_training_data(args)
+    config = cli.model_config(args, data.vocab_size)
+    model = train.build_model(config, args.seed, torch.float64, torch.device("cpu"))
+    if args.init_from:  # a Hugging Face folder's weights (read whole, as one device can)
+        model.load_state_dict(hf.load_state_dict(args.init_from, config))
+    optimizer = train.make_optimizer(model.parameters(), args)
+    eos_id = cli.document_eos(args)  # packed documents, each ended by it (None: one sequence each)
+    result = dict(losses=[], grad_norms=[], gradients=[], weights=[])
+    for step in range(args.steps):
+        tokens = data.batch("train", step, args.batch_size, args.seq_len)
+        step_loss = 0.0
+        for micro in tokens.chunk(args.micro_batches):  # gradient accumulation
+            loss = micro_batch_loss(model, micro[:, :-1], micro[:, 1:], eos_id, tokens) / args.micro_batches
+            loss.backward()
+            step_loss += loss.item()
+        for group in optimizer.param_groups:
+            group["lr"] = train.lr_at(step, args)
+        if record:
+            result["gradients"].append({name: p.grad.clone() for name, p in model.named_parameters()
+                                        if p.grad is not None})
+        result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+        if step not in skipped_steps:
+            optimizer.step()
+        optimizer.zero_grad()  # to None: a parameter without a gradient next step (an unused expert) is skipped
+        model_lib.update_route_biases(model)  # MoE routing biases move towards balance (--balance bias)
+        result["losses"].append(step_loss)
+        if record:
+            result["weights"].append({name: t.clone() for name, t in model.state_dict().items()})
+    result["state_dict"] = model.state_dict()
+    return result
+
+
+def micro_batch_loss(model, inputs, targets, eos_id, batch):
+    """The loss of one micro-batch, times the micro-batches: the mean over its targets, or with packed
+    documents its summed loss over the targets that count, divided by those of the whole `batch` over the
+    micro-batches (so the step's loss is the mean over every counted target of the batch)."""
+    if eos_id is None:
+        return model(inputs, targets)[1]
+    counted_in_batch = (batch[:, :-1] != eos_id).sum()
+    micro_batches = len(batch) // len(inputs)
+    return model(inputs, model_lib.document_targets(inputs, targets, eos_id), documents=model_lib.document_ids(
+        inputs, eos_id), loss_tokens=counted_in_batch / micro_batches)[1]
+
+
+# ---------------------------------------------------------------------------
+# The layout: train.py's Trainer on local ranks, each step's gradients gathered whole
+# ---------------------------------------------------------------------------
+
+class ParityTrainer(train.Trainer):
+    """train.py's Trainer, keeping each step's gradients (this rank's pieces, synchronised, before clipping)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gradient_pieces = []
+
+    def update(self, step):
+        self.gradient_pieces.append(self.held_gradients())
+        return super().update(step)
+
+    def held_gradients(self):
+        """[(name, full shape, flat positions in the full tensor, values)] of every gradient piece held here."""
+        shapes, held = {name: p.shape for name, p in self.model.named_parameters()}, []
+        for optimizer in self.optimizers:
+            for held_as, start, end, grad in optimizer.gradient_pieces():
+                if grad is not None:  # an expert no token reached on any rank: no gradient, as on one device
+                    positions = self.share.positions(held_as, shapes[held_as], start, end)
+                    held.append((self.share.name(held_as), self.share.full_shape(held_as, shapes[held_as]),
+                                 positions.cpu(), grad.detach().reshape(-1).to("cpu", torch.float64).clone()))
+        return held
+
+    def splits(self):
+        """{parameter name: the dimensions that split, shard or place it on this rank (tp-copies: whole on each
+        tensor-parallel rank, as norms are, whose gradients sequence parallelism sums over them; stageS: the
+        pipeline stage holding it)}."""
+        labels = {}
+        for name, _ in self.model.named_parameters():
+            labels[self.share.name(name)] = {dim for dim, applies in [
+                ("tp", name in self.tp_layouts), ("tp-copies", name not in self.tp_layouts and self.mesh.size("tp") > 1),
+                ("ep", ep.is_expert_parameter(name) and self.mesh.size("ep") > 1),
+                (f"stage{self.mesh.index('pp')}", self.mesh.size("pp") > 1),
+                (f"zero{self.args.zero}", self.args.zero > 0),
+                ("tied", self.share.name(name) != name)] if applies}
+        return labels
+
+
+def layout_worker(argv, steps):
+    """The layout of train.py's flags argv on this rank's process group, `steps` steps: on rank 0 {losses,
+    gradients, weights (per step), splits, disagreements}, elsewhere None."""
+    args = cli.parse_args([*argv, "--dtype", "float64"])
+    config, shape = cli.check_args(args, dist.get_world_size())
+    trainer = ParityTrainer(args, config, Mesh(shape), train.load_training_data(args), torch.device("cpu"))
+    losses, weights = [], []
+    for step in range(steps):
+        every_rank = [None] * dist.get_world_size()  # each rank's share of the step's loss
+        dist.all_gather_object(every_rank, trainer.train_step(step)["loss"])
+        losses.append(train.step_loss(args, every_rank))
+        weights.append(trainer.full_state_dict())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (trainer.gradient_pieces, trainer.splits()))
+    if dist.get_rank():
+        return None
+    gradients, disagreements = assemble([pieces for pieces, _ in everyone], steps)
+    splits = {}
+    for _, labels in everyone:
+        for name, dims in labels.items():
+            splits.setdefault(name, set()).update(dims)
+    return dict(losses=losses, gradients=gradients, weights=weights, splits=splits, disagreements=disagreements)
+
+
+def assemble(pieces_of_ranks, steps):
+    """(per step {name: full gradient}, [(step, name, largest difference)] where two ranks' copies of the same
+    elements differ), from every rank's pieces."""
+    gradients, disagreements = [], []
+    for step in range(steps):
+        full, written = {}, {}
+        for pieces in pieces_of_ranks:
+            for name, shape, positions, values in pieces[step]:
+                flat = full.setdefault(name, torch.zeros(shape, dtype=torch.float64)).view(-1)
+                seen = written.setdefault(name, torch.zeros(flat.numel(), dtype=torch.bool))
+                again = seen[positions]
+                if again.any():
+                    gap = (flat[positions][again] - values[again]).abs().max().item()
+                    if gap > ATOL + RTOL * values[again].abs().max().item():
+                        disagreements.append((step, name, gap))
+                flat[positions] = values
+                seen[positions] = True
+        gradients.append(full)
+    return gradients, disagreements
+
+
+# ---------------------------------------------------------------------------
+# The comparison, a row per parameter
+# ---------------------------------------------------------------------------
+
+def difference(got, expected):
+    """(largest |got - expected|, that relative to expected's largest magnitude, whether any element is off by
+    more than ATOL + RTOL |expected|)."""
+    gap = (got - expected).abs()
+    scale = expected.abs().max().item() or 1.0
+    return gap.max().item(), gap.max().item() / scale, bool((gap > ATOL + RTOL * expected.abs()).any())
+
+
+def compare(layout, reference):
+    """[row] of every tensor: {name, shape, splits, gradient (abs, rel), weight (abs, rel), diverged: first
+    step off (None)}, worst first."""
+    rows = []
+    for name, expected in reference["weights"][-1].items():
+        row = dict(name=name, shape=tuple(expected.shape), splits=sorted(layout["splits"].get(name, ())),
+                   gradient=(0.0, 0.0), weight=(0.0, 0.0), diverged=None)
+        for step, (gradients, weights) in enumerate(zip(reference["gradients"], reference["weights"])):
+            for kind, got, want in [("gradient", layout["gradients"][step].get(name), gradients.get(name)),
+                                    ("weight", layout["weights"][step].get(name), weights.get(name))]:
+                if want is None and got is None:
+                    continue
+                if want is None or got is None:  # a gradient one side has and the other not
+                    got, want = (got if got is not None else torch.full_like(want, float("nan")),
+                                 want if want is not None else torch.zeros_like(got))
+                absolute, relative, off = difference(got, want)
+                row[kind] = max(row[kind], (absolute, relative), key=lambda pair: pair[1])
+                if (off or absolute != absolute) and row["diverged"] is None:
+                    row["diverged"] = step
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["diverged"] is None, -max(r["gradient"][1], r["weight"][1])))
+
+
+def report(layout, reference, rows, steps):
+    """Print the losses and the rows; returns whether every row is within the tolerance."""
+    print(f"{'step':>4s} {'loss, layout':>22s} {'loss, one process':>22s} {'difference':>12s}")
+    for step in range(steps):
+        a, b = layout["losses"][step], reference["losses"][step]
+        print(f"{step:4d} {a:22.15f} {b:22.15f} {abs(a - b):12.3e}")
+    print(f"\n{'parameter':44s} {'shape':16s} {'split by':22s} {'grad abs':>9s} {'grad rel':>9s} "
+          f"{'weight abs':>10s} {'weight rel':>10s}  diverged")
+    for r in rows:
+        print(f"{r['name']:44s} {str(list(r['shape'])):16s} {','.join(r['splits']) or '-':22s} "
+              f"{r['gradient'][0]:9.1e} {r['gradient'][1]:9.1e} {r['weight'][0]:10.1e} {r['weight'][1]:10.1e}  "
+              f"{'step ' + str(r['diverged']) if r['diverged'] is not None else '-'}")
+    for step, name, gap in layout["disagreements"]:
+        print(f"step {step}: ranks holding the same elements of {name}'s gradient disagree by up to {gap:.3e}")
+    off = [r for r in rows if r["diverged"] is not None]
+    if off:
+        worst = off[0]
+        held = ", ".join(worst["splits"]) or "whole on every rank"
+        print(f"\n{PROG}: {len(off)} of {len(rows)} tensors differ beyond rtol {RTOL:g}, atol {ATOL:g}; the worst, "
+              f"{worst['name']}, from step {worst['diverged']}, is held as: {held}; look there first")
+    else:
+        print(f"\n{PROG}: every tensor within rtol {RTOL:g}, atol {ATOL:g} of one process, at every step")
+    return not off and not layout["disagreements"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                                epilog="Every other flag is train.py's (python train.py --help).")
+    p.add_argument("--world", type=int, required=True, help="ranks of the layout, processes of this machine")
+    p.add_argument("--steps", type=int, default=1, help="steps compared (each one's gradients and weights)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before a hung layout is stopped")
+    own, rest = p.parse_known_args(argv)
+    argv = [*rest, "--steps", str(own.steps)]
+    try:
+        cli.check_args(cli.parse_args([*argv, "--dtype", "float64"]), own.world)
+    except cli.ConfigError as e:
+        p.exit(2, f"{PROG}: error: {e}\n")
+    try:
+        layout = run_on_ranks(own.world, layout_worker, argv, own.steps, timeout=own.timeout)[0]
+    except (RuntimeError, TimeoutError) as e:  # a rank raised, died or hung: no comparison to make
+        print(f"{PROG}: the layout did not finish its steps:\n{e}", file=sys.stderr)
+        return 3
+    reference = reference_steps(argv, record=True)
+    return 0 if report(layout, reference, compare(layout, reference), own.steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
