@@ -65,9 +65,10 @@ CONFIGS = [
     ("gpu8_tp2_pp1_cp2_ep1", 8, ["--tp", "2", "--cp", "2"], "TP=2, CP=2, DP=2"),
 ]
 FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, rounds=36, k=1,
-            scaling_rounds=3, scaling_steps=25, attention_lengths=[2048, 4096, 8192, 16384])
+            scaling_rounds=3, scaling_steps=25, attention_lengths=[2048, 4096, 8192, 16384],
+            document_lengths=["short", "half", "long"])
 QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, rounds=6, k=1,
-             scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512])
+             scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512], document_lengths=["short", "long"])
 
 
 def torchrun_command(n_ranks, *argv, max_restarts=0):
@@ -224,7 +225,8 @@ def documents_check(settings, out):
     config = cli.model_config(args, vocab)
     micro_batch = settings["batch_size"] // settings["micro_batches"]
     rows = {}
-    for name, mean_sequences in DOCUMENT_LENGTHS.items():
+    for name in settings["document_lengths"]:
+        mean_sequences = DOCUMENT_LENGTHS[name]
         data = os.path.join(out, "documents", name)
         per_sequence = packed_data(data, config.seq_len, mean_sequences, vocab)
         common = ["--model", settings["model"], "--arch", settings.get("arch", "gpt"), "--data", data, "--batch-size",

@@ -124,10 +124,10 @@ class ParityTrainer(train.Trainer):
         """{parameter name: the dimensions that split, shard or place it on this rank (tp-copies: whole on each
         tensor-parallel rank, as norms are, whose gradients sequence parallelism sums over them; stageS: the
         pipeline stage holding it)}."""
-        labels = {}
+        labels, tp_ranks = {}, self.mesh.size("tp")
         for name, _ in self.model.named_parameters():
             labels[self.share.name(name)] = {dim for dim, applies in [
-                ("tp", name in self.tp_layouts), ("tp-copies", name not in self.tp_layouts and self.mesh.size("tp") > 1),
+                ("tp", name in self.tp_layouts), ("tp-copies", name not in self.tp_layouts and tp_ranks > 1),
                 ("ep", ep.is_expert_parameter(name) and self.mesh.size("ep") > 1),
                 (f"stage{self.mesh.index('pp')}", self.mesh.size("pp") > 1),
                 (f"zero{self.args.zero}", self.args.zero > 0),
