@@ -13,6 +13,7 @@
 - training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
 """
 import json
+import re
 import os
 
 import pytest
@@ -250,3 +251,25 @@ def test_zero3_with_a_tied_output_layer_is_refused(folders):
     with pytest.raises(cli.ConfigError, match="tied output layer"):
         cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["gpt2"], "--zero", "3"]), 2)
     cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["llama"], "--zero", "3"]), 2)  # untied: fine
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_layers_keeps_the_first_blocks_of_a_folder_and_exports_as_such(tmp_path, folders, arch):
+    """--layers 2 with --init-from: the model is the folder's first two blocks (a smaller model to check a
+    layout with), its export says two layers and holds those blocks' tensors bit for bit; more blocks than
+    the folder has are refused."""
+    argv = [*ARGS, "--steps", "1", "--lr", "0", "--init-from", folders[arch], "--layers", "2", "--tp", "2",
+            "--out", str(tmp_path)]
+    run_on_ranks(2, train_worker, argv, timeout=300)
+    saved = checkpoint.checkpoints(os.path.join(tmp_path, os.listdir(tmp_path)[0]))[0]
+    out = str(tmp_path / "exported")
+    convert.export_hf(saved, out)
+    layers_key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
+    assert hf.read_config(out) == hf.read_config(folders[arch]) | {layers_key: 2, "torch_dtype": "float64"}
+    original = tensors_of(folders[arch])
+    kept = {name: t for name, t in original.items() if not re.search(r"\.(h|layers)\.[23]\.", name)}
+    assert tensors_of(out).keys() == kept.keys() and len(kept) < len(original)
+    for name, expected in kept.items():
+        assert torch.equal(tensors_of(out)[name], expected), name
+    with pytest.raises(cli.ConfigError, match="--layers 5: --init-from .* has 4 blocks"):
+        cli.check_args(cli.parse_args([*ARGS, "--init-from", folders[arch], "--layers", "5"]), 1)
