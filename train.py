@@ -219,15 +219,12 @@ class Trainer:
     def train_step(self, step, timeline=False):
         """One optimizer step over the global batch; returns this rank's log values. With `timeline`, the
         pipeline records when each action waited and ran (self.timeline)."""
-        args = self.args
-        tokens = self.data.batch("train", step, args.batch_size, args.seq_len).to(self.device)
+        micro_batches, loss_tokens = self.batch("train", step)
         self.meter.reset_peak()
         clock = StepClock(self.device, timeline)
-        micro_batches = self.local_micro_batches(tokens)
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self.routing.reset()
-        loss_tokens = self.packing.loss_tokens(tokens, self.n_shards)
         contribution = self.runner.train(micro_batches, clock.pipeline, loss_tokens)  # this rank's share of the loss
         with clock.waiting():
             self.grad_sync.finish_grad_sync()
@@ -257,6 +254,13 @@ class Trainer:
     def updates(grad_norm):
         """Whether a step with this gradient norm updates the weights: not if it is not finite."""
         return math.isfinite(grad_norm)
+
+    def batch(self, split, index):
+        """This rank's micro-batches of the global batch `index` of `split` (a pure function of them, so every
+        layout reads the same tokens), and what each shard divides its summed loss by: counted on the CPU,
+        before the tokens go to the device, so the step waits for no copy back."""
+        tokens = self.data.batch(split, index, self.args.batch_size, self.args.seq_len)
+        return self.local_micro_batches(tokens.to(self.device)), self.packing.loss_tokens(tokens, self.n_shards)
 
     def local_micro_batches(self, tokens):
         """This rank's (inputs, targets, documents) per micro-batch: its data slice, and its sequence shard
@@ -303,10 +307,8 @@ class Trainer:
         """Mean cross-entropy over --eval-batches held-out global batches (no MoE auxiliary loss)."""
         args, losses = self.args, []
         for i in range(args.eval_batches):
-            tokens = self.data.batch("val", i, args.batch_size, args.seq_len).to(self.device)
             # The same micro-batches as training, so a pipeline sees the shapes it was built for.
-            losses += self.runner.evaluate(self.local_micro_batches(tokens),
-                                           self.packing.loss_tokens(tokens, self.n_shards))
+            losses += self.runner.evaluate(*self.batch("val", i))
         return mean_over_ranks(losses)
 
     # -- what the log counts -----------------------------------------------------
