@@ -64,6 +64,21 @@ g_avg = 1/N sum_i g_i) keeps the replicas identical after each optimizer step.
    gathers each unit's parameters twice (before forward, again before
    backward), 3 Psi in all (the paper's section 7).
 
+   Under a pipeline a rank runs M backwards per model chunk, interleaved with other chunks' (pp.py
+   wraps all but each chunk's last in no_sync, and the last of a rank's chunks but its final one in
+   keep_incomplete_buckets). ZeRO-2 and 3 then keep the chunk's full gradients until its last backward
+   and reduce-scatter them once per step (a zero-bubble schedule: after its last weight pass), and
+   ZeRO-3 keeps a unit gathered from its first forward to that reduce-scatter (reshard_after_forward
+   False): per step one all-gather and one reduce-scatter of Psi, as ZeRO-1's reduce-scatter and
+   all-gather. During the step a stage holds its full weights and gradients, as under ZeRO-1; freeing
+   a unit after each micro-batch's forward and backward instead would hold only two units whole, for
+   2M all-gathers of Psi (and, reducing every backward as well, M reduce-scatters: ZeRO-2's way
+   without a pipeline).
+
+   Hybrid sharding (`replicate_group`, see ZeRO1): the shards span a group of N ranks (a node), and R
+   such groups hold copies of them: 16/N bytes per parameter under ZeRO-3 for N of the N R ranks, the
+   gathers inside the node, and one all-reduce of the shard across the R groups.
+
 4. `clip_grad_norm_`: one global gradient norm over every optimizer (ZeRO's
    or the replicated one), clipping all of them by one factor, as
    torch.nn.utils.clip_grad_norm_ clips one device's gradients.
@@ -259,10 +274,11 @@ class DataParallel:
                through it reduce on every rank (`_before_backward`).
         ZeRO2  `_complete` adds into the shard and frees the bucket, which `_grad_view` allocates again;
                `_reduce` keeps one in flight, `_begin_backward` waits for the previous backward's;
-               `no_sync` does nothing (every backward reduces).
+               `between_micro_batches` reduces every backward (no_sync, a pipeline's, defers as above).
         ZeRO3  `_make_buckets`: a bucket per unit; forward pre-hooks and `_before_backward` gather its
-               weights (prefetching the next unit's), `_after_forward` and `_reduce` free them; `step`
-               gathers nothing.
+               weights (prefetching the next unit's), `_after_forward` (unless a pipeline holds them) and
+               `_reduce` free them; `step` gathers nothing.
+    Every class's `_across_replicas` is the second reduction of hybrid sharding (ZeRO's, none here).
     """
 
     def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None,
@@ -300,6 +316,11 @@ class DataParallel:
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside this block averages them."""
         return set_within(self, "sync", False)
+
+    def between_micro_batches(self):
+        """The context for every backward of a step but its last, where no pipeline asks for more: here
+        no_sync (the full gradients add up, and are averaged once). ZeRO-2 and 3 choose otherwise."""
+        return self.no_sync()
 
     # -- during backward: each bucket launches when its last gradient arrives --------
 
@@ -430,8 +451,13 @@ class DataParallel:
                             device=self.params[0].device)
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
         self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", mask.numel(), self.n_ranks)
+        self._across_replicas(mask, dist.ReduceOp.MAX)
         used = dict(zip(self.params, mask.tolist()))
         return lambda p: used[p]
+
+    def _across_replicas(self, tensor, op=dist.ReduceOp.SUM):
+        """Hybrid sharding's second reduction (ZeRO1): nothing here, where `group` holds every replica."""
+        return tensor
 
     # -- pipelines: a rank's model chunks each run a backward of their own --------------
 
@@ -673,6 +699,15 @@ class ZeRO1(DataParallel):
     flattened parameter `name` (of this rank's `shape`), instead of taking
     them from the weights, which may have been rounded to bfloat16.
 
+    Hybrid sharding (FSDP's HSDP, torchtitan's replicate x shard, DeepSpeed's MiCS): `group` may be only
+    part of the ranks that average these gradients, the rest holding copies of the same shards in groups
+    of their own, and `replicate_group` the ranks holding this rank's copy (one per shard group). A node
+    on GPUs is a good shard group: the all-gathers (every layer's, under ZeRO-3) and the reduce-scatters
+    stay on its fast links, and what crosses nodes is one all-reduce of each shard per step (2 (R-1)/R of
+    Psi/N over R replicas, instead of the shard group's (N-1)/N Psi of each collective). Each shard
+    group's reduce-scatter sums its own ranks' gradients; the all-reduce over the replicas then sums the
+    shard over every rank, and the division is by all of them (divide_by, by default N times R).
+
     Usage per step:
         loss.backward()          # reduce-scatters launch from here
         zero.finish_grad_sync()  # this rank's shard of the averaged gradient
@@ -685,13 +720,17 @@ class ZeRO1(DataParallel):
 
     def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
                  params=None, divide_by=None, find_unused_parameters=False, master_dtype=None, reduce_dtype=None,
-                 initial_values=None):
+                 initial_values=None, replicate_group=None):
         params = list(module.parameters() if params is None else params)
         mine = set(map(id, params))
         self.units = [unit for unit in units if any(id(p) in mine for p in unit.parameters())]
         self.names = {p: name for name, p in module.named_parameters()}
-        super().__init__(params, group, bucket_bytes, broadcast, divide_by, find_unused_parameters,
-                         reduce_dtype or master_dtype)
+        self.replicate_group = replicate_group
+        self.n_replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        super().__init__(params, group, bucket_bytes, broadcast, divide_by or dist.get_world_size(group) *
+                         self.n_replicas, find_unused_parameters, reduce_dtype or master_dtype)
+        if broadcast and replicate_group is not None:  # every shard group starts from the same weights
+            broadcast_parameters(self.params, replicate_group)
         self.rank = dist.get_rank(group)
         values = initial_values and (lambda p, start, end: initial_values(self.names[p], p.shape, start, end))
         self.shards = {bucket: self.shard_type(bucket, self.rank, self.n_ranks, values, master_dtype)
@@ -720,8 +759,17 @@ class ZeRO1(DataParallel):
 
     def _complete(self, bucket):
         shard = self.shards[bucket]
-        shard.grad.copy_(shard.reduced.div_(self.divide_by))  # the full gradients summed the micro-batches
+        # (the full gradients summed the micro-batches)
+        shard.grad.copy_(self._across_replicas(shard.reduced).div_(self.divide_by))
         shard.reduced = None
+
+    def _across_replicas(self, tensor, op=dist.ReduceOp.SUM):
+        """Hybrid sharding: a shard's sum over this shard group, summed over the shard groups (blocking, once
+        the reduce-scatter is done; the same order of collectives on every rank)."""
+        if self.replicate_group is not None:
+            dist.all_reduce(tensor, op=op, group=self.replicate_group)
+            self.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", tensor.nbytes, self.n_replicas)
+        return tensor
 
     def _keep_used_grads(self, used_somewhere):
         super()._keep_used_grads(used_somewhere)
@@ -754,7 +802,8 @@ class ZeRO1(DataParallel):
 
     def squared_norm(self, weights=None):
         """The sum of the squares of this instance's gradient elements over its group (weighted, see
-        clip_grad_norm_): one scalar all-reduce, the shards being disjoint, so each element counts once."""
+        clip_grad_norm_): one scalar all-reduce, the shards being disjoint, so each element counts once
+        (hybrid sharding: over the shard group alone, whose replicas hold the same shards)."""
         pieces = [(p, piece) for shard in self.shards.values()
                   for p, piece in shard.grad_pieces.items()]  # (the padding holds no gradient)
         squares = _weighted_squares(pieces, weights, self.buckets[0].grad.device)
@@ -803,12 +852,18 @@ class ZeRO1(DataParallel):
 class ZeRO2(ZeRO1):
     """ZeRO stage 2: ZeRO-1, and the gradients sharded too.
 
-    No full gradient is kept between backwards: each backward reduce-scatters
-    its buckets (one in flight at a time) and frees them, and the shard
-    accumulates the micro-batches. So `no_sync` changes nothing here (the
-    memory saving costs M reductions for M micro-batches), and a backward
-    through any unit reduces every bucket on every rank (zeros where it
-    brought no gradient), so the collectives stay in step.
+    No full gradient is kept between steps: a backward reduce-scatters its
+    buckets (one in flight at a time) and frees them, and the shard
+    accumulates. Between the micro-batches of a step there are two ways:
+    - `between_micro_batches()` (gradient accumulation, no pipeline): every
+      backward reduces, so no full gradient outlives a backward (the paper's
+      memory, for M reductions of M micro-batches); a backward through any
+      unit then reduces every bucket on every rank (zeros where it brought no
+      gradient), so the collectives stay in step;
+    - `no_sync()` (DataParallel's, FSDP2's set_requires_gradient_sync(False);
+      what a pipeline asks for): the full gradients add up in their buckets
+      until the backward outside it, which reduces them once (ZeRO-1's memory
+      during the step, one reduction per step; the buckets freed after it).
     """
 
     keeps_full_gradients = False
@@ -818,12 +873,11 @@ class ZeRO2(ZeRO1):
         for p in self.params:
             p.grad = None
 
-    @contextmanager
-    def no_sync(self):
-        yield
+    def between_micro_batches(self):
+        return nullcontext()  # reduce-scatter every backward
 
     def _begin_backward(self):
-        if self.next_to_launch:  # the previous backward's reduction, finished on every rank alike
+        if self.next_to_launch == len(self.buckets):  # the previous backward's reduction, finished alike
             self._wait_all()
 
     def _grad_view(self, bucket, p):
@@ -841,7 +895,7 @@ class ZeRO2(ZeRO1):
 
     def _complete(self, bucket):
         shard = self.shards[bucket]
-        shard.grad.add_(shard.reduced.div_(self.divide_by))  # accumulate the micro-batches in the shard
+        shard.grad.add_(self._across_replicas(shard.reduced).div_(self.divide_by))  # the shard accumulates
         shard.reduced = None
         free_storage(bucket.grad)
 
@@ -861,6 +915,14 @@ class ZeRO3(ZeRO2):
     one's compute), freed after it, gathered again before its backward, and
     freed once its gradients are reduce-scattered. Each unit is one bucket.
 
+    Under a pipeline (`reshard_after_forward=False`, FSDP2's flag, as torchtitan sets it under pipeline
+    parallelism) a unit stays gathered from its first forward of the step to its reduce-scatter, after
+    the last backward (no_sync defers it, see ZeRO2): one all-gather and one reduce-scatter per unit and
+    step, where freeing after every forward and backward would gather 2M times for M micro-batches. The
+    stage's units are then whole, with their full gradients, through the step's backwards, as under
+    ZeRO-1; what ZeRO-3 saves there is the time outside the step's forwards and backwards (the optimizer
+    step, checkpoints, evaluation) and the optimizer's copy of the weights (its shard in the master's dtype).
+
     initial_values (see ZeRO1), for a model whose parameters were given no memory yet (built on the
     meta device, then `unallocated`): only this rank's shards are then made and filled, so no rank
     ever holds a whole parameter it shards. Without it, the shards are cut from the parameters' values.
@@ -868,9 +930,10 @@ class ZeRO3(ZeRO2):
 
     shard_type = ZeRO3Shard
 
-    def __init__(self, module, group, make_optimizer, units=(), **options):
+    def __init__(self, module, group, make_optimizer, units=(), reshard_after_forward=True, **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
+        self.reshard_after_forward = reshard_after_forward
         super().__init__(module, group, make_optimizer, units, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
         for i, unit in enumerate(self.units):
@@ -889,12 +952,13 @@ class ZeRO3(ZeRO2):
         self._prefetch(i + 1)  # the next unit's gather overlaps this unit's compute
 
     def _after_forward(self, i, module, args, output):
-        self._free_params(self.unit_buckets[i])
+        if self.reshard_after_forward or not torch.is_grad_enabled():  # (no backward follows a no_grad forward)
+            self._free_params(self.unit_buckets[i])
         super()._after_forward(i, module, args, output)
 
     def _before_backward(self, i):
         super()._before_backward(i)
-        if self.find_unused_parameters:  # the units after this one are done: reduce them (see below)
+        if self.sync and self.find_unused_parameters:  # the units after this one are done: reduce them (below)
             self._launch_remaining(upto=len(self.buckets) - 1 - i)
         self._gather(i)        # backward needs the weights again,
         self._prefetch(i - 1)  # and the unit before this one comes next

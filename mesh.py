@@ -12,6 +12,23 @@ farthest. Every process group is a slice of that grid:
 - data rank = index in dp x ep: which slice of the global batch a rank reads
   (the cp ranks of one data rank read the same samples and split the sequence).
 
+Hybrid sharding (`dp_shard`): ZeRO shards over groups of dp_shard
+neighbouring data-parallel ranks and keeps copies across the dp / dp_shard
+such groups, dp being read as (dp_replicate, dp_shard), dp_shard the faster:
+
+- ZeRO's shard groups: the dense and expert groups with dp narrowed to
+  dp_shard ("dense_shard": dp_shard x ep x cp, "expert_shard": dp_shard x cp);
+- "dp_replicate": the ranks holding copies of the same shards, one in each
+  shard group, which sum them once per step.
+
+For example 16 ranks as dp=8, tp=2 with dp_shard=4 (nodes of 8 GPUs): ranks
+0-7 are one node, dp ranks 0-3 of it; the shard groups are [0, 2, 4, 6],
+[1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15], each inside a node, and the
+replicas [0, 8], [2, 10], ... cross the nodes:
+
+    node 0:  rank  0  1 | 2  3 | 4  5 | 6  7      dp 0..3 (shard 0..3, replica 0)
+    node 1:  rank  8  9 |10 11 |12 13 |14 15      dp 4..7 (shard 0..3, replica 1)
+
 `mesh_shape` validates the sizes with no communication at all, so a bad
 launch fails with the same message on every rank instead of hanging in a
 collective.
@@ -32,6 +49,11 @@ GROUPS = {  # group name -> the grid dimensions its ranks differ in
     "expert": ("dp", "cp"),
     "data": ("dp", "ep"),
 }
+HYBRID_GROUPS = {  # made only under hybrid sharding ("dp_shard" and "dp_replicate": the two parts of dp)
+    "dense_shard": ("dp_shard", "ep", "cp"),
+    "expert_shard": ("dp_shard", "cp"),
+    "dp_replicate": ("dp_replicate",),
+}
 
 
 @dataclass(frozen=True)
@@ -41,16 +63,26 @@ class MeshShape:
     ep: int
     cp: int
     tp: int
+    dp_shard: int = 0  # hybrid sharding: ZeRO's shards span this many neighbouring dp ranks (0: all of them)
 
     @property
     def world(self):
         return self.dp * self.pp * self.ep * self.cp * self.tp
 
+    @property
+    def hybrid(self):
+        return 0 < self.dp_shard < self.dp
+
     def sizes(self):
         return tuple(getattr(self, d) for d in DIMS)
 
+    def axis_sizes(self):
+        """{axis: size} of the grid with dp read as (dp_replicate, dp_shard), slowest first."""
+        shard = self.dp_shard or self.dp
+        return {"dp_replicate": self.dp // shard, "dp_shard": shard, **{d: getattr(self, d) for d in DIMS[1:]}}
 
-def mesh_shape(world, tp=1, pp=1, cp=1, ep=1):
+
+def mesh_shape(world, tp=1, pp=1, cp=1, ep=1, dp_shard=0):
     """The grid for `world` ranks, dp taking what the other dimensions leave."""
     sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
     for name, size in sizes.items():
@@ -61,7 +93,11 @@ def mesh_shape(world, tp=1, pp=1, cp=1, ep=1):
         raise ValueError(
             f"world size {world} is not divisible by tp*pp*cp*ep = "
             f"{tp}*{pp}*{cp}*{ep} = {model_parallel}; launch a multiple of {model_parallel} ranks")
-    return MeshShape(dp=world // model_parallel, **sizes)
+    dp = world // model_parallel
+    if not isinstance(dp_shard, int) or dp_shard < 0 or dp_shard and dp % dp_shard:
+        raise ValueError(f"--dp-shard {dp_shard} must divide the {dp} data-parallel ranks "
+                         f"({world} ranks / tp*pp*cp*ep {model_parallel})")
+    return MeshShape(dp=dp, **sizes, dp_shard=dp_shard)
 
 
 def grid(shape: MeshShape):
@@ -75,12 +111,16 @@ def coordinates(shape: MeshShape, rank):
 
 
 def group_ranks(shape: MeshShape, dims):
-    """All groups of ranks that differ only along `dims`, each in row-major (tp fastest) order."""
-    moved = grid(shape).permute(*[DIMS.index(d) for d in DIMS if d not in dims],
-                                *[DIMS.index(d) for d in DIMS if d in dims])
+    """All groups of ranks that differ only along `dims`, each in row-major (tp fastest) order. dims name
+    grid dimensions, or the two parts of dp (axis_sizes): 'dp' is both."""
+    axes = shape.axis_sizes()
+    dims = [a for d in dims for a in (("dp_replicate", "dp_shard") if d == "dp" else (d,))]
+    names = list(axes)
+    moved = torch.arange(shape.world).view(*axes.values()).permute(
+        *[names.index(a) for a in names if a not in dims], *[names.index(a) for a in names if a in dims])
     group_size = 1
-    for d in dims:
-        group_size *= getattr(shape, d)
+    for a in dims:
+        group_size *= axes[a]
     return [ranks.tolist() for ranks in moved.reshape(-1, group_size)]
 
 
@@ -96,12 +136,25 @@ class Mesh:
         self.rank = dist.get_rank()
         self.coord = coordinates(shape, self.rank)
         self.groups, self.ranks = {}, {}
-        for name, dims in GROUPS.items():
+        self._add_groups(GROUPS)
+        if shape.hybrid:
+            self._add_groups(HYBRID_GROUPS)
+
+    def _add_groups(self, groups):
+        for name, dims in groups.items():
             # Every rank must create every group, in the same order.
-            for ranks in group_ranks(shape, dims):
-                group = dist.new_group(ranks, backend=backend, timeout=timeout)
+            for ranks in group_ranks(self.shape, dims):
+                group = dist.new_group(ranks, backend=self.backend, timeout=self.timeout)
                 if self.rank in ranks:
                     self.groups[name], self.ranks[name] = group, ranks
+
+    def zero_groups(self, name):
+        """ZeRO's groups for the gradients averaged over group `name` ('dense' or 'expert'): (the ranks
+        its shards span, the ranks holding copies of this rank's shard), the latter None without hybrid
+        sharding (the shards then span the whole group)."""
+        if not self.shape.hybrid:
+            return self.groups[name], None
+        return self.groups[f"{name}_shard"], self.groups["dp_replicate"]
 
     def add_pipeline_ends(self):
         """The group of each pipeline's first and last stage (Megatron-LM's embedding group, where a tied

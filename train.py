@@ -552,15 +552,21 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
     if args.zero:
         # ZeRO-3 fills its shards itself, the parameters it shards being left unfilled (see Share); every
         # stage fills a master shard kept apart from the weights from the values, not from bfloat16 weights.
-        def shard(params, units, group, **options):
+        # Under a pipeline ZeRO-3 keeps a unit gathered from its first forward of a step to its last backward
+        # (dp.ZeRO3). Hybrid sharding (--dp-shard): each shards over its part of its group (mesh.zero_groups).
+        stage_options = {3: dict(reshard_after_forward=args.pp == 1)}.get(args.zero, {})
+
+        def shard(params, units, averaged_over, **options):
+            group, replicas = mesh.zero_groups(averaged_over)
             return ZERO_STAGES[args.zero](
                 model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
                 broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
-                initial_values=share.elements, **options)
-        tied_zero = shard(tied, gpt_units(model), group) if tied else None
-        zeros = [shard(dense, gpt_units(model), group), *([tied_zero] if tied else [])]
+                initial_values=share.elements, replicate_group=replicas, **stage_options, **options)
+        tied_zero = shard(tied, gpt_units(model), "dense") if tied else None
+        zeros = [shard(dense, gpt_units(model), "dense"), *([tied_zero] if tied else [])]
         if experts:
-            zeros.append(shard(experts, moe_layers, find_unused_parameters=True, **expert_group))
+            zeros.append(shard(experts, moe_layers, "expert", find_unused_parameters=True,
+                               divide_by=mesh.size("dense")))
         return zeros, GradientSync(zeros), TiedOutputLayer(tied_zero, tied_names, mesh)
     average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
     tied_sync = average(tied, group) if tied else None
@@ -760,6 +766,9 @@ class GradientSync:
     def no_sync(self):
         return self._each("no_sync")
 
+    def between_micro_batches(self):
+        return self._each("between_micro_batches")
+
     def keep_incomplete_buckets(self):
         return self._each("keep_incomplete_buckets")
 
@@ -797,8 +806,8 @@ class GradientAccumulation:
         losses = []
         for m, (inputs, targets, documents) in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
-            # Gradients are reduced once, during the last micro-batch's backward.
-            with self.grad_sync.no_sync() if not last else nullcontext():
+            # Gradients are reduced during the last micro-batch's backward (ZeRO-2 and 3: during each).
+            with self.grad_sync.between_micro_batches() if not last else nullcontext():
                 with self.forward_context():
                     _, loss = self.model(inputs, targets, self.positions, documents, loss_tokens)
                 (loss / len(micro_batches)).backward()  # the mean over micro-batches, as on one device

@@ -118,8 +118,7 @@ def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path):
 
 # Every combination train.py refuses, launched for real: each rank prints why, and the launch ends promptly.
 REFUSED = [
-    (["--zero", "2", "--pp", "2"], "--zero 2 with --pp is not supported"),
-    (["--zero", "3", "--pp", "2"], "--zero 3 with --pp is not supported"),
+    (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's state within groups of data-parallel ranks: it needs --zero"),
     (["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
     (["--ep", "2"], "--ep spreads the experts of MoE layers: it needs --experts"),
     (["--schedule", "interleaved"], "--schedule interleaved and --virtual-stages need pipeline parallelism"),

@@ -357,7 +357,6 @@ def test_split_layers_is_as_even_as_possible():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--pp", "2", "--zero", "2"], "--zero 2 with --pp is not supported"),
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3"], "multiple of the pipeline size"),
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"], "2 layers cannot fill 4 pipeline chunks"),
     (["--schedule", "interleaved"], "need pipeline parallelism (--pp > 1)"),

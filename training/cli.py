@@ -137,6 +137,9 @@ def parse_args(argv=None):
     for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")]:
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    p.add_argument("--dp-shard", type=int, default=0,
+                   help="hybrid sharding: ZeRO's shards span groups of this many neighbouring data-parallel ranks "
+                        "(a node), copies across the groups (0: all data-parallel ranks)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--cp-mode", choices=sorted(cp.MODES), default="ring",
                    help="how context parallelism splits attention: ring attention, all-gathered keys and values, "
@@ -170,9 +173,12 @@ def check_args(args, world):
     document_eos(args, config.vocab_size)
     check_experts(args, config)
     try:
-        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_shard=args.dp_shard)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if args.dp_shard and not args.zero:
+        raise ConfigError(f"--dp-shard {args.dp_shard} shards ZeRO's state within groups of data-parallel ranks: "
+                          f"it needs --zero 1, 2 or 3 (without ZeRO every rank holds everything)")
     n_data = shape.dp * shape.ep
     for flag, value in [("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
                         ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)]:
@@ -288,10 +294,6 @@ def check_pipeline(args, n_layer):
     if args.schedule in pp.SPLIT_BACKWARD and args.recompute != "none":
         raise ConfigError(f"--schedule {args.schedule} with --recompute is not supported: it splits every backward "
                           f"in two (B, then W later), and a recomputed block would run its forward again in each half")
-    if args.zero >= 2:
-        raise ConfigError(f"--zero {args.zero} with --pp is not supported: ZeRO-2/3 reduce gradients in every "
-                          f"backward, which a pipeline runs once per micro-batch and stage (M times the traffic, "
-                          f"and ZeRO-3 would gather every stage's weights per micro-batch); use --zero 1")
     try:
         pp.make_schedule(args.schedule, args.micro_batches, args.pp, 0, args.virtual_stages)
         pp.split_layers(n_layer, args.pp * args.virtual_stages)
