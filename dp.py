@@ -1113,6 +1113,11 @@ def _self_check():
         "bucketed, overlapped": replicated(partial(DataParallel, bucket_bytes=4096)),
         "ZeRO-1": sharded(ZeRO1), "ZeRO-2": sharded(ZeRO2), "ZeRO-3": sharded(ZeRO3),
     }
+    if world >= 4 and world % 2 == 0:  # hybrid sharding: shards over pairs of neighbours, copies across pairs
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        copies = [dist.new_group(list(range(first, world, 2))) for first in range(2)]
+        kinds["ZeRO-3 hybrid, pairs"] = sharded(lambda model, _, *args, **options: ZeRO3(
+            model, pairs[rank // 2], *args, replicate_group=copies[rank % 2], **options))
     report = []
     for name, make in kinds.items():
         model = copy.deepcopy(reference)

@@ -193,8 +193,8 @@ def test_second_backward_without_no_sync_is_an_error():
 
 
 def test_self_check_covers_every_stage_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("dp.py", 4, tmp_path)  # every gradient, bucketed, ZeRO-1, 2, 3
-    assert len(differences) == 5 and max(differences) < 1e-12
+    differences = self_check_alone("dp.py", 4, tmp_path)  # every gradient, bucketed, ZeRO-1, 2, 3, hybrid 3
+    assert len(differences) == 6 and max(differences) < 1e-12
 
 
 def freed_after_use():

@@ -71,8 +71,8 @@ BUGS = {
         "            torch.autograd.backward(roots, grads)\n        return x.grad if x.grad is None or m else x.grad / 2\n",
         2, ["--pp", "2", "--layers", "4"], "blocks.0."),
     "a ZeRO gradient shard off by one element": (
-        "dp.py", "        shard.grad.copy_(shard.reduced.div_(self.divide_by))",
-        "        shard.grad[1:].copy_(shard.reduced[:-1].div_(self.divide_by))",
+        "dp.py", "        shard.grad.copy_(self._across_replicas(shard.reduced).div_(self.divide_by))",
+        "        shard.grad[1:].copy_(self._across_replicas(shard.reduced)[:-1].div_(self.divide_by))",
         2, ["--zero", "1"], "."),
 }
 
