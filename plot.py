@@ -9,8 +9,9 @@ blocks it skips), memory_planned.png (tools/plan.py's memory per strategy by
 sequence length), memory_measured.png (tools/bench.py's small runs of the same
 strategies, measured beside predicted), timelines.png (the pipeline
 schedules as measured) and results/results.md (the seed table's columns,
-plus memory, communication and efficiency, and the comparisons with
-PyTorch's built-ins).
+plus memory, communication and efficiency, the comparisons with
+PyTorch's built-ins, and ZeRO-3 beside ZeRO-1 under 1F1B where
+results/zero_pipeline.json exists).
 """
 import argparse
 import json
@@ -23,14 +24,21 @@ import numpy as np  # noqa: E402
 
 
 def load(results):
+    """The table's summary, its runs' logs and entropy floor (None, None where the runs' folders are absent: they
+    are not kept in git, so a fresh checkout has the summary alone), the comparisons and the machine."""
     with open(os.path.join(results, "summary.json")) as f:
         rows = json.load(f)
-    logs = {}
+    logs, floor = {}, None
     for r in rows:
-        with open(os.path.join(results, "runs", r["name"], "log.jsonl")) as f:
+        path = os.path.join(results, "runs", r["name"], "log.jsonl")
+        if not os.path.exists(path):
+            logs = None
+            break
+        with open(path) as f:
             logs[r["name"]] = [json.loads(line) for line in f]
-    with open(os.path.join(results, "runs", rows[0]["name"], "config.json")) as f:
-        floor = json.load(f)["entropy_floor"]
+    if logs is not None:
+        with open(os.path.join(results, "runs", rows[0]["name"], "config.json")) as f:
+            floor = json.load(f)["entropy_floor"]
     comparisons = optional_result(results, "comparisons.json") or {}
     with open(os.path.join(results, "machine.json")) as f:
         machine = json.load(f)
@@ -195,8 +203,48 @@ def table(rows, comparisons, machine, results):
             low, high = c["over_no_communication_range"]
             lines += ["", f"dp.py's data-parallel step takes {c['over_no_communication']:.2f}x (rounds: {low:.2f} to "
                           f"{high:.2f}) the time of the same ranks training their shares with no communication."]
+    lines += zero_pipeline_lines(optional_result(results, "zero_pipeline.json"))
     with open(os.path.join(results, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def zero_pipeline_lines(zero):
+    """results.md's paragraph and table of tools/bench.py --only zero_pipeline: ZeRO-1 and ZeRO-3 under 1F1B."""
+    if zero is None:
+        return []
+
+    def by_rank(ranks, *fields, scale=2**20, digits=3):  # "a / b ; a / b ; ...": the fields of each rank in turn
+        return " ; ".join(" / ".join(f"{ranks[field][r] / scale:,.{digits}f}" for field in fields)
+                          for r in range(zero["ranks"]))
+    low, high = zero["step_time_range"]
+    lines = ["", f"ZeRO-3 beside ZeRO-1 under the 1F1B schedule: model `{zero['model']}`, pp {zero['pp']} x dp "
+                 f"{zero['dp']} on {zero['ranks']} ranks, {zero['batch_size']} sequences in {zero['micro_batches']} "
+                 f"micro-batches, {zero['rounds']} rounds of {zero['steps']} steps, the two runs in turn in each "
+                 f"round (the order rotated) in the same processes. ZeRO-3's step takes "
+                 f"{zero['step_time_ratio']:.2f}x ZeRO-1's (median of the rounds' ratios; rounds: {low:.2f} to "
+                 f"{high:.2f}); largest loss difference {zero['max_loss_difference']:.2g}. Per rank, ranks 0 ; 1 ; ... "
+                 f"(the pipeline stage is the rank modulo {zero['pp']}); parameter, gradient and optimizer bytes as "
+                 "logged after the step (under a pipeline ZeRO-3 holds its stage's full weights and gradients "
+                 "during the step, as ZeRO-1 does: see dp.py); the peak resident memory (VmHWM, the median over "
+                 "rounds) is the whole process's during the run, the interpreter and PyTorch included; in brackets "
+                 "its rise above what the process held at the run's start (which includes what earlier runs left).",
+             "", "| ZeRO | Step (s, median; rounds) | Peak resident (MiB; above the run's start) "
+                 "| Params / grads / optim (MiB) "
+                 "| dp sent per step: reduce-scatter / all-gather (MiB) | dp all-reduce (bytes) "
+                 "| pp sent per step (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, label in (("zero1", "ZeRO-1"), ("zero3", "ZeRO-3")):
+        row = zero["arms"][arm]
+        ranks = row["per_rank"]
+        peaks = " ; ".join(f"{p / 2**20:.0f} (+{a / 2**20:.0f})"
+                           for p, a in zip(ranks["peak_resident_bytes"], ranks["peak_above_start_bytes"]))
+        lines.append(f"| {label} | {row['step_s']:.4f} ({row['step_s_range'][0]:.4f} to {row['step_s_range'][1]:.4f}) "
+                     f"| {peaks} "
+                     f"| {by_rank(ranks, 'param_bytes', 'grad_bytes', 'optim_bytes')} "
+                     f"| {by_rank(ranks, 'comm_dp_reduce_scatter_bytes', 'comm_dp_all_gather_bytes')} "
+                     f"| {by_rank(ranks, 'comm_dp_all_reduce_bytes', scale=1, digits=0)} "
+                     f"| {by_rank(ranks, 'comm_pp_send_recv_bytes')} |")
+    return lines
 
 
 PARTS = [("param", "parameters", "tab:blue"), ("grad", "gradients", "tab:orange"),
@@ -404,11 +452,16 @@ def main():
     results = options.results
     rows, logs, floor, comparisons, machine = load(results)
     throughput(rows, results)
-    losses(rows, logs, floor, results)
+    if logs is not None:
+        losses(rows, logs, floor, results)
+    else:
+        print(f"plot.py: no {os.path.join(results, 'runs')} logs of the table's runs (python -m tools.bench writes "
+              "them): loss.png, bubble.png and experts.png left as they are")
     memory(rows, results)
     communication(rows, results)
-    bubble(rows, logs, results)
-    experts(rows, logs, results)
+    if logs is not None:
+        bubble(rows, logs, results)
+        experts(rows, logs, results)
     table(rows, comparisons, machine, results)
     planned_memory(results)
     measured_memory(results)

@@ -65,3 +65,54 @@ def test_quick_documents_row_times_document_masking_against_plain_causal(tmp_pat
         causal, masked = ([json.loads(line) for line in open(tmp_path / "documents" / "runs" / f"{name}-{arm}0" /
                                                            "log.jsonl")] for arm in ("causal", "documents"))
         assert causal[-1]["tokens_seen"] == masked[-1]["tokens_seen"] and causal[0]["loss"] != masked[0]["loss"]
+
+
+def test_quick_zero_pipeline_sets_zero3_beside_zero1_under_1f1b(tmp_path):
+    """--only zero_pipeline: train.py with --zero 1 and --zero 3 under 1F1B (pp 2 x dp 2), in turn in each round in
+    the same processes; per rank the logged memory and bytes, as dp.py's docstring has them."""
+    run = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--out", str(tmp_path), "--only",
+                          "zero_pipeline"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "zero_pipeline.json").read_text())
+    world, n = result["ranks"], result["dp"]
+    assert (world, result["pp"], n, result["schedule"]) == (4, 2, 2, "1f1b")
+    assert len(result["per_round"]) == result["rounds"] > 1
+    for r in range(result["rounds"]):  # both arms ran every round, every step logged by all four ranks
+        for arm in ("zero1", "zero3"):
+            folder = tmp_path / "zero_pipeline" / "runs" / f"{arm}_{r}"
+            config = json.loads((folder / "config.json").read_text())
+            assert (config["world"], config["args"]["zero"], config["args"]["pp"]) == (world, int(arm[-1]), 2)
+            log = [json.loads(line) for line in open(folder / "log.jsonl")]
+            assert [e["step"] for e in log] == list(range(result["steps"]))
+            assert all(len(e["peak_resident_bytes"]) == world and min(e["peak_resident_bytes"]) > 0 for e in log)
+    low, high = result["step_time_range"]  # the median of per-round ratios, inside their range
+    assert low <= result["step_time_ratio"] <= high
+    assert [min(r["ratio"] for r in result["per_round"]), max(r["ratio"] for r in result["per_round"])] == [low, high]
+    firsts = [next(iter(r["start_resident_bytes"])) for r in result["per_round"]]  # the arms in the order they ran
+    assert firsts == ["zero1", "zero3", "zero1"][:result["rounds"]]  # rotated every round
+    assert result["max_loss_difference"] < 1e-6  # the same training, in float32
+    one, three = (result["arms"][arm]["per_rank"] for arm in ("zero1", "zero3"))
+    for rank in range(world):
+        # After the step ZeRO-3 keeps only its shard of the weights (the optimizer's copy); ZeRO-1 the full
+        # weights, its shard being a view of them; the optimizer state is sharded alike.
+        assert (three["param_bytes"][rank] + three["optim_bytes"][rank]
+                < one["param_bytes"][rank] + one["optim_bytes"][rank])
+        assert three["param_bytes"][rank] * n == one["param_bytes"][rank]
+        assert three["grad_bytes"][rank] < one["grad_bytes"][rank]
+        for arm in (one, three):  # VmHWM, from a reset at the run's start: the resident memory then, and the rise
+            low, high = arm["peak_above_start_range"][rank]
+            assert arm["peak_resident_bytes"][rank] > arm["start_resident_bytes"][rank] > 0
+            assert low <= arm["peak_above_start_bytes"][rank] <= high
+        # dp.py: under a pipeline ZeRO-3 gathers each unit once per step and reduce-scatters it once, as ZeRO-1
+        # reduce-scatters its buckets and all-gathers them. Both pad each bucket (ZeRO-1's: one per stage here,
+        # ZeRO-3's: one per unit) to a multiple of N = 2, and every unit of tiny holds an even number of elements:
+        # the same padding, so the same bytes, (N-1)/N of the stage's weights each.
+        assert one["comm_dp_reduce_scatter_bytes"][rank] == three["comm_dp_reduce_scatter_bytes"][rank] > 0
+        assert one["comm_dp_all_gather_bytes"][rank] == three["comm_dp_all_gather_bytes"][rank] > 0
+        assert three["comm_dp_all_gather_bytes"][rank] == (n - 1) * one["param_bytes"][rank] // n
+        assert one["comm_dp_all_reduce_bytes"][rank] == three["comm_dp_all_reduce_bytes"][rank]  # the clip's norm
+        assert one["comm_pp_send_recv_bytes"][rank] == three["comm_pp_send_recv_bytes"][rank] > 0
+    import plot  # results.md's paragraph and table of it
+    table = "\n".join(plot.zero_pipeline_lines(result))
+    assert f"ZeRO-3's step takes {result['step_time_ratio']:.2f}x ZeRO-1's" in table
+    assert table.count("\n| ZeRO-") == 2

@@ -27,6 +27,15 @@ thing).
 Everything is written to results/: runs/<name>/ and scaling/ (train.py's
 logs), summary.json, comparisons.json, machine.json (with the scaling check).
 
+Beside them are parts of their own, each also run alone by `--only NAME` (see
+--help), among them 'zero_pipeline': ZeRO-3 beside ZeRO-1 under 1F1B (train.py
+--pp 2 --zero 1 and --zero 3 on 4 ranks, dp 2: the same model, ranks and batch,
+the two runs in turn in each round in the same processes, the order rotated):
+the median and range of the per-round step-time ratios, each rank's peak
+resident memory and logged parameter, gradient and optimizer bytes, and the
+bytes each rank sent per step by dp's reduce-scatter, all-gather and all-reduce
+and by pp's sends (results/zero_pipeline.json; a table in results.md).
+
 Part 3, run alone with `--soak` (about half an hour), is about reliability,
 not speed: every dimension file's self-check and a composed launch of
 train.py, twenty times each in a row, must never fail; and a run whose
@@ -66,9 +75,11 @@ CONFIGS = [
 ]
 FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, rounds=36, k=1,
             scaling_rounds=3, scaling_steps=25, attention_lengths=[2048, 4096, 8192, 16384],
-            document_lengths=["short", "half", "long"])
+            document_lengths=["short", "half", "long"],
+            zero_pipeline=dict(batch_size=64, micro_batches=8, steps=6, rounds=15))
 QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, rounds=6, k=1,
-             scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512], document_lengths=["short", "long"])
+             scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512], document_lengths=["short", "long"],
+             zero_pipeline=dict(batch_size=16, micro_batches=4, steps=5, rounds=3))
 
 
 def torchrun_command(n_ranks, *argv, max_restarts=0):
@@ -940,7 +951,116 @@ def checkpoint_comparison(out, rounds=2, ranks=4):
     return dict(result, summary=summary)
 
 
-RUN_ALONE = {"attention": worker_attention, "checkpoint": worker_checkpoint}  # run by their own part of main
+# -- ZeRO-3 beside ZeRO-1 under a pipeline (1F1B): time, memory, bytes --------------------------------
+
+ZERO_PIPELINE_ARMS = {"zero1": "1", "zero3": "3"}  # arm: train.py --zero
+ZERO_PIPELINE_RANKS = 4  # --pp 2, so dp = 2
+ZERO_PIPELINE_FIELDS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes", "peak_resident_bytes",
+                        "comm_dp_reduce_scatter_bytes", "comm_dp_all_gather_bytes", "comm_dp_all_reduce_bytes",
+                        "comm_pp_send_recv_bytes")
+
+
+def zero_pipeline_argv(settings, arm):
+    """train.py's flags for one arm of the ZeRO-under-1F1B comparison: the settings' model, pp 2 (1F1B) x dp 2."""
+    run = settings["zero_pipeline"]
+    return ["--model", settings["model"], "--arch", settings.get("arch", "gpt"), "--dtype",
+            settings.get("dtype", "float32"), "--pp", "2", "--schedule", "1f1b", "--zero", ZERO_PIPELINE_ARMS[arm],
+            "--batch-size", str(run["batch_size"]), "--micro-batches", str(run["micro_batches"]), "--steps",
+            str(run["steps"]), "--eval-interval", str(run["steps"]), "--log-interval", str(run["steps"])]
+
+
+def worker_zero_pipeline(settings):
+    """train.py's training (train.train) with --zero 1 and with --zero 3, in turn in each round in these same
+    processes (the order rotated by round, so the machine's drift cancels), each arm a whole run of its own
+    with its own log. Before each run the process gives back what it freed and its peak resident memory starts
+    again from the current one (_reset_peak), so the peak_resident_bytes a run logs (VmHWM) is its own: the
+    process's resident memory then (the interpreter, PyTorch, what earlier runs leave), returned too, and what
+    the run adds (construction included). Returns, by round, each arm's run name and every rank's resident
+    bytes at its start."""
+    import gc
+    import torch
+    import torch.distributed as dist
+    import train
+    from training import cli
+    names = list(ZERO_PIPELINE_ARMS)
+    runs = []
+    for r in range(settings["zero_pipeline"]["rounds"]):
+        order = names[r % len(names):] + names[:r % len(names)]
+        runs.append({})
+        for arm in order:
+            name = f"{arm}_{r}"
+            if dist.get_rank() == 0:
+                print(f"bench: ZeRO under 1F1B, round {r + 1} of {settings['zero_pipeline']['rounds']}: {arm}",
+                      flush=True)
+            gc.collect()
+            dist.barrier()
+            _reset_peak()
+            start = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+            dist.all_gather(start, torch.tensor([_status_kib("VmRSS") * 1024.0], dtype=torch.float64))
+            train.train(cli.parse_args([*zero_pipeline_argv(settings, arm), "--out", settings["out"], "--name", name]))
+            runs[-1][arm] = dict(name=name, start_resident_bytes=[int(t.item()) for t in start])
+    return runs
+
+
+def zero_pipeline_check(settings, out):
+    """ZeRO-3 beside ZeRO-1 under the 1F1B schedule, on the same model, ranks (pp 2 x dp 2) and batch
+    (worker_zero_pipeline): per round, the ratio of their median step times (ZeRO-3's over ZeRO-1's, the
+    first step left out), reported as the median and range over rounds; per rank, from the logs, the peak
+    resident memory, the resident memory at the run's start and the peak above it (medians over rounds, and
+    ranges), the parameter, gradient and optimizer bytes, and the bytes sent
+    per step by dp's reduce-scatter, all-gather and all-reduce and by pp's sends (the last step's: every step
+    sends the same); and the largest difference of their losses (they compute the same thing). The runs' logs
+    stay in zero_pipeline/runs/, their end-of-run checkpoints are removed."""
+    runs = os.path.join(out, "zero_pipeline", "runs")
+    shutil.rmtree(runs, ignore_errors=True)
+    sizes = settings["zero_pipeline"]
+    print(f"bench: ZeRO-1 and ZeRO-3 under 1F1B, {ZERO_PIPELINE_RANKS} ranks, {sizes['rounds']} rounds", flush=True)
+    stdout = torchrun(ZERO_PIPELINE_RANKS, "-m", "tools.bench", "--worker", "zero_pipeline", "--settings",
+                      json.dumps(dict(settings, out=runs)))
+    started = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    logs = [{arm: read_log(os.path.join(runs, run["name"], "log.jsonl")) for arm, run in by_arm.items()}
+            for by_arm in started]
+    for name in os.listdir(runs):
+        for entry in os.listdir(os.path.join(runs, name)):
+            if entry.startswith("checkpoint"):
+                shutil.rmtree(os.path.join(runs, name, entry))
+    step_s = [{arm: statistics.median(e["step_s"] for e in log[1:]) for arm, log in by_arm.items()} for by_arm in logs]
+    ratios = [r["zero3"] / r["zero1"] for r in step_s]
+    arms = {}
+    for arm in ZERO_PIPELINE_ARMS:
+        last = logs[0][arm][-1]
+        per_rank = {field: last[field] for field in ZERO_PIPELINE_FIELDS}
+        per_rank["peak_resident_bytes"] = [int(statistics.median(by_arm[arm][-1]["peak_resident_bytes"][rank]
+                                                                 for by_arm in logs))
+                                           for rank in range(ZERO_PIPELINE_RANKS)]
+        per_rank["peak_resident_range"] = [[min(by_arm[arm][-1]["peak_resident_bytes"][rank] for by_arm in logs),
+                                            max(by_arm[arm][-1]["peak_resident_bytes"][rank] for by_arm in logs)]
+                                           for rank in range(ZERO_PIPELINE_RANKS)]
+        added = [[by_arm[arm][-1]["peak_resident_bytes"][rank] - run[arm]["start_resident_bytes"][rank]
+                  for by_arm, run in zip(logs, started)] for rank in range(ZERO_PIPELINE_RANKS)]
+        per_rank["start_resident_bytes"] = [int(statistics.median(run[arm]["start_resident_bytes"][rank]
+                                                                  for run in started))
+                                            for rank in range(ZERO_PIPELINE_RANKS)]
+        per_rank["peak_above_start_bytes"] = [int(statistics.median(a)) for a in added]
+        per_rank["peak_above_start_range"] = [[min(a), max(a)] for a in added]
+        arms[arm] = dict(step_s=statistics.median(r[arm] for r in step_s),
+                         step_s_range=[min(r[arm] for r in step_s), max(r[arm] for r in step_s)],
+                         final_loss=last["loss"], per_rank=per_rank,
+                         param_grad_optim_bytes=[sum(last[f][rank] for f in ZERO_PIPELINE_FIELDS[:3])
+                                                 for rank in range(ZERO_PIPELINE_RANKS)],
+                         dp_bytes_per_step=[sum(last[f][rank] for f in ZERO_PIPELINE_FIELDS if f.startswith("comm_dp"))
+                                            for rank in range(ZERO_PIPELINE_RANKS)])
+    losses = [[e["loss"] for e in logs[0][arm]] for arm in ZERO_PIPELINE_ARMS]
+    return dict(model=settings["model"], ranks=ZERO_PIPELINE_RANKS, pp=2, dp=ZERO_PIPELINE_RANKS // 2,
+                schedule="1f1b", **sizes, argv={arm: zero_pipeline_argv(settings, arm) for arm in ZERO_PIPELINE_ARMS},
+                step_time_ratio=statistics.median(ratios), step_time_range=[min(ratios), max(ratios)],
+                arms=arms, max_loss_difference=max(abs(a - b) for a, b in zip(*losses)),
+                per_round=[dict(r, ratio=r["zero3"] / r["zero1"], start_resident_bytes={
+                    arm: run[arm]["start_resident_bytes"] for arm in run}) for r, run in zip(step_s, started)])
+
+
+RUN_ALONE = {"attention": worker_attention, "checkpoint": worker_checkpoint,
+             "zero_pipeline": worker_zero_pipeline}  # run by their own part of main
 
 
 def run_worker(name, settings_json):
@@ -1065,6 +1185,7 @@ def main():
     p.add_argument("--only", nargs="*", help="run only these configurations / comparisons (and 'scaling' for the "
                                              "scaling check, 'recompute' for the recomputation modes, 'planner' for tools/plan.py's "
                                              "strategies measured, 'documents' for document masking against plain causal attention, "
+                                             "'zero_pipeline' for ZeRO-3 beside ZeRO-1 under 1F1B, "
                                              "'checkpoint' for sharded against "
                                              "consolidated checkpoints, 'pipeline' for the five schedules' "
                                              "timelines, 'precision' for bfloat16 before and after its "
@@ -1141,6 +1262,17 @@ def main():
                   f"{row['step_time_ratio']:.2f} ({row['step_time_range'][0]:.2f}-{row['step_time_range'][1]:.2f}), "
                   f"attention x{row['attention_time_ratio']:.2f} ({row['attention_time_range'][0]:.2f}-"
                   f"{row['attention_time_range'][1]:.2f}) of plain causal's")
+    if not args.only or "zero_pipeline" in args.only:
+        zero = zero_pipeline_check(settings, args.out)
+        write_json(os.path.join(args.out, "zero_pipeline.json"), zero)
+        low, high = zero["step_time_range"]
+        print(f"zero under 1f1b: ZeRO-3 step / ZeRO-1's {zero['step_time_ratio']:.2f} (rounds {low:.2f}-{high:.2f}), "
+              f"loss difference {zero['max_loss_difference']:.2g}")
+        for arm, row in zero["arms"].items():
+            print(f"zero under 1f1b: {arm} {row['step_s']:.3f} s a step, per rank: peak resident " +
+                  " ".join(f"{b / 2**20:.0f}" for b in row["per_rank"]["peak_resident_bytes"]) +
+                  " MiB, param+grad+optim " + " ".join(f"{b:,}" for b in row["param_grad_optim_bytes"]) +
+                  " bytes, dp sent " + " ".join(f"{b:,}" for b in row["dp_bytes_per_step"]) + " bytes a step")
     if not args.only or "planner" in args.only:
         write_json(os.path.join(args.out, "planner.json"), planner_check(args.out))
     if not args.only or "precision" in args.only:
