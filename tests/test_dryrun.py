@@ -24,7 +24,8 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
     (37, ["--tp", "2", "--zero", "3"]),
     (13, ["--tp", "2", "--sp", "--pp", "2", "--layers", "4", "--micro-batches", "2", "--zero", "1"]),
     (62, ["--cp", "2", "--tp", "2", "--arch", "llama", "--recompute", "full", "--zero", "2"]),
-], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "llama-cp2-tp2-recomputed-zero2"])
+    (21, ["--pp", "2", "--layers", "4", "--micro-batches", "2", "--zero", "3", "--dp-shard", "4", "--batch-size", "64"]),
+], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "llama-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4"])
 def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, rank, flags):
     out = dry_run("--world", "64", "--rank", str(rank), "--json", *TINY, *flags, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]

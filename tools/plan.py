@@ -24,6 +24,19 @@ Where the numbers come from:
   without ZeRO (2 for the bf16 weights, 4 for their float32 master copy,
   4 for the float32 gradient buckets, 8 for the moments): the article's 16
   with float32 gradients, as Megatron-LM's main_grad keeps them.
+- ZeRO's collectives per step (dp.py): ZeRO-2 and 3 reduce-scatter in every
+  backward without a pipeline (M times for M micro-batches; ZeRO-3 gathers
+  each unit before its forward and before its backward, 2M times), but once
+  under one (--pp > 1: the pipeline defers the reduction to each chunk's last
+  backward, and ZeRO-3 keeps a unit gathered from its first forward to it,
+  one all-gather). Under a pipeline a stage therefore holds its full
+  gradient buckets (ZeRO-2 and 3) and full weights (ZeRO-3) through the
+  step's backwards, which the step's peak counts.
+- Hybrid sharding (--dp-shard N): ZeRO shards over N of the dp ranks (with
+  ep and cp, as without it) and the dp/N groups hold copies; each reduction
+  of a shard group is followed by an all-reduce of the shard over the copies
+  ("dense_replicas", "expert_replicas" in the traffic, logged under dp, which
+  `--search` counts across nodes when the copies are on other nodes).
 - Traffic counts what each collective sends as a ring algorithm does, as
   the runs count it: an all-reduce of n bytes over N ranks sends 2(N-1)/N n,
   a reduce-scatter or an all-gather (N-1)/N n; point-to-point and
@@ -46,7 +59,8 @@ Where the numbers come from:
 `--search` lists the layouts of `--world` ranks whose every GPU's peak
 fits `--memory`, with their traffic inside a node and across nodes
 (`--gpus-per-node`, ranks laid out as mesh.py lays them: tp fastest, then
-cp, ep, pp, dp).
+cp, ep, pp, dp, dp read as (copies, shards) under hybrid sharding), hybrid
+ones among them (ZeRO's shard group no larger than a node).
 """
 import argparse
 import bisect
@@ -56,7 +70,8 @@ import json
 import math
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -65,7 +80,7 @@ import pp
 import train
 from dp import ring_bytes_sent
 from ep import is_expert_parameter
-from mesh import DIMS, GROUPS
+from mesh import DIMS, MeshShape
 from model import GPT, INIT_CHUNK, GPTConfig
 
 INT64, BOOL = 8, 1  # bytes of the index and mask tensors some operators save
@@ -79,6 +94,7 @@ INT64, BOOL = 8, 1  # bytes of the index and mask tensors some operators save
 class Layout:
     world: int
     dp: int
+    dp_shard: int          # the dp ranks ZeRO's shards span (mesh.py's dp_shard; dp without hybrid sharding)
     tp: int
     pp: int
     cp: int
@@ -99,7 +115,7 @@ class Layout:
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
-        return pp.Placement.of(self.schedule, self.pp, self.virtual_stages)
+        return placement_of(self.schedule, self.pp, self.virtual_stages)
 
     @property
     def dense_group(self):  # ranks averaging dense gradients (mesh.py's "dense")
@@ -108,6 +124,20 @@ class Layout:
     @property
     def expert_group(self):  # ranks averaging expert gradients (mesh.py's "expert")
         return self.dp * self.cp
+
+    @property
+    def replicas(self):  # hybrid sharding: the copies of each ZeRO shard (mesh.py's "dp_replicate"); else 1
+        return self.dp // self.dp_shard
+
+    def shard_group(self, kind):
+        """The ranks the buckets of `kind` ('dense', 'tied' or 'expert') are padded for and ZeRO shards them
+        over: the averaging group, narrowed to dp_shard of its dp ranks under hybrid sharding (mesh.py's
+        "dense_shard", "expert_shard")."""
+        return self.dp_shard * self.cp * (1 if kind == "expert" else self.ep)
+
+    @property
+    def mesh_shape(self):
+        return MeshShape(dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp, tp=self.tp, dp_shard=self.dp_shard)
 
     @property
     def micro_batch(self):  # sequences a rank computes per micro-batch
@@ -128,10 +158,14 @@ class Layout:
         return cli.DTYPES[self.reduce_dtype].itemsize
 
 
+placement_of = functools.lru_cache(maxsize=None)(pp.Placement.of)  # (--search asks for the same ones often)
+
+
 def layout_of(args, world):
     """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
     _, shape = cli.check_args(args, world)
-    return Layout(world=world, dp=shape.dp, tp=shape.tp, pp=shape.pp, cp=shape.cp, ep=shape.ep, zero=args.zero,
+    return Layout(world=world, dp=shape.dp, dp_shard=shape.dp_shard or shape.dp, tp=shape.tp, pp=shape.pp,
+                  cp=shape.cp, ep=shape.ep, zero=args.zero,
                   sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
@@ -143,8 +177,8 @@ def layout_of(args, world):
 # ---------------------------------------------------------------------------
 
 def config_key(config):
-    """A model config as a hashable key (for the caches below)."""
-    return tuple(asdict(config).items())
+    """A model config as a hashable key (for the caches below; its fields are numbers, strings and tuples)."""
+    return tuple((field.name, getattr(config, field.name)) for field in fields(config))
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,7 +240,7 @@ def stage_parameters(config_fields, tp, pp_size, virtual_stages, schedule, ep):
             continue
         dense, expert, _ = held[stage_of(name, stages, placement)]
         (expert if is_expert_parameter(name) else dense).append((name, numel))
-    return held
+    return [tuple(map(tuple, stage)) for stage in held]  # (hashable: the caches below take them)
 
 
 # ---------------------------------------------------------------------------
@@ -235,8 +269,10 @@ def padded(numel, n_ranks):
     return math.ceil(numel / n_ranks) * n_ranks
 
 
+@functools.lru_cache(maxsize=4096)
 def make_buckets(sizes, bucket_bytes, itemsize, n_ranks):
-    """As dp.make_buckets: in backward (reverse) order, a new bucket once one holds bucket_bytes or more."""
+    """As dp.make_buckets: in backward (reverse) order, a new bucket once one holds bucket_bytes or more.
+    (sizes: a tuple; the buckets are shared by every call alike: read only.)"""
     buckets, current = [], []
     for size in reversed(sizes):
         if current and sum(current) * itemsize >= bucket_bytes:
@@ -245,7 +281,7 @@ def make_buckets(sizes, bucket_bytes, itemsize, n_ranks):
         current.append(size)
     if current:
         buckets.append(current)
-    return [Bucket(b, padded(sum(b), n_ranks)) for b in buckets]
+    return tuple(Bucket(b, padded(sum(b), n_ranks)) for b in buckets)
 
 
 def unit_of(name):
@@ -254,12 +290,14 @@ def unit_of(name):
     return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
 
 
+@functools.lru_cache(maxsize=4096)
 def zero3_buckets(params, n_ranks):
-    """ZeRO-3's buckets are its units (embeddings, each block, final norm, head), in reverse."""
+    """ZeRO-3's buckets are its units (embeddings, each block, final norm, head), in reverse. (params: a tuple
+    of (name, elements); the buckets are shared: read only.)"""
     units = {}
     for name, numel in params:
         units.setdefault(unit_of(name), []).append(numel)
-    return [Bucket(sizes, padded(sum(sizes), n_ranks)) for sizes in reversed(list(units.values()))]
+    return tuple(Bucket(sizes, padded(sum(sizes), n_ranks)) for sizes in reversed(list(units.values())))
 
 
 # ---------------------------------------------------------------------------
@@ -269,30 +307,43 @@ def zero3_buckets(params, n_ranks):
 ADAM_STEP_BYTES = 4  # fused AdamW keeps each parameter's (or piece's) step count as a float32 scalar
 
 
-def state_memory(params, group, layout, unused_check):
-    """Bytes of one set of parameters averaged over `group` ranks: (param, grad, optim, traffic, steps),
-    steps(i) being how many AdamW step counters the group's i-th rank keeps (ZeRO: one per parameter piece
-    in its shard). The master weights count as parameters: the weights themselves where the dtypes agree,
-    else a second copy (of the whole parameters, or ZeRO's shard of them)."""
+class State(NamedTuple):
+    """What one set of parameters (dense, experts, a tied output layer) costs a rank: bytes of weights,
+    gradients and optimizer state as logged after a step; traffic per step by kind in its (shard) group, and
+    across its copies under hybrid sharding (`replica_traffic`); steps(i), the AdamW step counters the i-th
+    rank of its shard group keeps (ZeRO: one per parameter piece in its shard)."""
+    param: int
+    grad: int
+    optim: int
+    traffic: Counter
+    replica_traffic: Counter
+    steps: Callable[[int], int]
+
+
+def state_memory(params, group, layout, unused_check, replicas=1):
+    """The State of one set of parameters, `group` ranks padding its buckets and sharing them (ZeRO's shard
+    group: the averaging group, or its part under hybrid sharding, `replicas` such groups holding copies).
+    The master weights count as parameters: the weights themselves where the dtypes agree, else a second
+    copy (of the whole parameters, or ZeRO's shard of them)."""
     w, m, r, sizes = layout.weight_bytes, layout.master_bytes, layout.reduce_bytes, [numel for _, numel in params]
     if not sizes:
-        return 0, 0, 0, Counter(), lambda index: 0
+        return State(0, 0, 0, Counter(), Counter(), lambda index: 0)
     master_copy = m if m != w else 0
-    traffic = Counter()
+    traffic, replica_traffic = Counter(), Counter()
     if not layout.zero:  # dp.DataParallel (on one data rank too): one all-reduce of each bucket per step
-        buckets = make_buckets(sizes, layout.bucket_bytes, r, group)
+        buckets = make_buckets(tuple(sizes), layout.bucket_bytes, r, group)
         traffic["all_reduce"] = sum(ring_bytes_sent("all_reduce", b.padded * r, group) for b in buckets)
         if unused_check:  # the used-mask, one byte per parameter
             traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
         grads = sum(b.padded for b in buckets) * r
-        return sum(sizes) * (w + master_copy), grads, 2 * sum(sizes) * m, traffic, lambda index: len(sizes)
-    buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(sizes, layout.bucket_bytes, r, group)
+        return State(sum(sizes) * (w + master_copy), grads, 2 * sum(sizes) * m, traffic, replica_traffic,
+                     lambda index: len(sizes))
+    buckets = zero_buckets(params, group, layout)
     full = sum(b.padded for b in buckets)
     shard = full // group
     param = shard * m if layout.zero == 3 else full * w + shard * master_copy  # ZeRO-3: its master shard alone
     grad = shard * m + (full * r if layout.zero == 1 else 0)  # ZeRO-1 keeps the full gradient as well
-    reductions = 1 if layout.zero == 1 else layout.micro_batches  # ZeRO-2/3 reduce in every backward
-    gathers = 2 * layout.micro_batches if layout.zero == 3 else 1  # ZeRO-3: before forward and before backward
+    reductions, gathers = zero_collectives(layout)
     one_pass = {kind: sum(ring_bytes_sent(kind, b.padded * itemsize, group) for b in buckets)  # (N-1)/N of each
                 for kind, itemsize in (("reduce_scatter", r), ("all_gather", w))}
     traffic["reduce_scatter"] = reductions * one_pass["reduce_scatter"]
@@ -300,7 +351,35 @@ def state_memory(params, group, layout, unused_check):
     traffic["all_reduce"] = ring_bytes_sent("all_reduce", 8, group)  # the gradient norm's sum of squares, float64
     if unused_check:
         traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), group)
-    return param, grad, 2 * shard * m, traffic, lambda index: sum(b.pieces(index, group) for b in buckets)
+    if replicas > 1:  # each reduction's shards (reduce dtype) summed over the copies, and the used-mask too
+        replica_traffic["all_reduce"] = reductions * sum(
+            ring_bytes_sent("all_reduce", b.padded // group * r, replicas) for b in buckets)
+        if unused_check:
+            replica_traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), replicas)
+    return State(param, grad, 2 * shard * m, traffic, replica_traffic,
+                 lambda index: sum(b.pieces(index, group) for b in buckets))
+
+
+def zero_buckets(params, group, layout):
+    """ZeRO's buckets of these parameters: its units under ZeRO-3, else about bucket_bytes each."""
+    if layout.zero == 3:
+        return zero3_buckets(params, group)
+    return make_buckets(tuple(numel for _, numel in params), layout.bucket_bytes, layout.reduce_bytes, group)
+
+
+def zero_collectives(layout):
+    """(reductions, gathers) of each ZeRO bucket per step. ZeRO-1 reduces once, after the last backward, and
+    gathers once, after the optimizer's step. ZeRO-2 and 3 reduce in every backward (M of them) without a
+    pipeline; under one, the pipeline's no_sync defers the reduction to each chunk's last backward: once.
+    ZeRO-3 gathers a unit before its forward and again before its backward (2M) without a pipeline; under
+    one it keeps the unit gathered from its first forward to that reduction (reshard_after_forward False):
+    once."""
+    if layout.zero == 1:
+        return 1, 1
+    pipelined = layout.pp > 1
+    reductions = 1 if pipelined else layout.micro_batches
+    gathers = (1 if pipelined else 2 * layout.micro_batches) if layout.zero == 3 else 1
+    return reductions, gathers
 
 
 # ---------------------------------------------------------------------------
@@ -662,47 +741,70 @@ def coordinates(layout, rank):
     return where
 
 
+SHARD_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp")}  # ZeRO's shard groups (mesh.py's, dp narrowed)
+
+
 def group_index(layout, group, where):
-    """A rank's position in its mesh.py group `group` ('dense', 'expert'), from its coordinates."""
+    """A rank's position in ZeRO's shard group of its mesh.py group `group` ('dense', 'expert'), from its
+    coordinates: row-major over the group's dimensions, as mesh.group_ranks orders them, dp's coordinate
+    being its place among the dp_shard ranks of its shard group (the whole group without hybrid sharding)."""
     index = 0
-    for dim in DIMS:  # row-major over the group's dimensions, as mesh.group_ranks orders them
-        if dim in GROUPS[group]:
-            index = index * getattr(layout, dim) + where[dim]
+    for dim in SHARD_DIMS[group]:
+        size, coordinate = (layout.dp_shard, where["dp"] % layout.dp_shard) if dim == "dp" else \
+            (getattr(layout, dim), where[dim])
+        index = index * size + coordinate
     return index
 
 
 def predict_stage(config, layout, stage):
     """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}, 'steps': {group name: f}}
-    for the ranks of one pipeline stage (f(i): the step counters of the group's i-th rank)."""
+    for the ranks of one pipeline stage (f(i): the step counters of the i-th rank of the group's shard group).
+    The traffic's groups: "dense" and "expert" (data parallelism's, ZeRO's shard groups under hybrid
+    sharding), "dense_replicas" and "expert_replicas" (hybrid sharding's all-reduces over the copies), and
+    the model-parallel dimensions'."""
     dense, expert, tied = rank_parameters(config, layout, stage)
-    param, grad, optim, dense_traffic, dense_steps = state_memory(dense, layout.dense_group, layout, False)
-    e_param, e_grad, e_optim, expert_traffic, expert_steps = state_memory(expert, layout.expert_group, layout, True)
-    t_param, t_grad, t_optim, tied_traffic, tied_steps = state_memory(tied, layout.dense_group, layout, False)
+    states = {kind: state_memory(params, layout.shard_group(kind), layout, kind == "expert", layout.replicas)
+              for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
+    # (the model-parallel part is the same under every ZeRO stage and shard group, which --search varies)
+    model_traffic, activations, recomputation = model_parallel_stage(
+        config_key(config), replace(layout, zero=0, dp_shard=layout.dp), stage)
+    traffic = {"dense": states["dense"].traffic + states["tied"].traffic, "expert": states["expert"].traffic,
+               "dense_replicas": states["dense"].replica_traffic + states["tied"].replica_traffic,
+               "expert_replicas": states["expert"].replica_traffic,
+               **{dim: Counter(counter) for dim, counter in model_traffic.items()}}
+    traffic["pp"] += tied_sum_traffic(tied, layout)
+    return dict(param_bytes=sum(s.param for s in states.values()), grad_bytes=sum(s.grad for s in states.values()),
+                optim_bytes=sum(s.optim for s in states.values()), activation_peak_bytes=activations,
+                recompute_bytes=recomputation, traffic=traffic,
+                steps={kind: state.steps for kind, state in states.items()})
+
+
+@functools.lru_cache(maxsize=2**14)
+def model_parallel_stage(config_fields, layout, stage):
+    """({dimension: Counter of bytes sent per step} of tp, cp, ep and pp (its activations and gradients), the
+    activations' peak, the recomputation's) for the ranks of one pipeline stage. (Shared: read only.)"""
+    config = GPTConfig(**dict(config_fields))
     chunks, n_model_chunks = layout.placement.model_chunks(stage), layout.placement.n_model_chunks
     split = pp.split_layers(config.n_layer, n_model_chunks)
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, n_model_chunks - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last),
                        "cp": cp_traffic(config, layout, layers), "ep": ep_traffic(config, layout, layers)}
-    traffic = {"dense": dense_traffic + tied_traffic, "expert": expert_traffic,
-               "pp": pp_traffic(config, layout, stage) + tied_sum_traffic(tied, layout),
+    traffic = {"pp": pp_traffic(config, layout, stage),
                **{dim: Counter({k: v * layout.micro_batches for k, v in c.items()})
                   for dim, c in per_micro_batch.items()}}
-    activations, recomputation = activation_peak(config, layout, stage)
-    return dict(param_bytes=param + e_param + t_param, grad_bytes=grad + e_grad + t_grad,
-                optim_bytes=optim + e_optim + t_optim, activation_peak_bytes=activations,
-                recompute_bytes=recomputation, traffic=traffic,
-                steps={"dense": dense_steps, "expert": expert_steps, "tied": tied_steps})
+    return (traffic, *activation_peak(config, layout, stage))
 
 
 def tied_sum_traffic(tied, layout):
     """train.TiedOutputLayer: one all-reduce over the first and last stage of the tied weight's averaged
-    gradient (its bucket, or under ZeRO its shard in the master's dtype)."""
+    gradient (its bucket, or under ZeRO its shard in the master's dtype, of the dense shard group)."""
     if not tied:
         return Counter()
     (_, numel), = tied
-    bucket = padded(numel, layout.dense_group)
-    averaged = bucket // layout.dense_group * layout.master_bytes if layout.zero else bucket * layout.reduce_bytes
+    group = layout.shard_group("tied")
+    bucket = padded(numel, group)
+    averaged = bucket // group * layout.master_bytes if layout.zero else bucket * layout.reduce_bytes
     return Counter(all_reduce=ring_bytes_sent("all_reduce", averaged, 2))
 
 
@@ -716,9 +818,14 @@ def rank_figures(stage_prediction, layout, where):
     return fields
 
 
+DP_TRAFFIC = ("dense", "expert", "dense_replicas", "expert_replicas")  # what train.py logs under dp
+
+
 def comm_fields(traffic):
-    """Traffic under log.jsonl's names, comm_<dim>_<kind>_bytes (dp: dense and expert averaging together)."""
-    by_dim = {"dp": traffic["dense"] + traffic["expert"], **{d: traffic[d] for d in ("tp", "pp", "cp", "ep")}}
+    """Traffic under log.jsonl's names, comm_<dim>_<kind>_bytes (dp: dense and expert averaging together, and
+    hybrid sharding's sums over the copies)."""
+    by_dim = {"dp": sum((traffic[group] for group in DP_TRAFFIC), Counter()),
+              **{d: traffic[d] for d in ("tp", "pp", "cp", "ep")}}
     return {f"comm_{dim}_{kind}_bytes": by_dim[dim].get(kind, 0)
             for dim, kinds in train.COMM_KINDS.items() for kind in kinds}
 
@@ -755,14 +862,26 @@ def chunk_bytes(largest):
     return CHUNK_ARRAYS * min(INIT_CHUNK, largest) * INT64
 
 
-def zero3_working(params, group, layout):
-    """ZeRO-3's most bytes at once beyond its shards (dp.ZeRO3): two neighbouring units gathered whole (one
-    computing, the next prefetched) and, in backward, their full gradients (one filling, the one before it
-    being reduce-scattered)."""
-    if layout.zero != 3 or not params:
+def zero_working(params, group, layout):
+    """The most bytes ZeRO-2 and 3 hold during a step beyond what is logged after it (their shards), in
+    full weights (weights' dtype) and full gradient buckets (reduce dtype):
+    - without a pipeline, ZeRO-3's two neighbouring units gathered whole (one computing, the next
+      prefetched) and, in backward, their full gradients (one filling, the one before it being
+      reduce-scattered); ZeRO-2's one bucket in flight is left out (a bucket_bytes, small beside the rest);
+    - under a pipeline, whose reduction comes once, after each chunk's last backward (dp.ZeRO2, ZeRO3):
+      ZeRO-2 the stage's full gradient buckets, through the step's backwards; ZeRO-3 the stage's units
+      gathered whole from their first forward to that reduction, and their full gradients besides.
+    The figure is added to the activations' peak, as if both came at once: under a pipeline the
+    gradients arrive with the first backward, about when the micro-batches in flight are most."""
+    if layout.zero < 2 or not params:
         return 0
-    units = [b.padded for b in zero3_buckets(params, group)]
-    return max(a + b for a, b in zip(units, units[1:] or [0])) * (layout.weight_bytes + layout.reduce_bytes)
+    w, r = layout.weight_bytes, layout.reduce_bytes
+    buckets = [b.padded for b in zero_buckets(params, group, layout)]
+    if layout.pp > 1:
+        return sum(buckets) * (r + (w if layout.zero == 3 else 0))
+    if layout.zero == 3:
+        return max(a + b for a, b in zip(buckets, buckets[1:] or [0])) * (w + r)
+    return 0
 
 
 def largest_piece(params, group, layout):
@@ -773,9 +892,7 @@ def largest_piece(params, group, layout):
         return 0
     if not layout.zero:
         return max(sizes)
-    buckets = zero3_buckets(params, group) if layout.zero == 3 else make_buckets(
-        sizes, layout.bucket_bytes, layout.reduce_bytes, group)
-    return min(max(sizes), max(b.padded for b in buckets) // group)
+    return min(max(sizes), max(b.padded for b in zero_buckets(params, group, layout)) // group)
 
 
 def norm_working(params, group, layout):
@@ -787,11 +904,12 @@ def norm_working(params, group, layout):
 
 def written_by(layout, where, expert):
     """Whether the rank at `where` writes the checkpoint pieces it holds (checkpoint.Saver: each piece by the
-    lowest rank holding it). ZeRO's shards differ on every rank of their group (only the replicated norms
-    and biases of tp ranks other than 0 are written by another: left out here); without ZeRO, the first
-    replica writes."""
+    lowest rank holding it). ZeRO's shards differ on every rank of their shard group (only the replicated
+    norms and biases of tp ranks other than 0 are written by another: left out here), and under hybrid
+    sharding the first copy's group writes them (dp // dp_shard == 0); without ZeRO, the first replica
+    writes."""
     if layout.zero:
-        return True
+        return where["dp"] < layout.dp_shard
     return where["dp"] == where["cp"] == 0 and (expert or where["ep"] == 0)
 
 
@@ -810,16 +928,17 @@ def predict_peaks(args, world):
 
 
 def working_sets(config, layout, stage):
-    """What a rank of this pipeline stage holds beyond its state at some moment: ZeRO-3's units gathered, the
-    gradient norm's squares, and the bytes of one optimizer moment of its dense and of its expert pieces."""
+    """What a rank of this pipeline stage holds beyond its state at some moment: ZeRO-2 and 3's full weights
+    and gradients during a step (zero_working), the gradient norm's squares, and the bytes of one optimizer
+    moment of its dense and of its expert pieces."""
     dense, expert, tied = rank_parameters(config, layout, stage)
-    groups = {"dense": (dense, layout.dense_group), "expert": (expert, layout.expert_group),
-              "tied": (tied, layout.dense_group)}
-    zero3 = sum(zero3_working(p, g, layout) for p, g in groups.values())
-    return dict(largest=max(numel for _, numel in dense + expert + tied), zero3=zero3,
+    groups = {kind: (params, layout.shard_group(kind))
+              for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
+    return dict(largest=max(numel for _, numel in dense + expert + tied),
+                zero=sum(zero_working(p, g, layout) for p, g in groups.values()),
                 piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
                 norm=max(norm_working(p, g, layout) for p, g in groups.values()),
-                moment={kind: state_memory(p, g, layout, False)[2] // 2 for kind, (p, g) in groups.items()})
+                moment={kind: state_memory(p, g, layout, False).optim // 2 for kind, (p, g) in groups.items()})
 
 
 def phase_peaks(layout, figures, working, where):
@@ -835,7 +954,7 @@ def phase_peaks(layout, figures, working, where):
     buckets = layout.zero or layout.dense_group > 1  # (else gradients come with the first backward)
     startup = figures["param_bytes"] + (figures["grad_bytes"] if buckets else 0) + chunk_bytes(largest) + \
         flat.get(layout.zero, 0)
-    computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero3"]
+    computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero"]
     step = state + max(computing, working["norm"])  # (the norm comes once backward has freed everything)
     save = state + copied
     # Loading builds the rank as start-up does, then reads its optimizer state a chunk at a time, with the
@@ -885,22 +1004,33 @@ def busiest_memory(argv, world):
 # Inside a node or across nodes: which groups a rank's traffic travels in
 # ---------------------------------------------------------------------------
 
-TRAFFIC_GROUPS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "tp": ("tp",), "pp": ("pp",),
-                  "cp": ("cp",), "ep": ("ep",)}  # the grid dimensions each kind of traffic spans (mesh.py)
+TRAFFIC_GROUPS = {  # the grid axes each kind of traffic spans (mesh.py; dp is (dp_replicate, dp_shard))
+    "dense": ("dp_shard", "ep", "cp"), "expert": ("dp_shard", "cp"),  # the whole of dp without hybrid sharding
+    "dense_replicas": ("dp_replicate",), "expert_replicas": ("dp_replicate",),
+    "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",)}
 
 
-def crosses_nodes(layout, where, dims, gpus_per_node):
-    """Whether the group of the rank at `where` spanning `dims` holds ranks of more than one node
-    (a node holds consecutive ranks; the grid is arange(world).view(dp, pp, ep, cp, tp))."""
+def grid_coordinates(layout, where):
+    """{axis: (size, the rank's index)} of mesh.py's grid arange(world).view(dp_replicate, dp_shard, pp, ep,
+    cp, tp), slowest first, for the rank at `where` (its coordinates in dp, pp, ep, cp, tp)."""
+    sizes = layout.mesh_shape.axis_sizes()
+    indices = {"dp_replicate": where["dp"] // layout.dp_shard, "dp_shard": where["dp"] % layout.dp_shard,
+               **{dim: where[dim] for dim in DIMS[1:]}}
+    return {axis: (size, indices[axis]) for axis, size in sizes.items()}
+
+
+def crosses_nodes(layout, where, axes, gpus_per_node):
+    """Whether the group of the rank at `where` spanning `axes` (grid_coordinates' names; 'dp' is both parts)
+    holds ranks of more than one node: a node holds consecutive ranks, and the group's lie between its
+    lowest (its axes' indices 0) and that plus its span."""
+    axes = {part for axis in axes for part in (("dp_replicate", "dp_shard") if axis == "dp" else (axis,))}
     stride, lowest, span = 1, 0, 0
-    rank = 0
-    for dim in reversed(DIMS):
-        if dim in dims:
-            span += (getattr(layout, dim) - 1) * stride
+    for axis, (size, index) in reversed(grid_coordinates(layout, where).items()):
+        if axis in axes:
+            span += (size - 1) * stride
         else:
-            lowest += where[dim] * stride
-        rank += where[dim] * stride
-        stride *= getattr(layout, dim)
+            lowest += index * stride
+        stride *= size
     return lowest // gpus_per_node != (lowest + span) // gpus_per_node
 
 
@@ -908,6 +1038,8 @@ def node_split(layout, stage_prediction, where, gpus_per_node):
     """(bytes sent per step inside the node, across nodes) by the rank at `where`."""
     inside = across = 0
     for group, counter in stage_prediction["traffic"].items():
+        if not counter:
+            continue
         if crosses_nodes(layout, where, TRAFFIC_GROUPS[group], gpus_per_node):
             across += sum(counter.values())
         else:
@@ -940,7 +1072,8 @@ def parse_args(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (inside: fast links)")
     p.add_argument("--json", action="store_true", help="print the prediction as log.jsonl's fields, per rank")
     p.add_argument("--search", action="store_true",
-                   help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ep, ZeRO, recomputation)")
+                   help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ep, ZeRO, hybrid sharding, "
+                        "recomputation)")
     p.add_argument("--memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per rank, for --search")
     p.add_argument("--top", type=int, default=20, help="layouts --search lists (0: all that fit)")
     plan_args, rest = p.parse_known_args(argv)
@@ -951,8 +1084,9 @@ def describe(layout, args, config):
     n_params = sum(math.prod(shape) for _, shape in model_parameters(config_key(config)))
     size = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
     experts = f", {config.n_experts} experts top-{config.top_k}" if config.n_experts else ""
+    hybrid = f" (ZeRO's shards over {layout.dp_shard}, {layout.replicas} copies)" if layout.replicas > 1 else ""
     return (f"{args.model} ({args.arch}{experts}, {size} parameters) on {layout.world} ranks: "
-            f"dp={layout.dp} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp} "
+            f"dp={layout.dp}{hybrid} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp} "
             f"ep={layout.ep}, ZeRO-{layout.zero}, {layout.schedule} x{layout.virtual_stages}, "
             f"{layout.micro_batches} micro-batches of {layout.micro_batch} x {config.seq_len} tokens, "
             f"recompute {layout.recompute}, {layout.dtype}")
@@ -999,23 +1133,34 @@ def powers_of_two(limit):
 
 
 def candidate_layouts(args, world, gpus_per_node):
-    """Every (tp, pp, cp, ep, zero, recompute) train.py accepts for these flags on `world` ranks, tp within
-    a node (its collectives are on every block's critical path) and sequence parallelism on with tp (the
-    same traffic for less memory)."""
+    """Every (tp, pp, cp, ep, zero, dp_shard, recompute) train.py accepts for these flags on `world` ranks, tp
+    within a node (its collectives are on every block's critical path) and sequence parallelism on with tp
+    (the same traffic for less memory); ZeRO with hybrid sharding too (hybrid_shards)."""
     config = cli.model_config(args, cli.data_vocab_size(args))
     for tp in powers_of_two(min(gpus_per_node, config.n_kv_heads, world)):
         for pp_size in powers_of_two(min(config.n_layer, world // tp)):
             for cp in powers_of_two(world // (tp * pp_size)):
                 for ep in powers_of_two(min(config.n_experts or 1, world // (tp * pp_size * cp))):
+                    dp = world // (tp * pp_size * cp * ep)
                     for zero in range(4):
-                        for recompute in ("none", "selective", "full"):
-                            candidate = argparse.Namespace(**{**vars(args), "tp": tp, "pp": pp_size, "cp": cp,
-                                                              "ep": ep, "zero": zero, "recompute": recompute,
-                                                              "sp": tp > 1})
-                            try:
-                                yield candidate, layout_of(candidate, world)
-                            except (cli.ConfigError, ValueError):
-                                continue
+                        for dp_shard in [0, *(hybrid_shards(dp, cp * ep, gpus_per_node) if zero else ())]:
+                            for recompute in ("none", "selective", "full"):
+                                candidate = argparse.Namespace(**{
+                                    **vars(args), "tp": tp, "pp": pp_size, "cp": cp, "ep": ep, "zero": zero,
+                                    "dp_shard": dp_shard, "recompute": recompute, "sp": tp > 1})
+                                try:
+                                    yield candidate, layout_of(candidate, world)
+                                except (cli.ConfigError, ValueError):
+                                    continue
+
+
+def hybrid_shards(dp, cp_ep, gpus_per_node):
+    """The dp_shard values --search tries: those under dp whose shard group (dp_shard x ep x cp ranks) is at
+    most a node's worth of ranks. That takes in every shard group lying inside a node (dp_shard x pp x ep x cp
+    x tp ranks at most a node: the gathers and reductions on its links, the copies' all-reduce alone across
+    nodes), and small groups spread over as many nodes (less optimizer memory than no ZeRO, a shorter ring
+    than sharding over all of dp). A shard group of one rank, which would shard nothing, is left out."""
+    return [n for n in powers_of_two(dp) if n < dp and dp % n == 0 and 1 < n * cp_ep <= gpus_per_node]
 
 
 def stage_peaks(config, layout, stage, prediction):
@@ -1047,11 +1192,12 @@ def search(args, plan_args):
     print(f"{len(fits)} layouts of {args.model} on {plan_args.world} ranks fit {plan_args.memory / 2**30:.1f} GiB "
           f"per rank ({args.micro_batches} micro-batches, global batch {args.batch_size}, {args.dtype}, "
           f"{args.schedule}); least traffic across nodes ({plan_args.gpus_per_node} GPUs each) first:")
-    print(f"{'dp':>5s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'ep':>3s} {'ZeRO':>4s} {'recompute':>9s} "
+    print(f"{'dp':>5s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'ep':>3s} {'ZeRO':>4s} {'dp-shard':>8s} {'recompute':>9s} "
           f"{'memory GiB':>10s} {'across GiB':>10s} {'in node GiB':>11s}")
     for across, inside, memory, lay in fits[:plan_args.top or None]:
-        print(f"{lay.dp:5d} {lay.tp:3d} {lay.pp:3d} {lay.cp:3d} {lay.ep:3d} {lay.zero:4d} {lay.recompute:>9s} "
-              f"{memory / 2**30:10.2f} {across / 2**30:10.2f} {inside / 2**30:11.2f}")
+        shard = str(lay.dp_shard) if lay.replicas > 1 else "-"  # (-: ZeRO's shards span all of dp, or no ZeRO)
+        print(f"{lay.dp:5d} {lay.tp:3d} {lay.pp:3d} {lay.cp:3d} {lay.ep:3d} {lay.zero:4d} {shard:>8s} "
+              f"{lay.recompute:>9s} {memory / 2**30:10.2f} {across / 2**30:10.2f} {inside / 2**30:11.2f}")
     return fits
 
 
