@@ -227,8 +227,16 @@ class DocumentMasks:
 
 
 def attention_masks(documents):
-    """What mask each block of this call gets: plain causal attention (documents None), or within documents."""
-    return CausalMasks() if documents is None else DocumentMasks(documents)
+    """What mask each block of this call gets: plain causal attention (documents None), or within documents.
+    Every layer of a micro-batch asks with the same ids tensor: the last one's DocumentMasks is kept and
+    given again, so the ids go to the host once per micro-batch, not once per layer (on a GPU each copy
+    makes the host wait for the device)."""
+    return CausalMasks() if documents is None else _document_masks(documents)
+
+
+@functools.lru_cache(maxsize=1)  # (a tensor hashes by identity; the cache holds the last one, so none can alias it)
+def _document_masks(documents):
+    return DocumentMasks(documents)
 
 
 # ---------------------------------------------------------------------------

@@ -920,8 +920,9 @@ class ZeRO3(ZeRO2):
     the last backward (no_sync defers it, see ZeRO2): one all-gather and one reduce-scatter per unit and
     step, where freeing after every forward and backward would gather 2M times for M micro-batches. The
     stage's units are then whole, with their full gradients, through the step's backwards, as under
-    ZeRO-1; what ZeRO-3 saves there is the time outside the step's forwards and backwards (the optimizer
-    step, checkpoints, evaluation) and the optimizer's copy of the weights (its shard in the master's dtype).
+    ZeRO-1; what ZeRO-3 saves there is memory outside them: from the reduce-scatter to the next step's
+    forwards (the optimizer's step, checkpoints, evaluation, whose forwards free as they go) a rank
+    holds its shards alone.
 
     initial_values (see ZeRO1), for a model whose parameters were given no memory yet (built on the
     meta device, then `unallocated`): only this rank's shards are then made and filled, so no rank

@@ -447,3 +447,17 @@ def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
     # ring: fused and explicit, multi-head and GQA; the others; each again within packed documents
     differences = self_check_alone("cp.py", 4, tmp_path)
     assert len(differences) == 12 and max(differences) < 1e-12
+
+
+def test_the_layers_of_a_micro_batch_share_one_host_copy_of_its_document_ids(monkeypatch):
+    """Every layer asks for the masks with the same ids tensor: they go to the host once (on a GPU each copy
+    makes the host wait), and new ids, even equal ones, get masks of their own."""
+    copies = []
+    to_host = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t) or to_host(t, *a, **k))
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
+    first = cp.attention_masks(ids)
+    assert all(cp.attention_masks(ids) is first for _ in range(3)) and len(copies) == 1
+    again = cp.attention_masks(ids.clone())
+    assert again is not first and len(copies) == 2
+    assert torch.equal(again.mask(slice(0, 8), slice(0, 8)), first.mask(slice(0, 8), slice(0, 8)))
