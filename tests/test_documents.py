@@ -30,7 +30,7 @@ LAYOUTS = [
     (2, [], ["--tp", "2"]),
     (2, LLAMA, ["--tp", "2", "--sp"]),
     (2, DEEP, ["--pp", "2", "--schedule", "1f1b"]),
-    (2, [*LLAMA, *DEEP], ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]),
+    (2, [*LLAMA, *DEEP], ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--recompute", "full"]),
     (2, DEEP, ["--pp", "2", "--schedule", "zb1"]),
     (2, [*LLAMA, *DEEP, "--micro-batches", "4"], ["--pp", "2", "--schedule", "zbv"]),
     (2, [*LLAMA, "--experts", "4"], ["--ep", "2"]),

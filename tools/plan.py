@@ -634,16 +634,21 @@ def recomputed_block(c, layout, layer):
     return full, 0
 
 
-def recomputed_inputs(c, layout, first):
-    """With packed documents, what recomputed blocks keep besides the residual stream, once for all of them: the
-    micro-batch's documents (of the whole sequence, for the core), and under full recomputation the positions,
-    unless they are the ones the first chunk's learned table keeps already. (Counted per model chunk: a rank
-    holding two chunks of a model would count the documents twice, where the meter counts them once.)"""
+def recomputed_positions(c, layout, first):
+    """With packed documents, what a chunk's recomputed blocks keep besides the residual stream, once for all
+    of them: under full recomputation the positions (each chunk computes its own), unless they are the ones
+    the first chunk's learned table keeps already."""
+    if not layout.documents or layout.recompute != "full" or (first and c.position == "learned"):
+        return 0
+    return tokens_per_rank(c, layout) * INT64
+
+
+def recomputed_documents(c, layout):
+    """With packed documents, what recomputed blocks keep of a micro-batch's document ids (of the whole
+    sequence, for the core): one tensor, whichever of a rank's chunks keep it, until the last lets it go."""
     if not layout.documents or layout.recompute == "none":
         return 0
-    documents = layout.micro_batch * c.seq_len * INT64
-    positions = layout.recompute == "full" and not (first and c.position == "learned")
-    return documents + (tokens_per_rank(c, layout) * INT64 if positions else 0)
+    return layout.micro_batch * c.seq_len * INT64
 
 
 def edge_activations(c, layout, first, last):
@@ -701,7 +706,7 @@ def chunk_activations(c, layout, model_chunk):
     blocks = [recomputed_block(c, layout, layer) for layer in layers]
     first, last = model_chunk == 0, model_chunk == n_model_chunks - 1
     edges, loss = edge_activations(c, layout, first, last)
-    kept = sum(kept for kept, _ in blocks) + edges + loss + recomputed_inputs(c, layout, first)
+    kept = sum(kept for kept, _ in blocks) + edges + loss + recomputed_positions(c, layout, first)
     if layout.recompute != "full":  # (a recomputed block keeps only its input)
         loss += sum(balance_statistics(c, layout) for layer in layers if c.is_moe(layer))
     return kept, loss, max(r for _, r in blocks)
@@ -721,10 +726,17 @@ def activation_peak(c, layout, stage):
         actions = pp.make_schedule(layout.schedule, layout.micro_batches, layout.pp, stage, n_chunks)
     split = any(kind == "weight" for kind, _, _ in actions)
     live = peak = shared_activations(c, layout, stage)
-    for kind, chunk, _ in actions:
+    documents, holders = recomputed_documents(c, layout), Counter()  # micro-batch: its chunks keeping its ids
+    last_use = "weight" if split else "backward"
+    for kind, chunk, m in actions:
         kept, loss, _ = sizes[chunk]
-        freed = {"forward": -kept, "backward": loss if split else kept, "weight": kept - loss}[kind]
-        live -= freed
+        live -= {"forward": -kept, "backward": loss if split else kept, "weight": kept - loss}[kind]
+        if kind == "forward":  # the first of the rank's chunks to run this micro-batch keeps its ids
+            holders[m] += 1
+            live += documents if holders[m] == 1 else 0
+        elif kind == last_use:  # and the last to be done with it lets them go
+            holders[m] -= 1
+            live -= documents if holders[m] == 0 else 0
         peak = max(peak, live)
     return peak, max(recomputed for _, _, recomputed in sizes.values())
 
