@@ -77,8 +77,8 @@ class NonFiniteStep(ArithmeticError):
 # ---------------------------------------------------------------------------
 
 def train(args):
-    """Run the training described by args; returns the losses and the trainer (its full_state_dict() gathers
-    the final weights, a collective: for tests and tools, never done by a run itself)."""
+    """Run the training described by args; returns the losses and the trainer (its state.full_state_dict()
+    gathers the final weights, a collective: for tests and tools, never done by a run itself)."""
     rank, world = rank_and_world()
     config, shape = check_args(args, world)  # before any process group exists: a bad launch cannot hang
     if args.resume not in (None, "auto"):
@@ -209,9 +209,10 @@ class Trainer:
         self.optimizers, self.grad_sync, self.tied = parallel.optimizers, parallel.grad_sync, parallel.tied
         self.routing = RoutingCounts(parallel.moe_layers, config.n_experts)
         self.runner = micro_batch_runner(parallel, self.model, mesh, args, self.forward_context, device)
+        self.state = RankState(self.model, self.optimizers, self.share, self.tp_layouts, mesh)
         self.start_step, self.skipped_steps = 0, 0
         if saved:
-            self.load_optimizer_state(saved)
+            self.state.load_optimizer_state(saved)
             self.start_step, self.skipped_steps = saved.step, saved.skipped_steps
         self.meter = ActivationMeter(self.params)
         self.reset_comm_baseline()
@@ -339,6 +340,22 @@ class Trainer:
         self.comm_baseline = counters
         return record
 
+    def save_checkpoint(self, saver, folder, step, keep):
+        """Start saving the state after `step` steps into folder (every rank must call this)."""
+        pieces, layouts, steps = self.state.checkpoint_pieces()
+        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps,
+                    model=asdict(self.model.config), hf_config=self.hf_config)
+        saver.save(folder, pieces, layouts, meta, keep)
+
+
+class RankState:
+    """What this rank holds of the training state (its share of the weights, its optimizers' pieces of them
+    and of their state, the buffers): gathered whole, for tests and tools, or saved in pieces and read back
+    under any layout."""
+
+    def __init__(self, model, optimizers, share, tp_layouts, mesh):
+        self.model, self.optimizers, self.share, self.tp_layouts, self.mesh = model, optimizers, share, tp_layouts, mesh
+
     # -- the whole model gathered, for tests and tools (a run never does this) ----------------------
 
     def full_state_dict(self):
@@ -403,13 +420,6 @@ class Trainer:
                 if state:  # the step count goes to the parameter's device too (fused AdamW wants it there)
                     state["step"] = torch.tensor(saved.steps[name], dtype=torch.float32, device=piece.device)
                     optimizer.optimizer.state[piece] = state
-
-    def save_checkpoint(self, saver, folder, step, keep):
-        """Start saving the state after `step` steps into folder (every rank must call this)."""
-        pieces, layouts, steps = self.checkpoint_pieces()
-        meta = dict(step=step, skipped_steps=self.skipped_steps, args=vars(self.args), steps=steps,
-                    model=asdict(self.model.config), hf_config=self.hf_config)
-        saver.save(folder, pieces, layouts, meta, keep)
 
 
 # ---------------------------------------------------------------------------

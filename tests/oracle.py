@@ -25,7 +25,7 @@ def train_worker(argv):
     """train.py's training on this rank (a function for distributed.run_on_ranks): its losses, and its final
     weights gathered to model.py's layout (state_dict)."""
     result = train.train(cli.parse_args(argv))
-    result["state_dict"] = result.pop("trainer").full_state_dict()
+    result["state_dict"] = result.pop("trainer").state.full_state_dict()
     return result
 
 

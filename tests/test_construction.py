@@ -109,7 +109,7 @@ def construct(argv, folder):
     train.InitialValues, checkpoint.Checkpoint = Recorded, RecordedCheckpoint
     with watch() as built:
         trainer = train.Trainer(args, config, mesh, data, torch.device("cpu"))
-    initial_state = trainer.full_state_dict()
+    initial_state = trainer.state.full_state_dict()
     saver = checkpoint.Saver(dist.new_group(backend="gloo"))
     with watch() as stepped:
         trainer.train_step(0)
@@ -126,7 +126,7 @@ def construct(argv, folder):
                 read_moments=dict(read), optimizer_elements=optimizer_elements,
                 names=set(drawn) <= set(dict(trainer.model.named_parameters())),
                 state_dict=initial_state, reference=reference.state_dict(),
-                saved=trainer.full_state_dict(), resumed=resumed.full_state_dict())
+                saved=trainer.state.full_state_dict(), resumed=resumed.state.full_state_dict())
 
 
 @pytest.mark.skipif(TorchDispatchMode is None, reason="torch.utils._python_dispatch is gone from this PyTorch")

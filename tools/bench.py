@@ -825,7 +825,7 @@ def save_consolidated(trainer, path):
     import torch
     import torch.distributed as dist
     from training import checkpoint
-    pieces, layouts, steps = trainer.checkpoint_pieces()
+    pieces, layouts, steps = trainer.state.checkpoint_pieces()
     if dist.get_rank():
         for rank in range(1, dist.get_world_size()):
             dist.barrier()
@@ -869,7 +869,7 @@ def fingerprint(trainer):
     import hashlib
     import torch
     digest = hashlib.sha256()
-    for piece, tensor in trainer.checkpoint_pieces()[0]:
+    for piece, tensor in trainer.state.checkpoint_pieces()[0]:
         digest.update(repr(piece).encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -147,7 +147,7 @@ def layout_worker(argv, steps):
         every_rank = [None] * dist.get_world_size()  # each rank's share of the step's loss
         dist.all_gather_object(every_rank, trainer.train_step(step)["loss"])
         losses.append(train.step_loss(args, every_rank))
-        weights.append(trainer.full_state_dict())
+        weights.append(trainer.state.full_state_dict())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (trainer.gradient_pieces, trainer.splits()))
     if dist.get_rank():
