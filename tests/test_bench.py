@@ -116,3 +116,35 @@ def test_quick_zero_pipeline_sets_zero3_beside_zero1_under_1f1b(tmp_path):
     table = "\n".join(plot.zero_pipeline_lines(result))
     assert f"ZeRO-3's step takes {result['step_time_ratio']:.2f}x ZeRO-1's" in table
     assert table.count("\n| ZeRO-") == 2
+
+
+def consolidated_worker(out):
+    """bench's checkpoint comparison, small: train a step under ZeRO-3, save the consolidated file, and resume
+    a Trainer from it through ConsolidatedFile as the comparison does; whether the state is the same."""
+    import torch
+    import train
+    from mesh import Mesh
+    from tools import bench
+    from training import checkpoint, cli
+    args = cli.parse_args(["--model", "tiny", "--zero", "3", "--batch-size", "4", "--steps", "1", "--out", out])
+    config, shape = cli.check_args(args, 2)
+    mesh, data, device = Mesh(shape), train.load_training_data(args), torch.device("cpu")
+    trainer = train.Trainer(args, config, mesh, data, device)
+    trainer.train_step(0)
+    path = f"{out}/consolidated.pt"
+    bench.save_consolidated(trainer, path)
+    torch.distributed.barrier()  # rank 0 writes the file after the others are done (as bench's _phase waits)
+    args.resume, original = path, checkpoint.Checkpoint
+    checkpoint.Checkpoint = bench.ConsolidatedFile
+    try:
+        resumed = train.Trainer(args, config, mesh, data, device)
+    finally:
+        checkpoint.Checkpoint = original
+    return bench.fingerprint(resumed) == bench.fingerprint(trainer)
+
+
+def test_a_consolidated_checkpoint_resumes_a_trainer_as_the_comparison_reads_it(tmp_path):
+    """The checkpoint comparison (`--only checkpoint`, too long for the suite) reads its consolidated file
+    through an object standing in for checkpoint.Checkpoint: it must offer what train.Trainer reads."""
+    from distributed import run_on_ranks
+    assert run_on_ranks(2, consolidated_worker, str(tmp_path)) == [True, True]

@@ -806,6 +806,7 @@ class ConsolidatedFile:
         self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         self.step, self.skipped_steps, self.tensors = self.state["step"], 0, self.state["model"]
         self.steps = {name: state["step"].item() for name, state in self.state["optimizer"].items()}
+        self.manifest = {}  # (a sharded checkpoint's also names the Hugging Face config a run began from: none here)
 
     def optimizer_keys(self, name):
         return sorted(key for key in self.state["optimizer"].get(name, {}) if key != "step")
