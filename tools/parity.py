@@ -124,7 +124,7 @@ class ParityTrainer(train.Trainer):
     def splits(self):
         """{parameter name: the dimensions that split, shard or place it on this rank (tp-copies: whole on each
         tensor-parallel rank, as norms are, whose gradients sequence parallelism sums over them; stageS: the
-        pipeline stage holding it)}."""
+        pipeline stage holding it; hybrid: ZeRO's shards summed across their copies)}."""
         labels, tp_ranks = {}, self.mesh.size("tp")
         for name, _ in self.model.named_parameters():
             labels[self.share.name(name)] = {dim for dim, applies in [
@@ -132,6 +132,7 @@ class ParityTrainer(train.Trainer):
                 ("ep", ep.is_expert_parameter(name) and self.mesh.size("ep") > 1),
                 (f"stage{self.mesh.index('pp')}", self.mesh.size("pp") > 1),
                 (f"zero{self.args.zero}", self.args.zero > 0),
+                ("hybrid", self.mesh.shape.hybrid),  # (ZeRO's shards over --dp-shard ranks, copies across)
                 ("tied", self.share.name(name) != name)] if applies}
         return labels
 
