@@ -340,6 +340,8 @@ class Trainer:
         self.comm_baseline = counters
         return record
 
+    # -- checkpoints: the rank's pieces (RankState), and where the run stands ------------------------
+
     def save_checkpoint(self, saver, folder, step, keep):
         """Start saving the state after `step` steps into folder (every rank must call this)."""
         pieces, layouts, steps = self.state.checkpoint_pieces()
@@ -564,14 +566,14 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
         # stage fills a master shard kept apart from the weights from the values, not from bfloat16 weights.
         # Under a pipeline ZeRO-3 keeps a unit gathered from its first forward of a step to its last backward
         # (dp.ZeRO3). Hybrid sharding (--dp-shard): each shards over its part of its group (mesh.zero_groups).
-        stage_options = {3: dict(reshard_after_forward=args.pp == 1)}.get(args.zero, {})
+        held_through_step = dict(reshard_after_forward=False) if args.zero == 3 and args.pp > 1 else {}
 
         def shard(params, units, averaged_over, **options):
             group, replicas = mesh.zero_groups(averaged_over)
             return ZERO_STAGES[args.zero](
                 model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
                 broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
-                initial_values=share.elements, replicate_group=replicas, **stage_options, **options)
+                initial_values=share.elements, replicate_group=replicas, **held_through_step, **options)
         tied_zero = shard(tied, gpt_units(model), "dense") if tied else None
         zeros = [shard(dense, gpt_units(model), "dense"), *([tied_zero] if tied else [])]
         if experts:
