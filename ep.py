@@ -109,21 +109,163 @@ def _all_to_all(x, output_splits, input_splits, group):
     return out
 
 
+# Row counts differ from rank to rank (the router decides them), which all-gather and reduce-scatter do not
+# take on every backend; an all-to-all does, sending the same bytes a ring would.
+
+def all_gather_rows(x, counts, group):
+    """Every rank's rows, in rank order (rank r has counts[r]); backward, each rank's rows get the sum of
+    their gradients over the group (a reduce-scatter: the gradient of the copies each rank was sent)."""
+    n = len(counts)
+    return AllToAll.apply(x.repeat(n, 1), counts, [len(x)] * n, group)
+
+
+def reduce_scatter_rows(x, counts, group):
+    """x: every rank's rows in rank order (as all_gather_rows gives), partial sums; returns this rank's rows
+    summed over the group. Backward, every rank gets the gradient of its rows (an all-gather)."""
+    n, mine = len(counts), counts[dist.get_rank(group)]
+    return AllToAll.apply(x, [mine] * n, counts, group).view(n, mine, *x.shape[1:]).sum(0)
+
+
+def split_counts(n_rows, n):
+    """How n_rows rows split over n ranks as evenly as they can, in order (torch.tensor_split's sizes)."""
+    return [n_rows // n + (r < n_rows % n) for r in range(n)]
+
+
+class KeepRows(torch.autograd.Function):
+    """Rows every rank of the group holds alike: keep this rank's part forward; backward, all-gather the
+    parts' gradients, so every rank gets the whole gradient, as the rows' other users expect."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.group, ctx.counts = group, split_counts(len(x), n)
+        return x.split(ctx.counts)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = len(ctx.counts)
+        return _all_to_all(grad.repeat(n, 1), ctx.counts, [len(grad)] * n, ctx.group), None
+
+
+class GatherRows(torch.autograd.Function):
+    """The inverse of KeepRows: all-gather the parts forward; backward keep this rank's part of the
+    gradient, which every rank holds alike."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        n = len(counts)
+        ctx.rows = sum(counts[:dist.get_rank(group)]), len(x)
+        return _all_to_all(x.repeat(n, 1), counts, [len(x)] * n, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, rows = ctx.rows
+        return grad[start:start + rows], None, None
+
+
+class SumForward(torch.autograd.Function):
+    """All-reduce forward, identity backward: a sum every rank uses alike, each differentiating its own part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class OwnTokens:
+    """The tokens arriving at the MoE layer are this rank's alone (no tensor parallelism): route them all."""
+
+    size = 1  # ranks sharing these tokens' loss
+
+    def enter(self, tokens):
+        return tokens
+
+    def leave(self, out, tokens):
+        return out
+
+    def total(self, x):
+        """x summed over the tokens the ranks sharing a loss route."""
+        return x
+
+
+class ShardedTokens(OwnTokens):
+    """Sequence parallelism: the ranks of `group` (tensor parallelism's) share one loss, each holding its own
+    shard of the sequence. Each routes its shard; the load-balancing loss sums their probabilities."""
+
+    def __init__(self, group):
+        self.group, self.size = group, dist.get_world_size(group)
+
+    def total(self, x):
+        return SumForward.apply(x, self.group)
+
+
+class ReplicatedTokens(ShardedTokens):
+    """Tensor parallelism without sequence parallelism: every rank of `group` holds the same tokens. Each
+    routes its 1/N of them (so a token is routed once, not N times: Megatron-LM's MoE under tensor
+    parallelism), and the outputs are gathered back."""
+
+    def enter(self, tokens):
+        return KeepRows.apply(tokens, self.group)
+
+    def leave(self, out, tokens):
+        return GatherRows.apply(out, split_counts(len(tokens), self.size), self.group)
+
+
+class WholeExperts:
+    """Each rank holds its experts whole, and computes the rows it received."""
+
+    def gather(self, received, recv_counts):
+        """(rows to compute, their counts per (expert-tp rank, source rank, local expert))."""
+        return received, recv_counts.unsqueeze(0)
+
+    def reduce(self, outputs, counts):
+        return outputs
+
+
+class SplitExperts(WholeExperts):
+    """Expert tensor parallelism: the ranks of `group` hold slices of the same experts (tp.py's
+    `split_experts`) and received different rows. Each expert's rows from all of them are gathered, every
+    rank computes its slice's partial outputs for all of them, and a reduce-scatter sums those and hands
+    each rank its own rows: Megatron-LM's expert tensor parallelism, all-gather in, reduce-scatter out."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def gather(self, received, recv_counts):
+        everyone = [torch.empty_like(recv_counts) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, recv_counts, group=self.group)
+        counts = torch.stack(everyone)
+        return all_gather_rows(received, counts.flatten(1).sum(1).tolist(), self.group), counts
+
+    def reduce(self, outputs, counts):
+        return reduce_scatter_rows(outputs, counts.flatten(1).sum(1).tolist(), self.group)
+
+
 class ExpertParallelMoE(nn.Module):
-    """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks with distinct tokens.
+    """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks routing distinct
+    tokens (for the balancing statistics). `tokens` says how the arriving tokens are shared with tensor
+    parallelism (OwnTokens, ShardedTokens, ReplicatedTokens); `expert_tp`, whether this rank holds its
+    experts whole (WholeExperts) or slices of them (SplitExperts: tp.py's `split_experts` cuts them).
 
     Made from a single-device MoE layer (see the contract in the module docstring):
     the router (and a shared expert) is replicated, this rank keeps experts
     [r*E/N, (r+1)*E/N) under their global indices, so names match the single device's.
     """
 
-    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared"):
+    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared",
+                 tokens=OwnTokens(), expert_tp=WholeExperts()):
         super().__init__()
         self.n_experts, self.top_k = len(moe.experts), moe.top_k
         n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if self.n_experts % n:
             raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
         self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
+        self.tokens, self.expert_tp = tokens, expert_tp
         self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
         self.router_name, self.shared_name = router, shared
         setattr(self, router, getattr(moe, router))
@@ -140,24 +282,27 @@ class ExpertParallelMoE(nn.Module):
         self.recomputing = False  # set while the forward runs again for backward: its tokens were counted
 
     def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
+        arrived = x.reshape(-1, x.shape[-1])
+        tokens = self.tokens.enter(arrived)  # those this rank routes: no other rank routes them
         gates, experts, probs = route(getattr(self, self.router_name)(tokens), self.top_k, self.route_bias)
         keep = torch.ones_like(experts, dtype=torch.bool)
         if self.capacity_factor:
             capacity = int(self.capacity_factor * len(tokens) * self.top_k / self.n_experts + 0.999999)
             keep = capacity_mask(experts, self.n_experts, capacity)
         self.aux_loss = self._load_balancing_loss(probs, experts, keep)
-        out = self._dispatch_compute_combine(tokens, gates, experts, keep)
+        out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived)
         shared = getattr(self, self.shared_name)
-        return (out if shared is None else out + shared(tokens)).view_as(x)
+        return (out if shared is None else out + shared(arrived)).view_as(x)
 
     def _load_balancing_loss(self, probs, experts, keep):
         """This rank's share of E * sum_i f_i P_i over the whole micro-batch (see the module docstring).
 
         f_i and the token count are summed over stats_group (no gradient flows
-        through them). Each rank contributes E * N * sum_i f_i * (sum of its own
-        p_ti) / T: averaged over the N ranks, as data parallelism averages the
-        losses, that is exactly E * sum_i f_i P_i, value and gradient.
+        through them), the probabilities over the ranks sharing this rank's loss
+        (tensor parallelism), each differentiating its own tokens'. Each of the
+        N ranks the loss is averaged over contributes E * N * sum_i f_i * (sum
+        of its p_ti) / T: averaged, as data parallelism averages the losses,
+        that is exactly E * sum_i f_i P_i, value and gradient.
         """
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts).to(probs.dtype)
         stats = torch.cat([counts, torch.tensor([len(probs), (~keep).sum()], dtype=probs.dtype, device=probs.device)])
@@ -167,8 +312,8 @@ class ExpertParallelMoE(nn.Module):
         if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += counts.long()
         f = counts / (n_tokens * self.top_k)
-        n_ranks = dist.get_world_size(self.stats_group)
-        return self.n_experts * n_ranks * (f * probs.sum(0)).sum() / n_tokens
+        n_ranks = dist.get_world_size(self.stats_group) // self.tokens.size
+        return self.n_experts * n_ranks * (f * self.tokens.total(probs.sum(0))).sum() / n_tokens
 
     def _dispatch_compute_combine(self, tokens, gates, experts, keep):
         n = dist.get_world_size(self.ep_group)
@@ -182,32 +327,40 @@ class ExpertParallelMoE(nn.Module):
         send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
         recv_counts = recv_counts.view(n, self.per_rank)
         received = AllToAll.apply(tokens[token_of], recv_counts.sum(1).tolist(), send_splits, self.ep_group)
-        # received rows are grouped by source rank, then by local expert: run each expert on its rows.
-        pieces = list(received.split(recv_counts.flatten().tolist()))
+        returned = AllToAll.apply(self._compute(received, recv_counts), send_splits, recv_counts.sum(1).tolist(),
+                                  self.ep_group)
+        weights = gates.flatten()[keep.flatten()][order].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_of, returned * weights.unsqueeze(1))
+
+    def _compute(self, received, recv_counts):
+        """Run each local expert on the rows it received (grouped by source rank, then by local expert), under
+        expert tensor parallelism on every rank's of the group (expert_tp)."""
+        rows_in, counts = self.expert_tp.gather(received, recv_counts)
+        pieces = list(rows_in.split(counts.flatten().tolist()))
+        blocks = len(pieces) // self.per_rank  # (expert-tp rank, source rank) pairs
         for e, expert in enumerate(self.experts.values()):
-            rows = [pieces[src * self.per_rank + e] for src in range(n)]
+            rows = [pieces[b * self.per_rank + e] for b in range(blocks)]
             if not sum(len(r) for r in rows):  # no token: not run, so no gradient, as on one device
                 with torch.no_grad():
                     dtype = expert(rows[0]).dtype  # the dtype a run would give (the activations')
                 outputs = [row.to(dtype) for row in rows]  # empty, so that every rank sends the same dtype
             else:
                 outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
-            for src in range(n):
-                pieces[src * self.per_rank + e] = outputs[src]
-        returned = AllToAll.apply(torch.cat(pieces), send_splits, recv_counts.sum(1).tolist(), self.ep_group)
-        weights = gates.flatten()[keep.flatten()][order].to(tokens.dtype)
-        return torch.zeros_like(tokens).index_add(0, token_of, returned * weights.unsqueeze(1))
+            for b in range(blocks):
+                pieces[b * self.per_rank + e] = outputs[b]
+        return self.expert_tp.reduce(torch.cat(pieces), counts)
 
 
 def is_expert_parameter(name):
     return ".experts." in name
 
 
-def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0):
-    """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here)."""
+def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, **options):
+    """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here);
+    options: ExpertParallelMoE's `tokens` and `expert_tp`."""
     for block in model.blocks:
         if hasattr(getattr(block, "mlp", None), "experts"):
-            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor)
+            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor, **options)
     return model
 
 

@@ -1,25 +1,57 @@
-"""The 5D rank grid: world = dp * pp * ep * cp * tp, tp varying fastest.
+"""The 5D rank grid: world = dp * pp * cp * tp, tp varying fastest, and the experts' grid folded over it.
 
-Ranks are laid out as `arange(world).view(dp, pp, ep, cp, tp)`, so the
-dimension that talks most (tp, every layer) sits on neighbouring ranks, which
-on a GPU cluster means inside one node, and dp (once per step) spans the
-farthest. Every process group is a slice of that grid:
+Ranks are laid out as `arange(world).view(dp, pp, cp, tp)`, so the dimension
+that talks most (tp, every layer) sits on neighbouring ranks, which on a GPU
+cluster means inside one node, and dp (once per step) spans the farthest.
+Attention and every dense layer use this grid:
 
-- one group per dimension: the ranks that differ only in that coordinate;
-- dense-gradient group (dp x ep x cp): the ranks holding the same dense
+- one group per dimension: the ranks that differ only in that coordinate
+  (dp is also each rank's data rank: which slice of the global batch it
+  reads; the cp ranks of one data rank read the same samples and split the
+  sequence);
+- dense-gradient group (dp x cp): the ranks holding the same dense
   parameter shard, over which dense gradients are averaged;
-- expert-gradient group (dp x cp): the ranks holding the same expert shard;
-- data rank = index in dp x ep: which slice of the global batch a rank reads
-  (the cp ranks of one data rank read the same samples and split the sequence).
+- stage (dp x cp x tp): every rank of a pipeline stage.
+
+Expert parallelism does not multiply the world: it is folded over the
+stage's ranks (Megatron-LM's "MoE parallel folding", torchtitan's expert
+mesh). The MoE layers read a stage's dp x cp x tp ranks, in that row-major
+order, as a grid of their own, expert_dp x ep x expert_tp with expert_tp
+fastest:
+
+- ep: the ranks the experts are spread over (E/ep experts each), which
+  exchange tokens by all-to-all;
+- expert_tp: the ranks splitting each of those experts' matrices (1: whole
+  experts, DeepSeek-V3's choice);
+- expert (expert_dp): the ranks holding the same expert shard, over which
+  expert gradients are averaged.
+
+So ep takes the stage's fastest ranks after expert_tp: with tp=8 inside a
+node, ep=8 is the node's 8 GPUs (64 were needed before folding). Inside the
+MoE layer every rank of the stage routes tokens no other rank routes (ep.py
+splits the tokens tp ranks share without sequence parallelism). For example
+8 ranks as dp=2, tp=4, with ep=4 (whole experts), and with ep=2, expert_tp=2:
+
+    rank                 0  1  2  3 | 4  5  6  7
+    attention  dp        0  0  0  0 | 1  1  1  1     tp groups [0-3], [4-7]
+    --ep 4     ep        0  1  2  3 | 0  1  2  3     ep groups [0-3], [4-7]; expert [0, 4], [1, 5], ...
+    --ep 2     ep        0  0  1  1 | 0  0  1  1     ep groups [0, 2], [1, 3], [4, 6], [5, 7]
+    --expert-tp 2 etp    0  1  0  1 | 0  1  0  1     expert_tp [0, 1], [2, 3], ...; expert [0, 4], [1, 5], ...
+
+Today's unfolded layout, ep over data-parallel ranks with the experts split
+as tp splits the dense layers, is `--expert-tp` equal to `--tp` with ep
+taking the dp ranks next to them.
 
 Hybrid sharding (`dp_shard`): ZeRO shards over groups of dp_shard
 neighbouring data-parallel ranks and keeps copies across the dp / dp_shard
 such groups, dp being read as (dp_replicate, dp_shard), dp_shard the faster:
 
 - ZeRO's shard groups: the dense and expert groups with dp narrowed to
-  dp_shard ("dense_shard": dp_shard x ep x cp, "expert_shard": dp_shard x cp);
+  dp_shard ("dense_shard": dp_shard x cp, "expert_shard": expert_dp narrowed
+  to the ranks of one replica);
 - "dp_replicate": the ranks holding copies of the same shards, one in each
-  shard group, which sum them once per step.
+  shard group, which sum them once per step (the same ranks in both grids,
+  dp_replicate being the slowest part of each stage).
 
 For example 16 ranks as dp=8, tp=2 with dp_shard=4 (nodes of 8 GPUs): ranks
 0-7 are one node, dp ranks 0-3 of it; the shard groups are [0, 2, 4, 6],
@@ -42,16 +74,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-DIMS = ("dp", "pp", "ep", "cp", "tp")  # slowest to fastest
-GROUPS = {  # group name -> the grid dimensions its ranks differ in
-    "dp": ("dp",), "pp": ("pp",), "ep": ("ep",), "cp": ("cp",), "tp": ("tp",),
-    "dense": ("dp", "ep", "cp"),
-    "expert": ("dp", "cp"),
-    "data": ("dp", "ep"),
+DIMS = ("dp", "pp", "cp", "tp")  # the grid, slowest to fastest
+EXPERT_AXES = ("expert_dp", "expert_dp_shard", "ep", "expert_tp")  # the axes only the experts' grid has
+GROUPS = {  # group name -> the grid's (or the experts' grid's) axes its ranks differ in
+    "dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "tp": ("tp",),
+    "dense": ("dp", "cp"),
+    "stage": ("dp", "cp", "tp"),
+    "ep": ("ep",), "expert_tp": ("expert_tp",),
+    "expert": ("expert_dp",),
 }
 HYBRID_GROUPS = {  # made only under hybrid sharding ("dp_shard" and "dp_replicate": the two parts of dp)
-    "dense_shard": ("dp_shard", "ep", "cp"),
-    "expert_shard": ("dp_shard", "cp"),
+    "dense_shard": ("dp_shard", "cp"),
+    "expert_shard": ("expert_dp_shard",),
     "dp_replicate": ("dp_replicate",),
 }
 
@@ -60,14 +94,24 @@ HYBRID_GROUPS = {  # made only under hybrid sharding ("dp_shard" and "dp_replica
 class MeshShape:
     dp: int
     pp: int
-    ep: int
     cp: int
     tp: int
+    ep: int = 1          # folded over each stage's dp x cp x tp ranks: the MoE layers' own split of them
+    expert_tp: int = 1
     dp_shard: int = 0  # hybrid sharding: ZeRO's shards span this many neighbouring dp ranks (0: all of them)
 
     @property
     def world(self):
-        return self.dp * self.pp * self.ep * self.cp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def stage(self):
+        """The ranks of one pipeline stage, which the MoE layers split as expert_dp x ep x expert_tp."""
+        return self.dp * self.cp * self.tp
+
+    @property
+    def expert_dp(self):
+        return self.stage // (self.ep * self.expert_tp)
 
     @property
     def hybrid(self):
@@ -81,23 +125,40 @@ class MeshShape:
         shard = self.dp_shard or self.dp
         return {"dp_replicate": self.dp // shard, "dp_shard": shard, **{d: getattr(self, d) for d in DIMS[1:]}}
 
+    def expert_axis_sizes(self):
+        """{axis: size} of the experts' grid, slowest first: pp, then each stage's ranks read as
+        (expert_dp, ep, expert_tp), expert_dp itself as (dp_replicate, expert_dp_shard)."""
+        replicas = self.axis_sizes()["dp_replicate"]
+        return {"pp": self.pp, "dp_replicate": replicas, "expert_dp_shard": self.expert_dp // replicas,
+                "ep": self.ep, "expert_tp": self.expert_tp}
 
-def mesh_shape(world, tp=1, pp=1, cp=1, ep=1, dp_shard=0):
-    """The grid for `world` ranks, dp taking what the other dimensions leave."""
-    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
+
+def mesh_shape(world, tp=1, pp=1, cp=1, ep=1, expert_tp=1, dp_shard=0):
+    """The grid for `world` ranks, dp taking what the other dimensions leave; ep and expert_tp fold over
+    each stage's ranks."""
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "expert_tp": expert_tp}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {size!r}")
-    model_parallel = tp * pp * cp * ep
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {size!r}")
+    model_parallel = tp * pp * cp
     if world % model_parallel:
         raise ValueError(
-            f"world size {world} is not divisible by tp*pp*cp*ep = "
-            f"{tp}*{pp}*{cp}*{ep} = {model_parallel}; launch a multiple of {model_parallel} ranks")
+            f"world size {world} is not divisible by tp*pp*cp = "
+            f"{tp}*{pp}*{cp} = {model_parallel}; launch a multiple of {model_parallel} ranks")
     dp = world // model_parallel
     if not isinstance(dp_shard, int) or dp_shard < 0 or dp_shard and dp % dp_shard:
         raise ValueError(f"--dp-shard {dp_shard} must divide the {dp} data-parallel ranks "
-                         f"({world} ranks / tp*pp*cp*ep {model_parallel})")
-    return MeshShape(dp=dp, **sizes, dp_shard=dp_shard)
+                         f"({world} ranks / tp*pp*cp {model_parallel})")
+    shape = MeshShape(dp=dp, **sizes, dp_shard=dp_shard)
+    if shape.stage % (ep * expert_tp):
+        raise ValueError(f"--ep {ep} x --expert-tp {expert_tp} must divide the {shape.stage} ranks of a pipeline "
+                         f"stage (dp*cp*tp = {dp}*{cp}*{tp}), over which the experts are folded")
+    replicas = shape.axis_sizes()["dp_replicate"]
+    if shape.expert_dp % replicas:
+        raise ValueError(f"under --dp-shard {dp_shard}, --ep {ep} x --expert-tp {expert_tp} must divide the "
+                         f"{shape.stage // replicas} ranks of a stage's shard group (dp_shard*cp*tp), so that "
+                         f"the experts' shards have copies in each of the {replicas} replicas")
+    return shape
 
 
 def grid(shape: MeshShape):
@@ -110,18 +171,31 @@ def coordinates(shape: MeshShape, rank):
     return dict(zip(DIMS, where))
 
 
+def _axes(shape: MeshShape, dims):
+    """The ranks laid out along the named axes of the grid `dims` belong to: (tensor, {axis: size}), with
+    dims read as axes ('dp' is both of its parts, 'expert_dp' both of its own)."""
+    parts = {"dp": ("dp_replicate", "dp_shard"), "expert_dp": ("dp_replicate", "expert_dp_shard")}
+    dims = [a for d in dims for a in parts.get(d, (d,))]
+    if any(d in EXPERT_AXES for d in dims):  # each stage's (dp, cp, tp) ranks, read as the experts' grid
+        axes = shape.expert_axis_sizes()
+        ranks = torch.arange(shape.world).view(*shape.sizes()).movedim(1, 0)
+    else:
+        axes = shape.axis_sizes()
+        ranks = torch.arange(shape.world)
+    return ranks.reshape(*axes.values()), axes, dims
+
+
 def group_ranks(shape: MeshShape, dims):
-    """All groups of ranks that differ only along `dims`, each in row-major (tp fastest) order. dims name
-    grid dimensions, or the two parts of dp (axis_sizes): 'dp' is both."""
-    axes = shape.axis_sizes()
-    dims = [a for d in dims for a in (("dp_replicate", "dp_shard") if d == "dp" else (d,))]
+    """All groups of ranks that differ only along `dims`, each in row-major (fastest last) order. dims name
+    axes of the grid, or of the experts' grid (EXPERT_AXES), or the two parts of dp (axis_sizes)."""
+    ranks, axes, dims = _axes(shape, dims)
     names = list(axes)
-    moved = torch.arange(shape.world).view(*axes.values()).permute(
-        *[names.index(a) for a in names if a not in dims], *[names.index(a) for a in names if a in dims])
+    moved = ranks.permute(*[names.index(a) for a in names if a not in dims],
+                          *[names.index(a) for a in names if a in dims])
     group_size = 1
     for a in dims:
         group_size *= axes[a]
-    return [ranks.tolist() for ranks in moved.reshape(-1, group_size)]
+    return [group.tolist() for group in moved.reshape(-1, group_size)]
 
 
 class Mesh:
@@ -169,7 +243,7 @@ class Mesh:
         return len(self.ranks[name])
 
     def index(self, name):
-        """This rank's position inside group `name` (e.g. its data rank for 'data')."""
+        """This rank's position inside group `name` (e.g. its data rank for 'dp')."""
         return self.ranks[name].index(self.rank)
 
     def neighbours(self, name):
@@ -179,4 +253,4 @@ class Mesh:
 
     def __repr__(self):
         where = " ".join(f"{d}={self.coord[d]}/{getattr(self.shape, d)}" for d in DIMS)
-        return f"Mesh(rank {self.rank}: {where})"
+        return f"Mesh(rank {self.rank}: {where}, experts ep={self.index('ep')}/{self.shape.ep})"

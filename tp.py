@@ -166,33 +166,6 @@ class GatherFromSequenceParallel(torch.autograd.Function):
         return reduce_scatter_sequence(grad, ctx.group), None
 
 
-class GatherReplicatedSequence(torch.autograd.Function):
-    """Around a region every rank computes identically (a mixture of experts' router): all-gather the
-    sequence forward; backward keep this rank's chunk, as every rank holds the same gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(dist.get_world_size(ctx.group), 1)[dist.get_rank(ctx.group)], None
-
-
-class SplitSequence(torch.autograd.Function):
-    """Leaving such a region: keep this rank's chunk of the sequence forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.group), None
-
-
 class ScatterToSequenceParallel(torch.autograd.Function):
     """Leaving a tensor-parallel region: reduce-scatter the sequence forward, all-gather it backward."""
 
@@ -252,8 +225,7 @@ class TensorParallel:
         return ReduceFromTensorParallel.apply(partial_sums, self.group)
 
     # Outside the regions every rank sees every token: a replicated parameter applied there (the
-    # row-parallel bias) already has its whole gradient, and norms, a position table and a mixture of
-    # experts stay as they are.
+    # row-parallel bias) already has its whole gradient, and norms and a position table stay as they are.
     def replicated(self, parameter):
         return parameter
 
@@ -262,9 +234,6 @@ class TensorParallel:
 
     def position_embedding(self, table):
         return table
-
-    def moe(self, moe):
-        return moe
 
 
 class SequenceParallel(TensorParallel):
@@ -290,8 +259,22 @@ class SequenceParallel(TensorParallel):
     def position_embedding(self, table):
         return SequenceParallelPositionEmbedding(table, self.group)
 
-    def moe(self, moe):
-        return sequence_parallel_moe(moe, self.group)
+
+class ExpertTensorParallel(TensorParallel):
+    """Inside an expert whose matrices are split over `group` (Megatron-LM's expert tensor parallelism), as
+    ep.py's SplitExperts runs it: the expert's rows are all-gathered from every rank of the group before,
+    and its partial outputs reduce-scattered after, so nothing communicates inside. The row-parallel bias
+    is added by the group's first rank alone (the reduce-scatter adds it once), and f sums its gradient."""
+
+    def enter(self, x):
+        return x
+
+    def leave(self, partial_sums):
+        return partial_sums
+
+    def replicated(self, parameter):
+        first = dist.get_rank(self.group) == 0
+        return CopyToTensorParallel.apply(parameter, self.group) * first
 
 
 # ---------------------------------------------------------------------------
@@ -370,13 +353,18 @@ class VocabParallelEmbedding(nn.Module):
         return self.plan.leave(partial_lookup)
 
 
-def sequence_parallel_norm(norm, group):
-    """Any norm module (LayerNorm, RMSNorm, ...) applied to this rank's sequence shard, in place: each of
-    its parameters' gradients is summed over the group (a hook on the gradient does what f applied to the
-    parameter would), since each rank saw only its own tokens. Names and module type stay the same."""
-    for p in norm.parameters():
+def gradients_summed(module, group):
+    """A replicated module that each rank applies to tokens of its own, in place: each of its parameters'
+    gradients is summed over the group (a hook on the gradient does what f applied to the parameter
+    would). Names and module type stay the same."""
+    for p in module.parameters():
         p.register_hook(partial(all_reduce, group=group))
-    return norm
+    return module
+
+
+def sequence_parallel_norm(norm, group):
+    """Any norm module (LayerNorm, RMSNorm, ...) applied to this rank's sequence shard, in place."""
+    return gradients_summed(norm, group)
 
 
 class SequenceParallelPositionEmbedding(nn.Module):
@@ -448,17 +436,6 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size
 # Applying it to model.py's GPT (the only model knowledge in this file)
 # ---------------------------------------------------------------------------
 
-def sequence_parallel_moe(moe, group):
-    """A mixture of experts under sequence parallelism: every rank routes the whole sequence (identically),
-    its experts' matrices split as column- then row-parallel; each rank keeps its chunk of the result.
-
-    Done with forward hooks rather than a wrapper module, so parameter names stay the single device's.
-    """
-    moe.register_forward_pre_hook(lambda module, args: (GatherReplicatedSequence.apply(args[0], group),))
-    moe.register_forward_hook(lambda module, args, output: SplitSequence.apply(output, group))
-    return moe
-
-
 def split_mlp(mlp, plan):
     """fc column-parallel, proj row-parallel. A SwiGLU fc holds (gate | up): its width is a multiple of
     proj's input, and each part is split alike, so a rank holds the gate and up of the same units."""
@@ -467,13 +444,22 @@ def split_mlp(mlp, plan):
     mlp.proj = RowParallelLinear(mlp.proj, plan)
 
 
+def split_moe(moe, plan):
+    """A mixture of experts as ep.py runs it under tensor parallelism: each rank of the group routes tokens
+    of its own (a sequence shard, or its part of tokens every rank holds), so the replicated router's
+    gradient is summed over the group (`gradients_summed`); the shared expert, which every token
+    passes through, is split like a dense MLP. The routed experts are ep.py's to place (`split_experts`)."""
+    gradients_summed(moe.router, plan.group)
+    if getattr(moe, "shared", None) is not None:
+        split_mlp(moe.shared, plan)
+
+
 def split_experts(moe, group):
-    """Split each expert's MLP (and a shared expert) like a dense one, by plain tensor parallelism even under
-    sequence parallelism: its tokens are the same on every rank of the group (`sequence_parallel_moe`
-    gathers them); its output is reduced before the gates weight it."""
+    """Split each routed expert's MLP over `group` (expert tensor parallelism), with no communication inside:
+    ep.py's SplitExperts gathers their rows before and reduce-scatters their partial outputs after."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
-    for expert in [*experts, *([moe.shared] if getattr(moe, "shared", None) is not None else [])]:
-        split_mlp(expert, TensorParallel(group))
+    for expert in experts:
+        split_mlp(expert, ExpertTensorParallel(group))
 
 
 def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_heads=None):
@@ -492,9 +478,8 @@ def split_block(block, config, plan):
     qkv_blocks = [config.d_model, config.kv_dim, config.kv_dim]
     block.attn.qkv = ColumnParallelLinear(block.attn.qkv, plan, blocks=qkv_blocks)
     block.attn.proj = RowParallelLinear(block.attn.proj, plan)
-    if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts split
-        split_experts(block.mlp, plan.group)
-        plan.moe(block.mlp)
+    if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts ep.py's
+        split_moe(block.mlp, plan)
     else:
         split_mlp(block.mlp, plan)
     plan.norm(block.norm1)

@@ -267,7 +267,7 @@ class Trainer:
         """This rank's (inputs, targets, documents) per micro-batch: its data slice, and its sequence shard
         under cp (documents, the whole sequence's, are not sharded: attention asks about any token's)."""
         mesh = self.mesh
-        batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("data"), mesh.index("data"))
+        batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("dp"), mesh.index("dp"))
         batches = [self.packing.split(inputs, targets) for inputs, targets in batches]
         if mesh.size("cp") == 1:
             return batches
@@ -278,7 +278,7 @@ class Trainer:
     def n_shards(self):
         """The pieces the global batch is cut into, whose losses (and gradients) are averaged: micro-batches,
         data slices, sequence shards."""
-        return self.args.micro_batches * self.mesh.size("data") * self.mesh.size("cp")
+        return self.args.micro_batches * self.mesh.size("dp") * self.mesh.size("cp")
 
     def forward_context(self):
         """Around every forward: count the activations saved for backward."""
@@ -287,21 +287,20 @@ class Trainer:
     def clip_gradients(self, max_norm):
         """Clip to the norm of the whole model's gradient, every element counted once; returns the norm.
 
-        After synchronisation, data-parallel replicas hold identical gradients, so one rank of the dense
-        group sees every element it holds (ZeRO: its shards, summed over each instance's group). Across
-        the tp, ep and pp groups ranks hold different parameters, or different shards of them, plus copies
-        of the replicated ones: summing over those groups, with each replicated gradient weighted
-        1/copies, counts every element once.
+        After synchronisation, data-parallel replicas hold identical gradients, so every rank sees the
+        whole of each element it holds (ZeRO: of its shards, summed over each instance's group). The ranks
+        of a pipeline stage hold different pieces of the parameters (tp's slices, ep's experts and
+        expert-tp's slices of them) or copies of the same: summing over the stage and the pipeline, with
+        each gradient weighted 1/copies, counts every element once.
         """
         weights = {p: 1 / self.copies(name) for name, p in self.model.named_parameters()}
-        groups = [self.mesh.groups[g] for g in ("tp", "ep", "pp") if self.mesh.size(g) > 1]
+        groups = [self.mesh.groups[g] for g in ("stage", "pp") if self.mesh.size(g) > 1]
         return clip_grad_norm_(self.optimizers, max_norm, weights, groups)
 
     def copies(self, name):
-        """How many ranks of the tp, ep and pp groups hold a copy of parameter `name` (1: each its own)."""
-        tp_copies = 1 if name in self.tp_layouts else self.mesh.size("tp")
-        ep_copies = 1 if ep.is_expert_parameter(name) else self.mesh.size("ep")
-        return tp_copies * ep_copies * self.tied.copies(name)
+        """How many ranks of the stage and pipeline hold the same elements of parameter `name` (1: each its own)."""
+        pieces = self.share.parts(name) * (self.mesh.size("ep") if ep.is_expert_parameter(name) else 1)
+        return self.mesh.size("stage") // pieces * self.tied.copies(name)
 
     @torch.no_grad()
     def validation_loss(self):
@@ -369,11 +368,12 @@ class RankState:
         return self.merge_stages(mine)
 
     def unshard(self, name, tensor):
-        """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp)."""
+        """A tensor laid out like parameter `name`, gathered to the single device's shape (collective under tp,
+        or expert-tp for an expert's)."""
         if name not in self.tp_layouts:
             return tensor
         dim, blocks = self.tp_layouts[name]
-        return tp.unshard(tensor, dim, self.mesh.groups["tp"], blocks)
+        return tp.unshard(tensor, dim, self.mesh.groups[self.share.split_group(name)], blocks)
 
     def merge_stages(self, by_name):
         """{name: value} merged over pipeline stages and expert-parallel ranks, which hold different names
@@ -455,8 +455,9 @@ def parallelize(model, mesh, args, values, device, precision):
     #
     # "Expert Parallelism": each rank keeps E/ep experts of every MoE layer; tokens reach them by all-to-all.
     moe_layers = expert_parallel(model, mesh, args)
-    # "Tensor Parallelism" (and "Sequence Parallelism, Flavor 1"): weight matrices split over the tp group.
-    tp_layouts = tensor_parallel(model, mesh, args)
+    # "Tensor Parallelism" (and "Sequence Parallelism, Flavor 1"): weight matrices split over the tp group,
+    # the experts' over the expert-tp group.
+    tp_layouts = tensor_parallel(model, mesh, args, moe_layers)
     # "Sequence Parallelism, Flavor 2: Ring Attention": a zigzag shard of the sequence; attention in a ring.
     positions = context_parallel(model, mesh, args, device)
     # "Pipeline Parallelism": this rank keeps its stage's layers (V chunks of them with interleaving).
@@ -475,20 +476,29 @@ def parallelize(model, mesh, args, values, device, precision):
 
 
 def expert_parallel(model, mesh, args):
-    """ep.py's MoE layers in place of the model's; returns them. Their load-balancing statistics span every
-    rank holding different tokens (the dense group)."""
+    """ep.py's MoE layers in place of the model's; returns them. The experts are folded over the stage's ranks
+    (mesh.py): every rank of the stage routes tokens of its own, so the load-balancing statistics span
+    the stage; under tensor parallelism the tokens arrive shared with the tp group (ep.py's ShardedTokens
+    with sequence parallelism, ReplicatedTokens without), and --expert-tp splits the experts."""
     if not model.config.n_experts:
         return []
-    ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["dense"], args.capacity_factor)
+    tp_group = mesh.groups["tp"]
+    tokens = (ep.OwnTokens() if mesh.size("tp") == 1 else ep.ShardedTokens(tp_group) if args.sp
+              else ep.ReplicatedTokens(tp_group))
+    expert_tp = ep.SplitExperts(mesh.groups["expert_tp"]) if mesh.size("expert_tp") > 1 else ep.WholeExperts()
+    ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor,
+                             tokens=tokens, expert_tp=expert_tp)
     return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
 
 
-def tensor_parallel(model, mesh, args):
-    """Megatron's split of the weight matrices (inside the experts just placed as well), optionally of the
-    sequence too; returns how each split parameter is laid out."""
-    if mesh.size("tp") == 1:
-        return {}
-    tp.apply_tensor_parallel(model, mesh.groups["tp"], sequence_parallel=args.sp)
+def tensor_parallel(model, mesh, args, moe_layers):
+    """Megatron's split of the weight matrices, optionally of the sequence too, and the experts' own split
+    over expert-tp; returns how each split parameter is laid out."""
+    if mesh.size("tp") > 1:
+        tp.apply_tensor_parallel(model, mesh.groups["tp"], sequence_parallel=args.sp)
+    if mesh.size("expert_tp") > 1:
+        for moe in moe_layers:
+            tp.split_experts(moe, mesh.groups["expert_tp"])
     return tp.sharded_layouts(model)
 
 
@@ -673,15 +683,23 @@ class Share:
 
     def __init__(self, tp_layouts, mesh, values, device, master_dtype, config):
         self.tp_layouts, self.values, self.device, self.master_dtype = tp_layouts, values, device, master_dtype
-        self.tp_rank, self.tp_size = mesh.index("tp"), mesh.size("tp")
+        self.mesh = mesh
         self.name = partial(tied_name, config=config)
+
+    def split_group(self, name):
+        """The group a split parameter is split over: expert-tp for an expert's, else tp."""
+        return "expert_tp" if ep.is_expert_parameter(name) else "tp"
+
+    def parts(self, name):
+        """How many parts parameter `name` is split into (1: whole)."""
+        return self.mesh.size(self.split_group(name)) if name in self.tp_layouts else 1
 
     def full_shape(self, name, shape):
         """The full tensor's shape, of `name` whose slice here has `shape`."""
         full_shape = list(shape)
         if name in self.tp_layouts:
             dim, _ = self.tp_layouts[name]
-            full_shape[dim] *= self.tp_size
+            full_shape[dim] *= self.parts(name)
         return full_shape
 
     def positions(self, name, shape, start, end):
@@ -692,7 +710,7 @@ class Share:
         index = list(torch.unravel_index(flat, shape))
         full_shape = self.full_shape(name, shape)
         dim, blocks = self.tp_layouts[name]  # index along dim: which of the full tensor's rows this rank holds
-        rows = tp.shard(torch.arange(full_shape[dim], device=self.device), 0, self.tp_rank, self.tp_size, blocks)
+        rows = tp.shard(torch.arange(full_shape[dim], device=self.device), 0, self.part(name), self.parts(name), blocks)
         index[dim] = rows[index[dim]]
         strides = torch.empty(full_shape, device="meta").stride()
         return sum(i * stride for i, stride in zip(index, strides))
@@ -703,12 +721,13 @@ class Share:
         split = None
         if name in self.tp_layouts:
             dim, blocks = self.tp_layouts[name]
-            split = dict(dim=dim, blocks=list(blocks) if blocks else None, parts=self.tp_size)
+            split = dict(dim=dim, blocks=list(blocks) if blocks else None, parts=self.parts(name))
         return dict(shape=self.full_shape(name, shape), dtype=checkpoint.DTYPES[dtype], split=split)
 
     def part(self, name):
-        """Which of a tensor's parts this rank holds (see layout): its tp rank if it is split, else 0."""
-        return self.tp_rank if name in self.tp_layouts else 0
+        """Which of a tensor's parts this rank holds (see layout): its tp (expert-tp) rank if it is split,
+        else 0."""
+        return self.mesh.index(self.split_group(name)) if name in self.tp_layouts else 0
 
     def fill(self, flat, name, shape, start=0, values=None):
         """flat = elements [start, start + len(flat)) of this rank's flattened `name` (of local `shape`), from
@@ -849,7 +868,7 @@ class PipelineStage:
         # What passes between stages: one micro-batch's activations, of this rank's shard of the sequence.
         seq = args.seq_len // mesh.size("cp")
         seq = seq // mesh.size("tp") if args.sp else seq  # sequence parallelism sends a shard
-        micro = args.batch_size // (args.micro_batches * mesh.size("data"))
+        micro = args.batch_size // (args.micro_batches * mesh.size("dp"))
         self.shape, self.dtype = (micro, seq, model.config.d_model), next(model.parameters()).dtype
         self.bytes_sent = 0
 

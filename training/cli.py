@@ -134,8 +134,14 @@ def parse_args(argv=None):
                    help="step of the routing bias towards balance after every training step (--balance bias, both)")
     p.add_argument("--capacity-factor", type=float, default=0.0,
                    help="an expert takes at most this x its fair share of a rank's tokens (0: dropless)")
-    for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")]:
+    for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")]:
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size: the experts spread over this many of each pipeline stage's "
+                        "dp x cp x tp ranks (folded over them, not multiplying the world)")
+    p.add_argument("--expert-tp", type=int, default=1,
+                   help="tensor parallelism inside each expert, over this many of the stage's ranks (1: whole "
+                        "experts, as DeepSeek-V3)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     p.add_argument("--dp-shard", type=int, default=0,
                    help="hybrid sharding: ZeRO's shards span groups of this many neighbouring data-parallel ranks "
@@ -173,13 +179,14 @@ def check_args(args, world):
     document_eos(args, config.vocab_size)
     check_experts(args, config)
     try:
-        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_shard=args.dp_shard)
+        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, expert_tp=args.expert_tp,
+                           dp_shard=args.dp_shard)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.dp_shard and not args.zero:
         raise ConfigError(f"--dp-shard {args.dp_shard} shards ZeRO's state within groups of data-parallel ranks: "
                           f"it needs --zero 1, 2 or 3 (without ZeRO every rank holds everything)")
-    n_data = shape.dp * shape.ep
+    n_data = shape.dp
     for flag, value in [("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
                         ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)]:
         if value < 1:
@@ -219,10 +226,13 @@ def check_args(args, world):
 def check_experts(args, config):
     """The mixture-of-experts flags against the model's experts (--experts, or the --init-from folder's)."""
     experts = config.n_experts
-    if args.ep > 1 and not experts:
-        raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
+    if (args.ep > 1 or args.expert_tp > 1) and not experts:
+        raise ConfigError("--ep and --expert-tp spread the experts of MoE layers: they need --experts")
     if experts and experts % args.ep:
         raise ConfigError(f"--experts {experts} do not divide over --ep {args.ep} ranks")
+    if experts and config.d_ff % args.expert_tp:
+        raise ConfigError(f"--expert-tp {args.expert_tp}: an expert's hidden size {config.d_ff} does not divide "
+                          f"by it")
     if args.capacity_factor < 0 or (args.capacity_factor and not experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
     if not experts and (args.shared_experts or args.balance != "aux"):
