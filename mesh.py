@@ -38,9 +38,9 @@ splits the tokens tp ranks share without sequence parallelism). For example
     --ep 2     ep        0  0  1  1 | 0  0  1  1     ep groups [0, 2], [1, 3], [4, 6], [5, 7]
     --expert-tp 2 etp    0  1  0  1 | 0  1  0  1     expert_tp [0, 1], [2, 3], ...; expert [0, 4], [1, 5], ...
 
-Today's unfolded layout, ep over data-parallel ranks with the experts split
-as tp splits the dense layers, is `--expert-tp` equal to `--tp` with ep
-taking the dp ranks next to them.
+The unfolded layout (ep an axis of its own between pp and cp, the experts
+split as tp splits the dense layers) is, without cp, `--expert-tp` equal to
+`--tp`: ep then takes the dp ranks next to the tp group, as it did.
 
 Hybrid sharding (`dp_shard`): ZeRO shards over groups of dp_shard
 neighbouring data-parallel ranks and keeps copies across the dp / dp_shard

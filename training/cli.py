@@ -226,8 +226,10 @@ def check_args(args, world):
 def check_experts(args, config):
     """The mixture-of-experts flags against the model's experts (--experts, or the --init-from folder's)."""
     experts = config.n_experts
-    if (args.ep > 1 or args.expert_tp > 1) and not experts:
-        raise ConfigError("--ep and --expert-tp spread the experts of MoE layers: they need --experts")
+    if args.ep > 1 and not experts:
+        raise ConfigError("--ep spreads the experts of MoE layers: it needs --experts")
+    if args.expert_tp > 1 and not experts:
+        raise ConfigError("--expert-tp splits the experts of MoE layers: it needs --experts")
     if experts and experts % args.ep:
         raise ConfigError(f"--experts {experts} do not divide over --ep {args.ep} ranks")
     if experts and config.d_ff % args.expert_tp:
