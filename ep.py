@@ -290,9 +290,9 @@ class ExpertParallelMoE(nn.Module):
             capacity = int(self.capacity_factor * len(tokens) * self.top_k / self.n_experts + 0.999999)
             keep = capacity_mask(experts, self.n_experts, capacity)
         self.aux_loss = self._load_balancing_loss(probs, experts, keep)
-        out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived)
-        shared = getattr(self, self.shared_name)
-        return (out if shared is None else out + shared(arrived)).view_as(x)
+        out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
+        shared = getattr(self, self.shared_name)  # on x as it came (a sequence shard under sp: tp.py gathers it)
+        return out if shared is None else out + shared(x)
 
     def _load_balancing_loss(self, probs, experts, keep):
         """This rank's share of E * sum_i f_i P_i over the whole micro-batch (see the module docstring).

@@ -123,13 +123,17 @@ class ParityTrainer(train.Trainer):
 
     def splits(self):
         """{parameter name: the dimensions that split, shard or place it on this rank (tp-copies: whole on each
-        tensor-parallel rank, as norms are, whose gradients sequence parallelism sums over them; stageS: the
-        pipeline stage holding it; hybrid: ZeRO's shards summed across their copies)}."""
-        labels, tp_ranks = {}, self.mesh.size("tp")
+        tensor-parallel rank, as norms and routers are, whose gradients are summed over them; expert-tp: an
+        expert's slice, whole otherwise; stageS: the pipeline stage holding it; hybrid: ZeRO's shards summed
+        across their copies)}."""
+        labels = {}
         for name, _ in self.model.named_parameters():
+            expert = ep.is_expert_parameter(name)
+            split_by = self.share.split_group(name).replace("_", "-")  # tp, or expert-tp for an expert's
             labels[self.share.name(name)] = {dim for dim, applies in [
-                ("tp", name in self.tp_layouts), ("tp-copies", name not in self.tp_layouts and tp_ranks > 1),
-                ("ep", ep.is_expert_parameter(name) and self.mesh.size("ep") > 1),
+                (split_by, name in self.tp_layouts),
+                (f"{split_by}-copies", name not in self.tp_layouts and self.mesh.size(self.share.split_group(name)) > 1),
+                ("ep", expert and self.mesh.size("ep") > 1),
                 (f"stage{self.mesh.index('pp')}", self.mesh.size("pp") > 1),
                 (f"zero{self.args.zero}", self.args.zero > 0),
                 ("hybrid", self.mesh.shape.hybrid),  # (ZeRO's shards over --dp-shard ranks, copies across)

@@ -16,8 +16,19 @@ Where the numbers come from:
   "meta" device (shapes without memory), so the planner cannot drift from it.
 - How the dimensions split them is written out below, one rule per dimension
   (tensor: by the rules of tp.py; pipeline: pp.py's stage split; expert:
-  E/ep experts per rank), and so are the buckets data parallelism and ZeRO
-  pack them into (padded to a multiple of the group, as dp.py pads them).
+  E/ep experts per rank, each split over expert-tp as tp.py splits an MLP),
+  and so are the buckets data parallelism and ZeRO pack them into (padded to
+  a multiple of the group, as dp.py pads them).
+- Experts are folded over each pipeline stage's dp x cp x tp ranks
+  (mesh.py): ep and expert-tp do not multiply the world, the world is
+  dp x pp x cp x tp and dp is also the number of data ranks. The MoE layers
+  read a stage's ranks as expert_dp x ep x expert_tp: expert gradients are
+  averaged (and ZeRO shards them) over the expert_dp ranks holding the same
+  expert shard, dense gradients over dp x cp. Every rank of a stage routes
+  tokens of its own (under tp without sp its 1/tp of the tokens the tp
+  ranks share), and the rows ep.py moves (dispatch and combine over ep,
+  the token split over tp, expert-tp's gather and reduce-scatter) are all
+  logged as ep's all-to-all.
 - Memory per parameter follows the article's accounting (params, grads,
   AdamW's two moments; ZeRO-1/2/3 divide them by the data-parallel size),
   in the dtypes of train.Precision: under bfloat16, 18 bytes a parameter
@@ -33,7 +44,8 @@ Where the numbers come from:
   gradient buckets (ZeRO-2 and 3) and full weights (ZeRO-3) through the
   step's backwards, which the step's peak counts.
 - Hybrid sharding (--dp-shard N): ZeRO shards over N of the dp ranks (with
-  ep and cp, as without it) and the dp/N groups hold copies; each reduction
+  cp for the dense parameters, as without it; the experts over their
+  expert_dp ranks of one copy) and the dp/N groups hold copies; each reduction
   of a shard group is followed by an all-reduce of the shard over the copies
   ("dense_replicas", "expert_replicas" in the traffic, logged under dp, which
   `--search` counts across nodes when the copies are on other nodes).
@@ -59,8 +71,11 @@ Where the numbers come from:
 `--search` lists the layouts of `--world` ranks whose every GPU's peak
 fits `--memory`, with their traffic inside a node and across nodes
 (`--gpus-per-node`, ranks laid out as mesh.py lays them: tp fastest, then
-cp, ep, pp, dp, dp read as (copies, shards) under hybrid sharding), hybrid
-ones among them (ZeRO's shard group no larger than a node).
+cp, pp, dp, dp read as (copies, shards) under hybrid sharding; the experts'
+groups folded over each stage's ranks, expert-tp fastest, then ep), hybrid
+ones among them (ZeRO's shard group no larger than a node). With experts it
+tries every ep dividing both the experts and a stage's ranks, with experts
+whole (expert-tp 1) or split as tp splits the dense layers (expert-tp = tp).
 """
 import argparse
 import bisect
@@ -98,7 +113,8 @@ class Layout:
     tp: int
     pp: int
     cp: int
-    ep: int
+    ep: int                # folded over each stage's dp x cp x tp ranks, as expert_tp (mesh.py): no world factors
+    expert_tp: int
     zero: int
     sp: bool
     cp_mode: str
@@ -119,11 +135,15 @@ class Layout:
 
     @property
     def dense_group(self):  # ranks averaging dense gradients (mesh.py's "dense")
-        return self.dp * self.ep * self.cp
+        return self.dp * self.cp
 
     @property
-    def expert_group(self):  # ranks averaging expert gradients (mesh.py's "expert")
-        return self.dp * self.cp
+    def stage(self):  # the ranks of a pipeline stage, which the MoE layers read as expert_dp x ep x expert_tp
+        return self.dp * self.cp * self.tp
+
+    @property
+    def expert_group(self):  # ranks holding the same expert shard, averaging its gradients (mesh.py's "expert")
+        return self.stage // (self.ep * self.expert_tp)
 
     @property
     def replicas(self):  # hybrid sharding: the copies of each ZeRO shard (mesh.py's "dp_replicate"); else 1
@@ -131,17 +151,18 @@ class Layout:
 
     def shard_group(self, kind):
         """The ranks the buckets of `kind` ('dense', 'tied' or 'expert') are padded for and ZeRO shards them
-        over: the averaging group, narrowed to dp_shard of its dp ranks under hybrid sharding (mesh.py's
-        "dense_shard", "expert_shard")."""
-        return self.dp_shard * self.cp * (1 if kind == "expert" else self.ep)
+        over: the averaging group, narrowed to one copy's ranks under hybrid sharding (mesh.py's "dense_shard":
+        dp_shard x cp; "expert_shard": the expert group's ranks inside one copy, 1/replicas of them)."""
+        return self.expert_group // self.replicas if kind == "expert" else self.dp_shard * self.cp
 
     @property
     def mesh_shape(self):
-        return MeshShape(dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp, tp=self.tp, dp_shard=self.dp_shard)
+        return MeshShape(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep, expert_tp=self.expert_tp,
+                         dp_shard=self.dp_shard)
 
     @property
-    def micro_batch(self):  # sequences a rank computes per micro-batch
-        return self.batch_size // (self.micro_batches * self.dp * self.ep)
+    def micro_batch(self):  # sequences a rank computes per micro-batch (dp: the data ranks)
+        return self.batch_size // (self.micro_batches * self.dp)
 
     @property
     def weight_bytes(self):  # the weights, every activation and every message
@@ -165,7 +186,7 @@ def layout_of(args, world):
     """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
     _, shape = cli.check_args(args, world)
     return Layout(world=world, dp=shape.dp, dp_shard=shape.dp_shard or shape.dp, tp=shape.tp, pp=shape.pp,
-                  cp=shape.cp, ep=shape.ep, zero=args.zero,
+                  cp=shape.cp, ep=shape.ep, expert_tp=shape.expert_tp, zero=args.zero,
                   sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
@@ -215,31 +236,35 @@ def layer_stages(config, placement):
 
 
 def rank_parameters(config, layout, stage):
-    """(dense, expert, tied): [(name, elements)] this pipeline rank holds, in parameter order (any tp, ep rank:
-    they all hold as many); tied: a tied output layer's copy on the first or last of several stages, which
-    train.data_parallel averages on its own."""
+    """(dense, expert, tied): [(name, elements)] this pipeline rank holds, in parameter order (any rank of the
+    stage: they all hold as many); tied: a tied output layer's copy on the first or last of several stages,
+    which train.data_parallel averages on its own."""
     return stage_parameters(config_key(config), layout.tp, layout.pp, layout.virtual_stages, layout.schedule,
-                            layout.ep)[stage]
+                            layout.ep, layout.expert_tp)[stage]
 
 
 @functools.lru_cache(maxsize=None)
-def stage_parameters(config_fields, tp, pp_size, virtual_stages, schedule, ep):
-    """rank_parameters of every pipeline stage, in one pass over the model's parameters."""
+def stage_parameters(config_fields, tp, pp_size, virtual_stages, schedule, ep, expert_tp):
+    """rank_parameters of every pipeline stage, in one pass over the model's parameters. A routed expert is
+    split over expert_tp as tp splits a dense MLP (tp itself leaves the routed experts whole); the router and
+    a shared expert are dense parameters, split by tp."""
     config = GPTConfig(**dict(config_fields))
     placement = pp.Placement.of(schedule, pp_size, virtual_stages)
     stages = layer_stages(config, placement)
     experts_per_rank = config.n_experts // ep if config.n_experts else 0
     held = [([], [], []) for _ in range(pp_size)]
     for name, shape in model_parameters(config_fields):
-        if is_expert_parameter(name) and int(name.split(".")[4]) >= experts_per_rank:
+        expert = is_expert_parameter(name)
+        if expert and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
-        numel = math.prod(shape) // (tp if tp_sharded(name) else 1)
+        parts = (expert_tp if expert else tp) if tp_sharded(name) else 1
+        numel = math.prod(shape) // parts
         if config.tie_embeddings and placement.ends_apart() and name == "tok_emb.weight":  # one on each end
             held[stage_of(name, stages, placement)][2].append((name, numel))
             held[stage_of("lm_head.weight", stages, placement)][2].append(("lm_head.weight", numel))
             continue
-        dense, expert, _ = held[stage_of(name, stages, placement)]
-        (expert if is_expert_parameter(name) else dense).append((name, numel))
+        dense, expert_params, _ = held[stage_of(name, stages, placement)]
+        (expert_params if expert else dense).append((name, numel))
     return [tuple(map(tuple, stage)) for stage in held]  # (hashable: the caches below take them)
 
 
