@@ -42,6 +42,23 @@ are the same global counts, so every rank moves it alike (`load`).
 A shared expert (DeepSeek-MoE), an MLP every token passes through besides
 its top k, is replicated like the router and runs on this rank's tokens.
 
+Folded over tensor parallelism (Megatron-LM's "MoE parallel folding"): the
+ep group need not be a dimension of its own; its ranks may be the ones
+attention splits heads (tp) or the sequence (cp) over, so every rank must
+route tokens no other rank routes. `tokens` says how the arriving tokens
+relate to those of the other ranks of a tensor-parallel group:
+OwnTokens (no tp), ShardedTokens (sequence parallelism: each rank holds a
+shard) or ReplicatedTokens (every rank holds them all: each routes its 1/N
+and the outputs are all-gathered back, so a token is routed once, not N
+times). The ranks sharing a loss then each differentiate their own tokens'
+part of it: the router's gradient is summed over them (tp.py does it), and
+the balancing loss sums their probabilities forward (SumForward).
+
+Expert tensor parallelism (`expert_tp`): SplitExperts(group) for experts
+whose matrices tp.py's `split_experts` split over `group`, all-gathering
+their rows before and reduce-scattering their outputs after; WholeExperts
+(the default, DeepSeek-V3's) for experts held whole.
+
 What a model's MoE layer must offer (the contract for copying this file):
 `experts`, a list of modules mapping (tokens, d) -> (tokens, d); its router,
 a module mapping tokens to one logit per expert, under any attribute name
@@ -49,13 +66,16 @@ a module mapping tokens to one logit per expert, under any attribute name
 `route_bias` buffer with `bias_update_rate`. Parameter and buffer names stay
 those of the layer it replaces, so checkpoints match the single device's.
 The glue is one line per MoE layer: `layer = ExpertParallelMoE(layer,
-ep_group, stats_group, router="gate", shared="shared_expert")`.
+ep_group, stats_group, router="gate", shared="shared_expert")`, plus, under
+tensor parallelism, `tokens=ReplicatedTokens(tp_group)` (or ShardedTokens)
+and, for expert tensor parallelism, `expert_tp=SplitExperts(group)`.
 
 Gradients: the router and everything outside the experts are averaged over
-the ranks holding different tokens, as in data parallelism. An expert sees
+the ranks holding different data, as in data parallelism. An expert sees
 tokens from all N ranks of its group, so summing its gradient over the
-expert-gradient group and dividing by the number of ranks the loss is
-averaged over (not by the group's size) gives the single device's gradient.
+expert-gradient group (the ranks holding the same expert shard) and
+dividing by the number of ranks the loss is averaged over (not by the
+group's size) gives the single device's gradient.
 
 Self-check: torchrun --nproc_per_node 4 ep.py
 """

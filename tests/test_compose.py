@@ -125,7 +125,7 @@ REFUSED = [
     (["--cp", "2", "--seq-len", "6"], "--cp 2: --seq-len 6 must divide into 2 x 2 chunks"),
     (["--cp", "2", "--cp-mode", "alltoall", "--arch", "llama", "--kv-heads", "1"],
      "--cp-mode alltoall gives each of --cp 2 ranks whole heads: 4 query and 1 key/value heads"),
-    (["--tp", "4"], "world size 2 is not divisible by tp*pp*cp*ep = 4*1*1*1 = 4"),
+    (["--tp", "4"], "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4"),
     (["--tp", "2", "--arch", "llama", "--kv-heads", "1"],
      "--tp 2: key/value heads 1 does not divide by the tensor-parallel size 2"),
     (["--shared-experts", "1"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),

@@ -25,7 +25,11 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
     (13, ["--tp", "2", "--sp", "--pp", "2", "--layers", "4", "--micro-batches", "2", "--zero", "1"]),
     (62, ["--cp", "2", "--tp", "2", "--arch", "llama", "--recompute", "full", "--zero", "2"]),
     (21, ["--pp", "2", "--layers", "4", "--micro-batches", "2", "--zero", "3", "--dp-shard", "4", "--batch-size", "64"]),
-], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "llama-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4"])
+    # Experts under tp without ep: each tp rank routes its own part of the tokens (a split it knows alone) and
+    # all-gathers the outputs, again in the recomputation (the shared expert's tensors come after).
+    (45, ["--tp", "2", "--experts", "4", "--top-k", "2", "--shared-experts", "1", "--recompute", "full", "--zero", "1"]),
+], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "llama-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4",
+        "tp2-experts-shared-recomputed-zero1"])
 def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, rank, flags):
     out = dry_run("--world", "64", "--rank", str(rank), "--json", *TINY, *flags, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -44,7 +48,8 @@ def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, r
 @pytest.mark.parametrize("flags,message", [
     (["--rank", "64"], "--rank 64: a rank of --world 64 is between 0 and 63"),
     (["--rank", "3", "--experts", "4", "--ep", "2"], "--ep 2: a dry run cannot know the tokens"),
-    (["--rank", "3", "--tp", "3"], "not divisible by tp*pp*cp*ep = 3*1*1*1"),
+    (["--rank", "3", "--experts", "4", "--tp", "2", "--expert-tp", "2"], "--expert-tp 2: a dry run cannot know the rows"),
+    (["--rank", "3", "--tp", "3"], "not divisible by tp*pp*cp = 3*1*1"),
 ])
 def test_a_layout_it_cannot_run_is_refused_with_the_reason(flags, message):
     out = dry_run("--world", "64", *TINY, "--batch-size", "64", *flags)

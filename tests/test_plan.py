@@ -28,12 +28,13 @@ BASE = ["--model", "tiny", "--layers", "4", "--steps", "2", "--batch-size", "16"
 
 
 def sampled_layouts(n, seed=5):
-    """n layouts train.py accepts on 4 or 8 ranks, drawn at random over every option tools/plan.py models."""
+    """n layouts train.py accepts on 4 or 8 ranks, drawn at random over every option tools/plan.py models (ep
+    and expert-tp folded over each stage's ranks)."""
     rng = random.Random(seed)
     layouts = []
     while len(layouts) < n:
         world = rng.choice([4, 8])
-        sizes = {dim: rng.choice([1, 1, 2]) for dim in ("tp", "pp", "cp", "ep")}
+        sizes = {dim: rng.choice([1, 1, 2]) for dim in ("tp", "pp", "cp", "ep", "expert-tp")}
         flags = [f"--{dim}={size}" for dim, size in sizes.items()]
         flags += ["--zero", str(rng.choice([0, 1, 2, 3])), "--recompute", rng.choice(["none", "selective", "full"]),
                   "--arch", rng.choice(["gpt", "llama"]), "--micro-batches", str(rng.choice([1, 2, 4]))]
@@ -41,7 +42,7 @@ def sampled_layouts(n, seed=5):
             flags.append("--sp")
         if sizes["pp"] > 1:
             flags += ["--schedule", rng.choice(["gpipe", "1f1b", "interleaved"])]
-        if sizes["ep"] > 1 or rng.random() < 0.3:
+        if sizes["ep"] > 1 or sizes["expert-tp"] > 1 or rng.random() < 0.3:
             flags += ["--experts", "4", "--top-k", "4", "--shared-experts", str(rng.choice([0, 1]))]
         try:
             cli.check_args(cli.parse_args([*BASE, *flags]), world)
@@ -181,18 +182,18 @@ def test_article_example_405b_weights_per_rank():
 def test_search_finds_the_article_layout_only_with_recomputation():
     result = run_plan(*LLAMA_405B, "--search", "--memory", "80GiB", "--top", "0")
     assert result.returncode == 0, result.stderr
-    fits = {tuple(line.split()[:8]) for line in result.stdout.splitlines()[2:]}
-    article = ("128", "8", "16", "1", "1", "1", "-")  # (-: ZeRO's shards span all 128 dp ranks)
+    fits = {tuple(line.split()[:9]) for line in result.stdout.splitlines()[2:]}
+    article = ("128", "8", "16", "1", "1", "1", "1", "-")  # dp tp pp cp ep etp ZeRO (-: shards span all 128 dp ranks)
     assert (*article, "full") in fits
     assert (*article, "none") not in fits and (*article, "selective") not in fits
-    by_node = [float(line.split()[9]) for line in result.stdout.splitlines()[2:]]
+    by_node = [float(line.split()[10]) for line in result.stdout.splitlines()[2:]]
     assert by_node == sorted(by_node)  # least traffic across nodes first
 
 
 def test_refused_flags_say_why():
     result = run_plan("--world", "4", "--tp", "3")
     assert result.returncode != 0
-    assert "python -m tools.plan: error: world size 4 is not divisible by tp*pp*cp*ep" in result.stderr
+    assert "python -m tools.plan: error: world size 4 is not divisible by tp*pp*cp" in result.stderr
 
 
 def test_real_shapes_have_their_parameter_counts():

@@ -25,7 +25,7 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
 
 @pytest.mark.parametrize("world,flags,message", [
     (4, ["--zero", "1", "--dp-shard", "3"], "--dp-shard 3 must divide the 4 data-parallel ranks"),
-    (2, ["--tp", "3"], "world size 2 is not divisible by tp*pp*cp*ep = 3*1*1*1 = 3"),
+    (2, ["--tp", "3"], "world size 2 is not divisible by tp*pp*cp = 3*1*1 = 3"),
     (3, ["--tp", "3"], "--tp 3: attention heads 4 does not divide by the tensor-parallel size 3"),
     (2, ["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
     (2, ["--ep", "2", "--experts", "3"], "--experts 3 do not divide over --ep 2 ranks"),

@@ -69,8 +69,10 @@ CONFIGS = [
     ("gpu8_tp2_pp1_cp1_ep1", 8, ["--tp", "2"], "TP=2, DP=4"),
     ("gpu8_tp1_pp2_cp1_ep1", 8, ["--pp", "2"], "PP=2, DP=4"),
     ("gpu8_tp1_pp1_cp2_ep1", 8, ["--cp", "2"], "CP=2, DP=4"),
+    # (ep folded over the dp ranks, as before folding; the second with the experts split as tp splits layers)
     ("gpu8_tp1_pp1_cp1_ep4", 8, ["--ep", "4", "--experts", "8"], "EP=4, DP=2"),
-    ("gpu8_tp2_pp2_cp1_ep2", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "8"], "TP=2, PP=2, EP=2"),
+    ("gpu8_tp2_pp2_cp1_ep2", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--expert-tp", "2", "--experts", "8"],
+     "TP=2, PP=2, EP=2"),
     ("gpu8_tp2_pp1_cp2_ep1", 8, ["--tp", "2", "--cp", "2"], "TP=2, CP=2, DP=2"),
 ]
 FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, rounds=36, k=1,

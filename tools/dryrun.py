@@ -23,8 +23,10 @@ bmm and baddbmm (every linear layer and written-out attention) and the scaled-do
 kernels of CPUs and CUDA with their backwards; everything else (norms, activations, the optimizer, the
 collectives' bookkeeping) runs.
 
-Expert parallelism is refused: a rank learns how many tokens it will receive from its peers, which a
-fake peer never says. (Experts without ep run, routed by whatever the skipped router product holds.)
+Expert parallelism is refused, and so is expert tensor parallelism: a rank learns how many tokens it will
+receive from its peers (--ep), or how many rows the peers splitting its experts received (--expert-tp),
+which a fake peer never says. Experts without them run, under tp too (each tp rank routes its own part of
+the tokens, a split it knows alone), routed by whatever the skipped router product holds.
 """
 import argparse
 import json
@@ -102,6 +104,9 @@ def check_dry_run(args, rank, world):
         raise cli.ConfigError(f"--rank {rank}: a rank of --world {world} is between 0 and {world - 1}")
     if args.ep > 1:
         raise cli.ConfigError(f"--ep {args.ep}: a dry run cannot know the tokens its fake peers would send")
+    if args.expert_tp > 1:
+        raise cli.ConfigError(f"--expert-tp {args.expert_tp}: a dry run cannot know the rows its fake peers "
+                              f"would gather for their experts")
     if args.resume:
         raise cli.ConfigError("--resume: a dry run starts from the initial values and writes nothing")
     return checked

@@ -95,7 +95,7 @@ import pp
 import train
 from dp import ring_bytes_sent
 from ep import is_expert_parameter
-from mesh import DIMS, MeshShape
+from mesh import DIMS, EXPERT_AXES, MeshShape
 from model import GPT, INIT_CHUNK, GPTConfig
 
 INT64, BOOL = 8, 1  # bytes of the index and mask tensors some operators save
@@ -416,6 +416,13 @@ def tokens_per_rank(config, layout):
     return layout.micro_batch * config.seq_len // layout.cp
 
 
+def routed_tokens(config, layout):
+    """Tokens of one micro-batch a rank routes in an MoE layer (ep.py): no other rank routes them. Under tp
+    with sp its sequence shard; under tp without sp its 1/tp of the tokens the tp ranks share (ep.py's
+    split_counts: the first ranks one more when tp does not divide them; the planner assumes it does)."""
+    return tokens_per_rank(config, layout) // layout.tp
+
+
 def tp_traffic(config, layout, layers, first, last):
     """Tensor parallelism's bytes per micro-batch (Megatron: two all-reduces of b*s*h per block forward,
     two backward; sequence parallelism turns each into a reduce-scatter and an all-gather)."""
@@ -459,12 +466,13 @@ def tp_traffic(config, layout, layers, first, last):
             summed_gradients(c.max_seq_len * c.d_model)  # the whole position table's
     for layer in layers:
         region(enter, leave, again, again)  # attention
-        if c.is_moe(layer):
-            moe_tp_traffic(c, layout, send, hidden, again)
-        else:
-            region(enter, leave, again, 1)  # MLP
-        if layout.sp:
-            summed_gradients(2 * norm_numel + c.bias * c.d_model * (1 if c.is_moe(layer) else 2))
+        mlp = not c.is_moe(layer) or c.n_shared_experts  # a dense MLP, or the shared expert, split alike
+        if mlp:
+            region(enter, leave, again, 1)
+        if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
+            send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
+        if layout.sp:  # the norms, and the row-parallel biases of attention and the MLP
+            summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1))
     if last:
         if layout.sp:
             summed_gradients(norm_numel)
@@ -478,19 +486,6 @@ def tp_traffic(config, layout, layers, first, last):
     return traffic
 
 
-def moe_tp_traffic(c, layout, send, hidden, again):
-    """An MoE layer under tp: each expert (and the shared one) is a column/row pair over the rows it gets
-    (f and g, with no sequence parallelism inside); under sp the router sees the whole sequence, gathered
-    in forward, and its gradient is gathered back. A recomputation runs up to the experts' weighted outputs
-    (the last tensors backward needs), not the shared expert's closing all-reduce, which comes after."""
-    per_expert = hidden * c.top_k * layout.ep // c.n_experts  # balanced: from every ep rank, its share
-    rows = [(per_expert, again)] * (c.n_experts // layout.ep) + ([(hidden, 1)] if c.n_shared_experts else [])
-    for n, leaving in rows:
-        send("all_reduce", n * layout.activation_bytes, leaving)
-        send("all_reduce", n * layout.weight_bytes, 1)
-    if layout.sp:  # GatherReplicatedSequence forward, SplitSequence backward
-        send("all_gather", hidden * layout.weight_bytes, again)
-        send("all_gather", hidden * layout.activation_bytes, 1)
 
 
 def cp_traffic(config, layout, layers):
@@ -525,18 +520,43 @@ def cp_traffic(config, layout, layers):
     return Counter(send_recv=len(layers) * (forward_passes * forward + backward))
 
 
-def ep_traffic(config, layout, layers):
-    """The all-to-all's bytes per micro-batch: a token's assignments to experts on other ranks go out and
-    come back, in forward and backward (balanced routing: (N-1)/N of them leave the rank)."""
-    n, c = layout.ep, config
-    if n == 1:
-        return Counter()
-    remote = tokens_per_rank(c, layout) * c.top_k * (n - 1) // n  # under sp too: the MoE sees the whole shard
-    forwards = 2 if layout.recompute == "full" else 1
+def moe_traffic(config, layout, layers):
+    """The MoE layers' traffic per micro-batch (ep.py, balanced routing), by the group it travels in:
+      ep              dispatch and combine: the routed tokens' assignments to experts of the other ep ranks,
+                      (ep-1)/ep of them, go out and their outputs come back; backward the reverse
+      tp_rows         tp without sp: each tp rank routes its 1/tp of the tokens they share (KeepRows: its
+                      part's gradient to every other tp rank, backward) and all-gathers the outputs
+                      (GatherRows, forward)
+      expert_tp       expert tp: the rows a rank received go to every other rank of its group, and its
+                      experts' partial outputs of their rows go back to them (SplitExperts); backward the
+                      reverse of each
+      expert_tp_bias  expert tp: each local expert's proj bias, whole on every rank, has its gradient summed
+                      over the group once per backward (tp.ExpertTensorParallel; the GPT blocks' bias)
+    All but the last are ep.py's all-to-alls, each row in the weights' dtype, which is the activations'.
+    Full recomputation runs the forward's again up to the last tensor backward needs: the combined outputs
+    (weighted), so GatherRows too only when a shared expert, whose tensors come after, is there."""
+    c = config
     moe_layers = sum(1 for layer in layers if c.is_moe(layer))
-    # Out go the tokens (weights' dtype), back come the experts' outputs (activations'); backward the reverse.
-    row = c.d_model * (layout.weight_bytes + layout.activation_bytes)
-    return Counter(all_to_all=moe_layers * (forwards + 1) * remote * row)
+    if not moe_layers:
+        return {}
+    forwards = 2 if layout.recompute == "full" else 1
+    row = c.d_model * layout.activation_bytes
+    routed = routed_tokens(c, layout)
+    assignments = routed * c.top_k  # balanced: each rank also receives as many for its experts
+
+    def rows(n_rows, passes):  # all-to-all bytes of every MoE layer, n_rows sent per pass
+        return Counter(all_to_all=moe_layers * passes * n_rows * row)
+
+    traffic = {"ep": rows(assignments * (layout.ep - 1) // layout.ep, 2 * (forwards + 1))}
+    if layout.tp > 1 and not layout.sp:
+        gathers = forwards if c.n_shared_experts else 1
+        traffic["tp_rows"] = rows((layout.tp - 1) * routed, gathers + 1)
+    if layout.expert_tp > 1:
+        traffic["expert_tp"] = rows((layout.expert_tp - 1) * assignments, 2 * (forwards + 1))
+        if c.bias:
+            bias = ring_bytes_sent("all_reduce", c.d_model * layout.weight_bytes, layout.expert_tp)
+            traffic["expert_tp_bias"] = Counter(all_reduce=moe_layers * c.n_experts // layout.ep * bias)
+    return traffic
 
 
 def pp_traffic(config, layout, stage):
@@ -625,18 +645,30 @@ def mlp_activations(c, rows, t, a, d_ff=None):
 
 
 def moe_activations(c, layout, tokens):
-    """An MoE layer as ep.py computes it, balanced: per token the router's input, probabilities, choices and
-    gates; per (token, expert) assignment the indices that sort and return it, the expert's input, its MLP,
-    the output that came back and its weighted copy; the shared expert's MLP on every token."""
-    t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
-    h, assignments = c.d_model, tokens * c.top_k  # balanced: as many arrive at this rank's experts
-    router = tokens * (h * a + (c.n_experts + c.top_k + 1) * wide + c.top_k * INT64) + balance_statistics(c, layout)
+    """An MoE layer as ep.py computes it, balanced, on a rank holding `tokens` of the micro-batch:
+    - the router: its input, the arriving tokens (tp without sp keeps its part of them as a view, so their
+      whole storage), and per routed token (routed_tokens) the probabilities, choices and gates;
+    - per (token, expert) assignment it sends: the indices that sort and return it, the mask that kept it,
+      its gate, the output that came back and its weighted copy;
+    - per row its experts compute (under expert tp the rows of every rank of the group, each having received
+      as many): the expert's input and its MLP, of hidden width d_ff / expert_tp;
+    - the shared expert's MLP on every arriving token, split by tp (under sp on the gathered sequence, its
+      input a tensor of its own)."""
+    t, a, wide, h = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4), c.d_model
+    arriving = tokens // t if layout.sp else tokens
+    routed = routed_tokens(c, layout)
+    assignments = routed * c.top_k
+    rows = assignments * layout.expert_tp
+    router = (arriving * h * a + routed * ((c.n_experts + c.top_k + 1) * wide + c.top_k * INT64)
+              + balance_statistics(c, layout))
     # (the gates are cast to the tokens' dtype)
-    experts = assignments * (3 * h * a + a + 2 * INT64 + BOOL) + mlp_activations(c, assignments, t, a)
+    sent = assignments * (2 * h * a + a + 2 * INT64 + BOOL)
+    experts = rows * h * a + mlp_activations(c, rows, layout.expert_tp, a)
     shared = 0
     if c.n_shared_experts:
-        shared = mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
-    return router + experts + shared
+        gathered = tokens * h * a if layout.sp else 0
+        shared = gathered + mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
+    return router + sent + experts + shared
 
 
 def balance_statistics(c, layout):
@@ -771,34 +803,40 @@ def activation_peak(c, layout, stage):
 # ---------------------------------------------------------------------------
 
 def coordinates(layout, rank):
-    """{dim: index} of a rank in the grid arange(world).view(dp, pp, ep, cp, tp) (mesh.py), tp fastest."""
+    """{dim: index} of a rank in the grid arange(world).view(dp, pp, cp, tp) (mesh.py), tp fastest."""
     where = {}
     for dim in reversed(DIMS):
         rank, where[dim] = divmod(rank, getattr(layout, dim))
     return where
 
 
-SHARD_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp")}  # ZeRO's shard groups (mesh.py's, dp narrowed)
+def expert_coordinates(layout, where):
+    """{axis: index} of the rank at `where` in the experts' grid (mesh.py's expert_axis_sizes): its place in
+    its stage's dp x cp x tp ranks (row-major) read as (dp_replicate, expert_dp_shard, ep, expert_tp)."""
+    place = (where["dp"] * layout.cp + where["cp"]) * layout.tp + where["tp"]
+    indices = {}
+    for axis, size in reversed(layout.mesh_shape.expert_axis_sizes().items()):
+        if axis != "pp":
+            place, indices[axis] = divmod(place, size)
+    return {"pp": where["pp"], **indices}
 
 
 def group_index(layout, group, where):
     """A rank's position in ZeRO's shard group of its mesh.py group `group` ('dense', 'expert'), from its
-    coordinates: row-major over the group's dimensions, as mesh.group_ranks orders them, dp's coordinate
-    being its place among the dp_shard ranks of its shard group (the whole group without hybrid sharding)."""
-    index = 0
-    for dim in SHARD_DIMS[group]:
-        size, coordinate = (layout.dp_shard, where["dp"] % layout.dp_shard) if dim == "dp" else \
-            (getattr(layout, dim), where[dim])
-        index = index * size + coordinate
-    return index
+    coordinates, as mesh.group_ranks orders them: for the dense group row-major over (dp, cp), dp's
+    coordinate being its place among the dp_shard ranks of its shard group (all of dp without hybrid
+    sharding); for the experts' its place among the expert_dp ranks of one copy."""
+    if group == "expert":
+        return expert_coordinates(layout, where)["expert_dp_shard"]
+    return where["dp"] % layout.dp_shard * layout.cp + where["cp"]
 
 
 def predict_stage(config, layout, stage):
     """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}, 'steps': {group name: f}}
     for the ranks of one pipeline stage (f(i): the step counters of the i-th rank of the group's shard group).
-    The traffic's groups: "dense" and "expert" (data parallelism's, ZeRO's shard groups under hybrid
-    sharding), "dense_replicas" and "expert_replicas" (hybrid sharding's all-reduces over the copies), and
-    the model-parallel dimensions'."""
+    The traffic's groups (TRAFFIC_GROUPS): "dense" and "expert" (data parallelism's, ZeRO's shard groups
+    under hybrid sharding), "dense_replicas" and "expert_replicas" (hybrid sharding's all-reduces over the
+    copies), the model-parallel dimensions', and the MoE layers' other groups (moe_traffic)."""
     dense, expert, tied = rank_parameters(config, layout, stage)
     states = {kind: state_memory(params, layout.shard_group(kind), layout, kind == "expert", layout.replicas)
               for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
@@ -808,7 +846,7 @@ def predict_stage(config, layout, stage):
     traffic = {"dense": states["dense"].traffic + states["tied"].traffic, "expert": states["expert"].traffic,
                "dense_replicas": states["dense"].replica_traffic + states["tied"].replica_traffic,
                "expert_replicas": states["expert"].replica_traffic,
-               **{dim: Counter(counter) for dim, counter in model_traffic.items()}}
+               **{group: Counter(counter) for group, counter in model_traffic.items()}}
     traffic["pp"] += tied_sum_traffic(tied, layout)
     return dict(param_bytes=sum(s.param for s in states.values()), grad_bytes=sum(s.grad for s in states.values()),
                 optim_bytes=sum(s.optim for s in states.values()), activation_peak_bytes=activations,
@@ -818,18 +856,19 @@ def predict_stage(config, layout, stage):
 
 @functools.lru_cache(maxsize=2**14)
 def model_parallel_stage(config_fields, layout, stage):
-    """({dimension: Counter of bytes sent per step} of tp, cp, ep and pp (its activations and gradients), the
-    activations' peak, the recomputation's) for the ranks of one pipeline stage. (Shared: read only.)"""
+    """({group: Counter of bytes sent per step} of tp, cp, pp (its activations and gradients) and the MoE
+    layers' groups (moe_traffic), the activations' peak, the recomputation's) for the ranks of one pipeline
+    stage. (Shared: read only.)"""
     config = GPTConfig(**dict(config_fields))
     chunks, n_model_chunks = layout.placement.model_chunks(stage), layout.placement.n_model_chunks
     split = pp.split_layers(config.n_layer, n_model_chunks)
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, n_model_chunks - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last),
-                       "cp": cp_traffic(config, layout, layers), "ep": ep_traffic(config, layout, layers)}
+                       "cp": cp_traffic(config, layout, layers), **moe_traffic(config, layout, layers)}
     traffic = {"pp": pp_traffic(config, layout, stage),
-               **{dim: Counter({k: v * layout.micro_batches for k, v in c.items()})
-                  for dim, c in per_micro_batch.items()}}
+               **{group: Counter({k: v * layout.micro_batches for k, v in c.items()})
+                  for group, c in per_micro_batch.items()}}
     return (traffic, *activation_peak(config, layout, stage))
 
 
@@ -855,14 +894,19 @@ def rank_figures(stage_prediction, layout, where):
     return fields
 
 
-DP_TRAFFIC = ("dense", "expert", "dense_replicas", "expert_replicas")  # what train.py logs under dp
+LOGGED_UNDER = {  # traffic group -> the dimension train.py logs it under (the counter of the file that sends it)
+    "dense": "dp", "expert": "dp", "dense_replicas": "dp", "expert_replicas": "dp",  # dp.py's
+    "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
+    "tp_rows": "ep", "expert_tp": "ep",  # ep.py's all-to-alls over the tp and expert-tp groups
+    "expert_tp_bias": "tp"}              # tp.py's all-reduce over the expert-tp group
 
 
 def comm_fields(traffic):
     """Traffic under log.jsonl's names, comm_<dim>_<kind>_bytes (dp: dense and expert averaging together, and
-    hybrid sharding's sums over the copies)."""
-    by_dim = {"dp": sum((traffic[group] for group in DP_TRAFFIC), Counter()),
-              **{d: traffic[d] for d in ("tp", "pp", "cp", "ep")}}
+    hybrid sharding's sums over the copies; ep: every row ep.py moves, whichever group it travels in)."""
+    by_dim = {dim: Counter() for dim in train.COMM_KINDS}
+    for group, counter in traffic.items():
+        by_dim[LOGGED_UNDER[group]].update(counter)
     return {f"comm_{dim}_{kind}_bytes": by_dim[dim].get(kind, 0)
             for dim, kinds in train.COMM_KINDS.items() for kind in kinds}
 
@@ -944,10 +988,13 @@ def written_by(layout, where, expert):
     lowest rank holding it). ZeRO's shards differ on every rank of their shard group (only the replicated
     norms and biases of tp ranks other than 0 are written by another: left out here), and under hybrid
     sharding the first copy's group writes them (dp // dp_shard == 0); without ZeRO, the first replica
-    writes."""
+    writes: of a dense piece the rank with dp and cp 0, of an expert's the first of its expert group."""
     if layout.zero:
         return where["dp"] < layout.dp_shard
-    return where["dp"] == where["cp"] == 0 and (expert or where["ep"] == 0)
+    if expert:
+        place = expert_coordinates(layout, where)
+        return place["dp_replicate"] == place["expert_dp_shard"] == 0
+    return where["dp"] == where["cp"] == 0
 
 
 def predict_peaks(args, world):
@@ -996,8 +1043,9 @@ def phase_peaks(layout, figures, working, where):
     save = state + copied
     # Loading builds the rank as start-up does, then reads its optimizer state a chunk at a time, with the
     # range of the saved piece holding the chunk: the chunk itself when the checkpoint was split alike, up
-    # to tp times it when it was saved whole and is read back as a tp slice.
-    load = startup + figures["optim_bytes"] + min(INIT_CHUNK, largest) * layout.master_bytes * layout.tp
+    # to tp (an expert's: expert-tp) times it when it was saved whole and is read back as a slice.
+    parts = max(layout.tp, layout.expert_tp)
+    load = startup + figures["optim_bytes"] + min(INIT_CHUNK, largest) * layout.master_bytes * parts
     peaks = dict(startup_peak_bytes=startup, step_peak_bytes=step, save_peak_bytes=save, load_peak_bytes=load)
     peaks = {field: PROCESS_BYTES + value for field, value in peaks.items()}
     return dict(peaks, peak_bytes=max(peaks.values()))
@@ -1041,34 +1089,46 @@ def busiest_memory(argv, world):
 # Inside a node or across nodes: which groups a rank's traffic travels in
 # ---------------------------------------------------------------------------
 
-TRAFFIC_GROUPS = {  # the grid axes each kind of traffic spans (mesh.py; dp is (dp_replicate, dp_shard))
-    "dense": ("dp_shard", "ep", "cp"), "expert": ("dp_shard", "cp"),  # the whole of dp without hybrid sharding
+TRAFFIC_GROUPS = {  # the axes each group of traffic spans (mesh.py's grid, dp read as (dp_replicate, dp_shard), or
+    # the experts' grid folded over each stage's ranks, mesh.EXPERT_AXES; see LOGGED_UNDER for their names in the log)
+    "dense": ("dp_shard", "cp"), "expert": ("expert_dp_shard",),  # all of dp (expert_dp) without hybrid sharding
     "dense_replicas": ("dp_replicate",), "expert_replicas": ("dp_replicate",),
-    "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",)}
+    "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",),
+    "tp_rows": ("tp",), "expert_tp": ("expert_tp",), "expert_tp_bias": ("expert_tp",)}
 
 
-def grid_coordinates(layout, where):
-    """{axis: (size, the rank's index)} of mesh.py's grid arange(world).view(dp_replicate, dp_shard, pp, ep,
-    cp, tp), slowest first, for the rank at `where` (its coordinates in dp, pp, ep, cp, tp)."""
-    sizes = layout.mesh_shape.axis_sizes()
-    indices = {"dp_replicate": where["dp"] // layout.dp_shard, "dp_shard": where["dp"] % layout.dp_shard,
-               **{dim: where[dim] for dim in DIMS[1:]}}
+def grid_coordinates(layout, where, experts=False):
+    """{axis: (size, the rank's index)} of mesh.py's grid arange(world).view(dp_replicate, dp_shard, pp, cp, tp),
+    slowest first, for the rank at `where` (its coordinates in dp, pp, cp, tp); with `experts`, of the experts'
+    grid (pp, dp_replicate, expert_dp_shard, ep, expert_tp), each stage's ranks read in their order."""
+    if experts:
+        sizes, indices = layout.mesh_shape.expert_axis_sizes(), expert_coordinates(layout, where)
+    else:
+        sizes = layout.mesh_shape.axis_sizes()
+        indices = {"dp_replicate": where["dp"] // layout.dp_shard, "dp_shard": where["dp"] % layout.dp_shard,
+                   **{dim: where[dim] for dim in DIMS[1:]}}
     return {axis: (size, indices[axis]) for axis, size in sizes.items()}
 
 
 def crosses_nodes(layout, where, axes, gpus_per_node):
-    """Whether the group of the rank at `where` spanning `axes` (grid_coordinates' names; 'dp' is both parts)
-    holds ranks of more than one node: a node holds consecutive ranks, and the group's lie between its
-    lowest (its axes' indices 0) and that plus its span."""
-    axes = {part for axis in axes for part in (("dp_replicate", "dp_shard") if axis == "dp" else (axis,))}
+    """Whether the group of the rank at `where` spanning `axes` (grid_coordinates' names; 'dp' is both parts,
+    'expert_dp' both of its own) holds ranks of more than one node: a node holds consecutive ranks, and the
+    group's lie between its lowest (its axes' indices 0) and its highest (their last)."""
+    parts = {"dp": ("dp_replicate", "dp_shard"), "expert_dp": ("dp_replicate", "expert_dp_shard")}
+    axes = {part for axis in axes for part in parts.get(axis, (axis,))}
+    experts = any(axis in EXPERT_AXES for axis in axes)
     stride, lowest, span = 1, 0, 0
-    for axis, (size, index) in reversed(grid_coordinates(layout, where).items()):
+    for axis, (size, index) in reversed(grid_coordinates(layout, where, experts).items()):
         if axis in axes:
             span += (size - 1) * stride
         else:
             lowest += index * stride
         stride *= size
-    return lowest // gpus_per_node != (lowest + span) // gpus_per_node
+    ends = [lowest, lowest + span]
+    if experts:  # a place in the experts' grid, pp-major, to its rank: (dp, pp, cp x tp) row-major
+        stage, cp_tp = layout.stage, layout.cp * layout.tp
+        ends = [(place % stage // cp_tp * layout.pp + place // stage) * cp_tp + place % cp_tp for place in ends]
+    return ends[0] // gpus_per_node != ends[1] // gpus_per_node
 
 
 def node_split(layout, stage_prediction, where, gpus_per_node):
@@ -1109,8 +1169,8 @@ def parse_args(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (inside: fast links)")
     p.add_argument("--json", action="store_true", help="print the prediction as log.jsonl's fields, per rank")
     p.add_argument("--search", action="store_true",
-                   help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ep, ZeRO, hybrid sharding, "
-                        "recomputation)")
+                   help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ZeRO, hybrid sharding, "
+                        "recomputation; with experts ep and expert-tp, folded over each stage's ranks)")
     p.add_argument("--memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per rank, for --search")
     p.add_argument("--top", type=int, default=20, help="layouts --search lists (0: all that fit)")
     plan_args, rest = p.parse_known_args(argv)
@@ -1123,10 +1183,17 @@ def describe(layout, args, config):
     experts = f", {config.n_experts} experts top-{config.top_k}" if config.n_experts else ""
     hybrid = f" (ZeRO's shards over {layout.dp_shard}, {layout.replicas} copies)" if layout.replicas > 1 else ""
     return (f"{args.model} ({args.arch}{experts}, {size} parameters) on {layout.world} ranks: "
-            f"dp={layout.dp}{hybrid} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp} "
-            f"ep={layout.ep}, ZeRO-{layout.zero}, {layout.schedule} x{layout.virtual_stages}, "
+            f"dp={layout.dp}{hybrid} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp}, "
+            f"{expert_split(layout, config)}ZeRO-{layout.zero}, {layout.schedule} x{layout.virtual_stages}, "
             f"{layout.micro_batches} micro-batches of {layout.micro_batch} x {config.seq_len} tokens, "
             f"recompute {layout.recompute}, {layout.dtype}")
+
+
+def expert_split(layout, config):
+    """How the experts are folded over a stage's ranks, for describe (nothing without experts)."""
+    if not config.n_experts:
+        return ""
+    return f"experts folded as ep={layout.ep} expert-tp={layout.expert_tp} expert-dp={layout.expert_group}, "
 
 
 def first_of_stage(layout, stage):
@@ -1170,34 +1237,48 @@ def powers_of_two(limit):
 
 
 def candidate_layouts(args, world, gpus_per_node):
-    """Every (tp, pp, cp, ep, zero, dp_shard, recompute) train.py accepts for these flags on `world` ranks, tp
-    within a node (its collectives are on every block's critical path) and sequence parallelism on with tp
-    (the same traffic for less memory); ZeRO with hybrid sharding too (hybrid_shards)."""
+    """Every (tp, pp, cp, ep, expert-tp, zero, dp_shard, recompute) train.py accepts for these flags on `world`
+    ranks, tp within a node (its collectives are on every block's critical path) and sequence parallelism on
+    with tp (the same traffic for less memory); the experts' split folded over each stage's ranks
+    (expert_splits); ZeRO with hybrid sharding too (hybrid_shards)."""
     config = cli.model_config(args, cli.data_vocab_size(args))
     for tp in powers_of_two(min(gpus_per_node, config.n_kv_heads, world)):
         for pp_size in powers_of_two(min(config.n_layer, world // tp)):
             for cp in powers_of_two(world // (tp * pp_size)):
-                for ep in powers_of_two(min(config.n_experts or 1, world // (tp * pp_size * cp))):
-                    dp = world // (tp * pp_size * cp * ep)
+                dp = world // (tp * pp_size * cp)
+                for ep, expert_tp in expert_splits(config, dp * cp * tp, tp):
                     for zero in range(4):
-                        for dp_shard in [0, *(hybrid_shards(dp, cp * ep, gpus_per_node) if zero else ())]:
+                        for dp_shard in [0, *(hybrid_shards(dp, cp, gpus_per_node) if zero else ())]:
                             for recompute in ("none", "selective", "full"):
                                 candidate = argparse.Namespace(**{
-                                    **vars(args), "tp": tp, "pp": pp_size, "cp": cp, "ep": ep, "zero": zero,
-                                    "dp_shard": dp_shard, "recompute": recompute, "sp": tp > 1})
+                                    **vars(args), "tp": tp, "pp": pp_size, "cp": cp, "ep": ep,
+                                    "expert_tp": expert_tp, "zero": zero, "dp_shard": dp_shard,
+                                    "recompute": recompute, "sp": tp > 1})
                                 try:
                                     yield candidate, layout_of(candidate, world)
                                 except (cli.ConfigError, ValueError):
                                     continue
 
 
-def hybrid_shards(dp, cp_ep, gpus_per_node):
-    """The dp_shard values --search tries: those under dp whose shard group (dp_shard x ep x cp ranks) is at
-    most a node's worth of ranks. That takes in every shard group lying inside a node (dp_shard x pp x ep x cp
-    x tp ranks at most a node: the gathers and reductions on its links, the copies' all-reduce alone across
+def expert_splits(config, stage, tp):
+    """The (ep, expert_tp) --search tries for a stage of `stage` ranks: ep any divisor of both the experts
+    and the stage's ranks (folded over them, it costs no ranks of its own), the experts whole (expert_tp 1,
+    DeepSeek-V3's choice) or split over the tp ranks as the dense layers are (expert_tp = tp, the layout
+    before folding). Without experts only (1, 1)."""
+    if not config.n_experts:
+        return [(1, 1)]
+    common = math.gcd(config.n_experts, stage)
+    eps = [n for n in range(1, common + 1) if common % n == 0]
+    return [(ep, expert_tp) for ep in eps for expert_tp in sorted({1, tp}) if stage % (ep * expert_tp) == 0]
+
+
+def hybrid_shards(dp, cp, gpus_per_node):
+    """The dp_shard values --search tries: those under dp whose dense shard group (dp_shard x cp ranks) is at
+    most a node's worth of ranks. That takes in every shard group lying inside a node (dp_shard x pp x cp x
+    tp ranks at most a node: the gathers and reductions on its links, the copies' all-reduce alone across
     nodes), and small groups spread over as many nodes (less optimizer memory than no ZeRO, a shorter ring
     than sharding over all of dp). A shard group of one rank, which would shard nothing, is left out."""
-    return [n for n in powers_of_two(dp) if n < dp and dp % n == 0 and 1 < n * cp_ep <= gpus_per_node]
+    return [n for n in powers_of_two(dp) if n < dp and dp % n == 0 and 1 < n * cp <= gpus_per_node]
 
 
 def stage_peaks(config, layout, stage, prediction):
@@ -1229,12 +1310,12 @@ def search(args, plan_args):
     print(f"{len(fits)} layouts of {args.model} on {plan_args.world} ranks fit {plan_args.memory / 2**30:.1f} GiB "
           f"per rank ({args.micro_batches} micro-batches, global batch {args.batch_size}, {args.dtype}, "
           f"{args.schedule}); least traffic across nodes ({plan_args.gpus_per_node} GPUs each) first:")
-    print(f"{'dp':>5s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'ep':>3s} {'ZeRO':>4s} {'dp-shard':>8s} {'recompute':>9s} "
-          f"{'memory GiB':>10s} {'across GiB':>10s} {'in node GiB':>11s}")
+    print(f"{'dp':>5s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'ep':>3s} {'etp':>3s} {'ZeRO':>4s} {'dp-shard':>8s} "
+          f"{'recompute':>9s} {'memory GiB':>10s} {'across GiB':>10s} {'in node GiB':>11s}")
     for across, inside, memory, lay in fits[:plan_args.top or None]:
         shard = str(lay.dp_shard) if lay.replicas > 1 else "-"  # (-: ZeRO's shards span all of dp, or no ZeRO)
-        print(f"{lay.dp:5d} {lay.tp:3d} {lay.pp:3d} {lay.cp:3d} {lay.ep:3d} {lay.zero:4d} {shard:>8s} "
-              f"{lay.recompute:>9s} {memory / 2**30:10.2f} {across / 2**30:10.2f} {inside / 2**30:11.2f}")
+        print(f"{lay.dp:5d} {lay.tp:3d} {lay.pp:3d} {lay.cp:3d} {lay.ep:3d} {lay.expert_tp:3d} {lay.zero:4d} "
+              f"{shard:>8s} {lay.recompute:>9s} {memory / 2**30:10.2f} {across / 2**30:10.2f} {inside / 2**30:11.2f}")
     return fits
 
 

@@ -29,11 +29,14 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
     # Today's shapes, with --arch llama (their key/value heads, SwiGLU width and rotary base are below);
     # for planning them (tools/plan.py) more than for training them here. Mixtral 8x7B is mixtral with
-    # --experts 8 --top-k 2.
+    # --experts 8 --top-k 2; deepseek-v3 with --experts 256 --top-k 8 --shared-experts 1 is DeepSeek-V3's
+    # mixture of experts (671B parameters) with every layer an MoE and grouped-query attention in place
+    # of its multi-head latent attention (about 700B parameters).
     "llama3-8b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=8192, vocab_size=128256),
     "llama3-70b": dict(n_layer=80, n_head=64, d_model=8192, seq_len=8192, vocab_size=128256),
     "llama3-405b": dict(n_layer=126, n_head=128, d_model=16384, seq_len=8192, vocab_size=128256),
     "mixtral": dict(n_layer=32, n_head=32, d_model=4096, seq_len=4096, vocab_size=32000),
+    "deepseek-v3": dict(n_layer=61, n_head=128, d_model=7168, seq_len=4096, vocab_size=129280),
 }
 # The Llama-style block (--arch llama): rotary positions, grouped-query attention, RMSNorm, SwiGLU, no
 # biases; per size, the key/value heads and a SwiGLU width of about 8/3 d_model (Llama's, rounded up),
@@ -47,8 +50,10 @@ LLAMA_SHAPES = {
     "llama3-70b": dict(n_kv_heads=8, d_ff=28672, rope_theta=500000.0),
     "llama3-405b": dict(n_kv_heads=8, d_ff=53248, rope_theta=500000.0),
     "mixtral": dict(n_kv_heads=8, d_ff=14336, rope_theta=1000000.0),
+    "deepseek-v3": dict(n_kv_heads=128, d_ff=2048, rope_theta=10000.0),  # d_ff: an expert's width
 }
-LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")  # shapes that exist only as Llama blocks
+# Shapes that exist only as Llama blocks:
+LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral", "deepseek-v3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
