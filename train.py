@@ -1096,7 +1096,8 @@ def lr_at(step, args):
 
 
 def run_name(args, world):
-    return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}"
+    split_experts = f"_etp{args.expert_tp}" if args.expert_tp > 1 else ""  # (names from before it stay the same)
+    return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}{split_experts}"
 
 
 def resume_from(args, world, group, report=print):

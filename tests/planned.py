@@ -41,9 +41,12 @@ def assert_matches_plan(out_dir, argv, world):
             if field not in record:  # recompute_bytes: the planner's own (the meter counts forwards)
                 continue
             where = f"step {record['step']} {field}: logged {record[field]}, predicted {values}"
-            if routed and field in ROUTED:  # a rank's routed share is off balance by at most the worst expert's
+            if routed and field in ROUTED:  # a rank's routed share is off balance by about the worst expert's
+                # (relative to the larger of predicted and logged: a rank's tokens are a sample of the stage's,
+                # so its share may fall below balance as far as it rises above it)
                 margin = imbalance(record)
-                assert all(abs(p - m) <= margin * m for p, m in zip(values, record[field])), f"{where} ({margin})"
+                assert all(abs(p - m) <= margin * max(p, m) for p, m in zip(values, record[field])), \
+                    f"{where} ({margin})"
             elif field == "comm_cp_send_recv_bytes" and cli.document_eos(args) is not None:
                 # packed documents: the ring's figure is its most (a block no rank ahead needs goes no further)
                 assert all(m <= p for p, m in zip(values, record[field])), where

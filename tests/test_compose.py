@@ -89,7 +89,7 @@ def test_tp2_pp2_cp2_ep2_on_16_ranks_by_the_other_ways_of_cp(tmp_path, mode):
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_all_five_dimensions_on_32_ranks(tmp_path, arch):
-    """dp=2 tp=2 pp=2 cp=2 ep=2: every dimension above one in the same run."""
+    """dp=4 tp=2 pp=2 cp=2 and ep=2 (folded over the tp ranks): every dimension above one in the same run."""
     flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"]
     check(tmp_path, 32, *(llama(flags, MOE) if arch == "llama" else (flags, MOE)), timeout=900)
 

@@ -139,7 +139,7 @@ def cross_entropy_statistics(argv, world):
         return [0] * world
     tokens = args.batch_size // (args.micro_batches * world // (args.tp * args.pp * args.cp)) * args.seq_len // args.cp
     per_micro_batch = sum(ring_bytes_sent("all_reduce", n * tokens * 4, args.tp) for n in (1, 2))
-    last_stage = [rank // (args.ep * args.cp * args.tp) % args.pp == args.pp - 1 for rank in range(world)]  # mesh.py
+    last_stage = [rank // (args.cp * args.tp) % args.pp == args.pp - 1 for rank in range(world)]  # mesh.py
     return [per_micro_batch * args.micro_batches * last for last in last_stage]
 
 

@@ -96,7 +96,9 @@ HYBRID = [*EQUIVALENCE, "--layers", "4", "--batch-size", "16"]
 @pytest.mark.parametrize("world,flags,model", [
     (4, ["--zero", "1", "--dp-shard", "2"], []),
     (4, ["--zero", "2", "--dp-shard", "2"], []),
-    (4, ["--zero", "3", "--dp-shard", "1", "--ep", "2"], MOE),
+    # (--dp-shard counts every data rank, ep's folded ones too: the dense shards over the ep pair, 2 copies, as
+    # "--dp-shard 1 --ep 2" meant when ep was an axis of its own)
+    (4, ["--zero", "3", "--dp-shard", "2", "--ep", "2"], MOE),
     (8, ["--zero", "1", "--dp-shard", "1", "--tp", "2", "--cp", "2"], []),  # shards over the cp pair, 2 copies
     (8, ["--zero", "2", "--dp-shard", "2", "--pp", "2", "--schedule", "zb1"], []),
     (8, ["--zero", "3", "--dp-shard", "2", "--tp", "2", "--sp"], []),
