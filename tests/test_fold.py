@@ -99,11 +99,11 @@ def folded_layer_worker(capacity_factor, expert_tp):
         tp.split_experts(layer, pairs[rank // 2])
     g = torch.Generator().manual_seed(1)
     data = torch.randn(n // 2, TOKENS, D, generator=g, dtype=torch.float64)
-    tokens = data[rank // 2]
+    tokens, same_tokens = (data[rank // 2].clone().requires_grad_() for _ in range(2))
     out = layer(tokens)
     expected, dropped = torch.zeros_like(tokens), 0
     for start, rows in [(0, TOKENS // 2), (TOKENS // 2, TOKENS // 2)]:  # each tp rank's half, on its own
-        chunk = tokens[start:start + rows]
+        chunk = same_tokens[start:start + rows]
         gates, experts, _ = ep.route(reference.router(chunk), 2)
         keep = (ep.capacity_mask(experts, E, int(capacity_factor * rows * 2 / E + 0.999999)) if capacity_factor
                 else torch.ones_like(experts, dtype=torch.bool))
@@ -113,14 +113,20 @@ def folded_layer_worker(capacity_factor, expert_tp):
                 if keep[t, choice]:
                     e = experts[t, choice].item()
                     expected[start + t] += gates[t, choice] * reference.experts[e](chunk[t])
-    expected += reference.shared(tokens)
-    return (out - expected).abs().max().item(), layer.dropped, dropped
+    expected = expected + reference.shared(same_tokens)
+    # backward: the tokens' gradient, whole on every rank of the pair (each routed half's and the shared expert's
+    # parts summed over tp), for a loss weighing each output differently
+    weights = torch.randn(TOKENS, D, generator=g, dtype=torch.float64)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    worst = max((out - expected).abs().max().item(), (tokens.grad - same_tokens.grad).abs().max().item())
+    return worst, layer.dropped, dropped
 
 
 @pytest.mark.parametrize("capacity_factor,expert_tp", [(0.75, 1), (0.75, 2), (0.0, 2)])
 def test_one_layer_routes_each_token_once_under_tp(capacity_factor, expert_tp):
-    """Each rank's output equals the rule applied to each half alone (so each token was routed once, on one
-    rank); the dropped tokens logged are those of both data ranks' halves."""
+    """Each rank's output, and its tokens' gradient, equal the rule applied to each half alone (so each token
+    was routed once, on one rank); the dropped tokens logged are those of both data ranks' halves."""
     results = run_on_ranks(4, folded_layer_worker, capacity_factor, expert_tp)
     dropped = results[0][2] + results[2][2]  # ranks 0 and 2 hold the two data ranks' tokens
     for worst, logged, _ in results:
