@@ -21,8 +21,8 @@ from planned import assert_matches_plan
 BASE = [*EQUIVALENCE, "--experts", "4", "--top-k", "2"]
 
 # (ranks, flags, model flags): ep over tp with and without sp, over cp in its three modes, over dp, and over a
-# mix; --expert-tp 1 and 2; under pipelines (one with a split backward) and ZeRO-1 and 3; top-1 and top-2,
-# shared experts, both balancing rules, both architectures.
+# mix; --expert-tp 1 and 2; under pipelines (one with a split backward) and ZeRO-1, 2 (hybrid) and 3; top-1 and
+# top-2, shared experts, both balancing rules, both architectures.
 LAYOUTS = [
     (2, ["--tp", "2", "--ep", "2"], ["--top-k", "1", "--shared-experts", "1"]),
     (2, ["--tp", "2", "--sp", "--ep", "2"], ["--balance", "both", "--arch", "llama"]),
@@ -32,6 +32,7 @@ LAYOUTS = [
     (2, ["--cp", "2", "--cp-mode", "alltoall", "--expert-tp", "2"], ["--top-k", "1"]),
     (4, ["--tp", "2", "--sp", "--ep", "4", "--zero", "3"], ["--shared-experts", "1", "--balance", "both"]),
     (4, ["--tp", "2", "--ep", "2", "--expert-tp", "2", "--zero", "1"], ["--top-k", "1"]),
+    (4, ["--tp", "2", "--ep", "2", "--zero", "2", "--dp-shard", "1"], ["--balance", "bias"]),  # hybrid: 2 copies
     (4, ["--cp", "2", "--tp", "2", "--sp", "--ep", "2", "--expert-tp", "2", "--zero", "3"],
      ["--arch", "llama", "--shared-experts", "1"]),
     (4, ["--pp", "2", "--tp", "2", "--ep", "2", "--schedule", "zbv", "--zero", "1"],
