@@ -132,6 +132,12 @@ def _all_to_all(x, output_splits, input_splits, group):
 # Row counts differ from rank to rank (the router decides them), which all-gather and reduce-scatter do not
 # take on every backend; an all-to-all does, sending the same bytes a ring would.
 
+def _gather_rows(x, counts, group):
+    """Every rank's rows, in rank order (rank r has counts[r]): each rank sends its own to every rank."""
+    n = len(counts)
+    return _all_to_all(x.repeat(n, 1), counts, [len(x)] * n, group)
+
+
 def all_gather_rows(x, counts, group):
     """Every rank's rows, in rank order (rank r has counts[r]); backward, each rank's rows get the sum of
     their gradients over the group (a reduce-scatter: the gradient of the copies each rank was sent)."""
@@ -163,8 +169,7 @@ class KeepRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        n = len(ctx.counts)
-        return _all_to_all(grad.repeat(n, 1), ctx.counts, [len(grad)] * n, ctx.group), None
+        return _gather_rows(grad, ctx.counts, ctx.group), None
 
 
 class GatherRows(torch.autograd.Function):
@@ -173,9 +178,8 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, counts, group):
-        n = len(counts)
         ctx.rows = sum(counts[:dist.get_rank(group)]), len(x)
-        return _all_to_all(x.repeat(n, 1), counts, [len(x)] * n, group)
+        return _gather_rows(x, counts, group)
 
     @staticmethod
     def backward(ctx, grad):

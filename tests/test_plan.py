@@ -128,10 +128,15 @@ def test_search_tries_hybrid_sharding_and_counts_its_copies_across_nodes(capsys)
 
 @pytest.mark.parametrize("flags", [["--tp", "2", "--pp", "2", "--zero", "1", "--dp-shard", "2"],
                                    ["--cp", "2", "--ep", "2", *EXPERTS, "--zero", "2", "--dp-shard", "2"],
-                                   ["--zero", "3", "--dp-shard", "4"], ["--tp", "2", "--cp", "2", "--zero", "3"]])
+                                   ["--zero", "3", "--dp-shard", "4"], ["--tp", "2", "--cp", "2", "--zero", "3"],
+                                   # experts folded over a stage's ranks: ep over cp x tp, and with expert-tp
+                                   ["--tp", "2", "--cp", "2", "--ep", "4", *EXPERTS, "--zero", "1"],
+                                   ["--tp", "2", "--pp", "2", "--ep", "2", "--expert-tp", "2", *EXPERTS,
+                                    "--zero", "1", "--dp-shard", "2"]])
 def test_crosses_nodes_agrees_with_the_mesh_groups(flags):
     """Every traffic group of every rank of 32, on nodes of 2, 4 and 8: crosses_nodes tells whether mesh.py's
-    group of that rank holds ranks of two nodes (the hybrid groups read dp as (copies, shards))."""
+    group of that rank holds ranks of two nodes (the hybrid groups read dp as (copies, shards); the experts'
+    groups are read from their own grid, folded over each stage's ranks)."""
     args = cli.parse_args(["--model", "small", "--batch-size", "64", *flags])
     layout = plan.layout_of(args, 32)
     for group, axes in plan.TRAFFIC_GROUPS.items():

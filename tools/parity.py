@@ -128,12 +128,12 @@ class ParityTrainer(train.Trainer):
         across their copies)}."""
         labels = {}
         for name, _ in self.model.named_parameters():
-            expert = ep.is_expert_parameter(name)
-            split_by = self.share.split_group(name).replace("_", "-")  # tp, or expert-tp for an expert's
+            group = self.share.split_group(name)  # tp, or expert_tp for an expert's
+            split_by = group.replace("_", "-")
             labels[self.share.name(name)] = {dim for dim, applies in [
                 (split_by, name in self.tp_layouts),
-                (f"{split_by}-copies", name not in self.tp_layouts and self.mesh.size(self.share.split_group(name)) > 1),
-                ("ep", expert and self.mesh.size("ep") > 1),
+                (f"{split_by}-copies", name not in self.tp_layouts and self.mesh.size(group) > 1),
+                ("ep", ep.is_expert_parameter(name) and self.mesh.size("ep") > 1),
                 (f"stage{self.mesh.index('pp')}", self.mesh.size("pp") > 1),
                 (f"zero{self.args.zero}", self.args.zero > 0),
                 ("hybrid", self.mesh.shape.hybrid),  # (ZeRO's shards over --dp-shard ranks, copies across)

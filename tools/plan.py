@@ -486,8 +486,6 @@ def tp_traffic(config, layout, layers, first, last):
     return traffic
 
 
-
-
 def cp_traffic(config, layout, layers):
     """Context parallelism's bytes per micro-batch (cp.py, each way's formula), with kv the bytes of this
     rank's K (or V) shard and q of its Q shard:
