@@ -1,28 +1,35 @@
-"""Every command line in the README runs, and every file, name and section it points to exists.
+"""Every command line of the README and of docs/ runs, and every file, name, page and section they point to exists.
 
-The command lines are those of README.md's ```bash blocks and of its inline code that starts with
+The pages are README.md and every docs/*.md (found when the tests are collected, so a page added later is
+covered too). The command lines are those of a page's ```bash blocks and of its inline code that starts with
 `python`, `python3` or `torchrun` (a line ending in a backslash joined to the next, `# comments` dropped,
 `a && b` taken apart; pip, huggingface-cli and the like are not this repository's and are left alone).
 Nothing is run for real, so the whole file takes seconds:
 
 - `python train.py ARGS`, `torchrun [launcher flags] train.py ARGS`: ARGS go through train.py's own
   parser (training/cli.py's parse_args), which exits on an unknown flag or a bad value;
-- `python -m tools.NAME [SUBCOMMAND] ARGS` and `python plot.py ARGS`: the command's --help runs, and names
-  every flag the line uses (an unknown flag would only fail at run time); tools.plan and tools.dryrun
-  hand the flags they do not know to train.py's parser, so there a flag of train.py's is accepted too,
-  and the line's train.py flags and values go through that parser; `--only`'s names are tools/bench.py's;
+- `python -m tools.NAME [SUBCOMMAND] ARGS` and `python plot.py ARGS`: the command's --help runs (once per
+  command, for every page at once), and names every flag the line uses (an unknown flag would only fail
+  at run time); tools.plan and tools.dryrun hand the flags they do not know to train.py's parser, so there
+  a flag of train.py's is accepted too, and the line's train.py flags and values go through that parser;
+  `--only`'s names are tools/bench.py's;
 - torchrun's own flags are torchrun's (its --help);
 - `torchrun ... dp.py` (and tp, pp, cp, ep): the self-check's file exists and has a self-check (the
   self-checks themselves run in tests/test_copy.py and in each dimension's tests: test_dp.py, ...);
 - `python -m pytest ...`: the test files it names exist, and each word of a `-k` expression is found
   in the tests.
 
-Besides the commands: every file the README names (name.py at the top level, dir/name.py,
-results/name.ext) exists; inline code such as `dp.Shard` names what that module defines (and a moved
-module by its package, `training.hf`); every link to a section finds its heading.
+Besides the commands: every file a page names (name.py at the top level, dir/name.py, results/name.ext)
+exists; inline code such as `dp.Shard` names what that module defines (and a moved module by its package,
+`training.hf`); every link finds its file, and its section where it names one. The README is the front
+door: at most FRONT_DOOR_LINES lines, with the install and the test command that .ci/run runs, a link to
+every page of docs/, and the reading map: a row for each section of the article "5D Parallelism from
+Scratch", each name in it importable, each self-check the one its file's docstring states.
 """
 import contextlib
 import functools
+import glob
+import importlib
 import io
 import os
 import re
@@ -34,10 +41,14 @@ import pytest
 
 from distributed import REPO
 
-README = os.path.join(REPO, "README.md")
-with open(README) as _f:
-    TEXT = _f.read()
+README = "README.md"
+PAGES = [README] + sorted(os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, "docs", "*.md")))
+TEXTS = {}
+for _page in PAGES:
+    with open(os.path.join(REPO, _page)) as _f:
+        TEXTS[_page] = _f.read()
 
+FRONT_DOOR_LINES = 250
 PYTHONS = ("python", "python3")
 SELF_CHECKS = ("dp.py", "tp.py", "pp.py", "cp.py", "ep.py")
 TOOLS = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(REPO, "tools"))
@@ -49,7 +60,7 @@ HELP_TIMEOUT = 120
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[^\n]*$", re.S | re.M)
 
 
-def line_of(offset, text=TEXT):
+def line_of(offset, text):
     return text.count("\n", 0, offset) + 1
 
 
@@ -72,13 +83,13 @@ def split_commands(line):
     return [c for c in commands if c]
 
 
-def readme_commands():
-    """[(where, tokens)] of every python/python3/torchrun command line of the README."""
-    found = []
-    for m in FENCE.finditer(TEXT):
+def bash_lines(page):
+    """[(line number, line)] of a page's ```bash blocks, a line ending in a backslash joined to the next."""
+    text, found = TEXTS[page], []
+    for m in FENCE.finditer(text):
         if m.group(1) != "bash":
             continue
-        first = line_of(m.start(2))
+        first = line_of(m.start(2), text)
         pending, pending_line = "", None
         for i, raw in enumerate(m.group(2).split("\n")):
             if pending_line is None:
@@ -87,19 +98,23 @@ def readme_commands():
             if stripped.endswith("\\"):
                 pending += stripped[:-1] + " "
                 continue
-            pending += raw
-            for tokens in split_commands(pending):
-                found.append((f"README.md:{pending_line}", tokens))
+            found.append((pending_line, pending + raw))
             pending, pending_line = "", None
-    prose = without_fences(TEXT)
+    return found
+
+
+def page_commands(page):
+    """[(where, tokens)] of every python/python3/torchrun command line of a page."""
+    found = [(f"{page}:{number}", tokens) for number, line in bash_lines(page) for tokens in split_commands(line)]
+    prose = without_fences(TEXTS[page])
     for m in re.finditer(r"`([^`]+)`", prose):
         code = " ".join(m.group(1).split())  # inline code may wrap across lines
         for tokens in split_commands(code):
-            found.append((f"README.md:{line_of(m.start(), prose)} (inline)", tokens))
+            found.append((f"{page}:{line_of(m.start(), prose)} (inline)", tokens))
     return [(where, tokens) for where, tokens in found if tokens[0] in PYTHONS + ("torchrun",)]
 
 
-COMMANDS = readme_commands()
+COMMANDS = [command for page in PAGES for command in page_commands(page)]
 
 
 def flags_of(tokens):
@@ -135,7 +150,7 @@ def help_key(where, tokens):
 
 @pytest.fixture(scope="module")
 def helps():
-    """{key: CompletedProcess-like (returncode, stdout, stderr)} of every --help the README needs, all run at once."""
+    """{key: CompletedProcess-like (returncode, stdout, stderr)} of every --help the pages need, all run at once."""
     keys = {help_key(where, tokens) for where, tokens in COMMANDS} | {("torchrun",)}
     keys.discard(None)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -164,7 +179,7 @@ def train_help():
 
 
 def parse_train_args(where, args):
-    """train.py's parser on args, as train.py would parse them; a failure names the README line."""
+    """train.py's parser on args, as train.py would parse them; a failure names the page's line."""
     from training import cli
     err = io.StringIO()
     try:
@@ -280,45 +295,72 @@ def test_command_line_runs(where, tokens, helps):
                     "(a file moved? tools run as python -m tools.NAME)")
 
 
-def test_the_readme_has_the_commands_it_should():
-    """A guard on the collection above: the README's commands are found, every kind of them."""
+def test_the_pages_have_the_commands_they_should():
+    """A guard on the collection above: the pages' commands are found, every kind of them."""
     lines = [shlex.join(tokens) for _, tokens in COMMANDS]
     assert len(lines) >= 30, lines
     for needle in ["train.py", "plot.py", "pytest", *(f"-m tools.{name}" for name in TOOLS), *SELF_CHECKS]:
-        assert any(needle in line for line in lines), f"no README command line with {needle!r}"
+        assert any(needle in line for line in lines), f"no command line of README.md or docs/ with {needle!r}"
+
+
+def test_the_readme_installs_and_tests_as_ci_does():
+    """The front door keeps the whole install and the test command that .ci/run runs after it."""
+    lines = [line for _, line in bash_lines(README)]
+    install = next((line for line in lines if "pip install" in line), "")
+    for step in ["python3 -m venv .venv", ". .venv/bin/activate", "pip install -r requirements.txt"]:
+        assert step in install, f"README.md's install line lacks {step!r}: {install!r}"
+    assert "python -m pytest -q" in lines, "README.md has no line `python -m pytest -q`, .ci/run's test command"
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        assert "\npython -m pytest -q\n" in f.read(), ".ci/run no longer runs the README's test command"
+
+
+def test_the_readme_is_a_front_door():
+    n_lines = TEXTS[README].count("\n")
+    assert n_lines <= FRONT_DOOR_LINES, f"README.md has {n_lines} lines: move a topic into a page of docs/"
 
 
 PY_PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)*[\w-]+\.py)(?![\w])")
 RESULTS_PATH = re.compile(r"(?<![\w./<>-])(results/[\w./-]*\w)")
 
 
-def test_every_file_the_readme_names_exists():
+@pytest.mark.parametrize("page", PAGES)
+def test_every_file_a_page_names_exists(page):
     """name.py at the top level, dir/name.py and results/name.ext where they are said to be."""
-    missing = sorted({(m.group(1), line_of(m.start())) for pattern in (PY_PATH, RESULTS_PATH)
-                      for m in pattern.finditer(TEXT) if not os.path.exists(os.path.join(REPO, m.group(1)))})
-    assert not missing, "README names files that do not exist (a bare name.py means the top folder): " + \
+    text = TEXTS[page]
+    missing = sorted({(m.group(1), line_of(m.start(), text)) for pattern in (PY_PATH, RESULTS_PATH)
+                      for m in pattern.finditer(text) if not os.path.exists(os.path.join(REPO, m.group(1)))})
+    assert not missing, f"{page} names files that do not exist (a bare name.py means the top folder): " + \
         ", ".join(f"{name} (line {line})" for name, line in missing)
 
 
 FILE_EXTENSIONS = {"py", "bin", "pkl", "json", "jsonl", "png", "md", "txt", "safetensors", "pt"}
+CODE_NAME = re.compile(r"`([A-Za-z_][\w.]*)\.(\w+)`")
 
 
-def test_every_module_name_in_code_exists():
-    """Inline code such as `dp.Shard` or `training.hf.config_from_hf`: the module is this repository's, and
-    it defines the name (a moved module is named by its package: `training.hf`, not `hf`)."""
+@functools.cache
+def repository_modules():
+    """{module name as imported: its file}: the top level's, and training's and tools' by their package."""
     modules = {f[:-3]: f for f in os.listdir(REPO) if f.endswith(".py")}
     for package in ("training", "tools"):
         for f in os.listdir(os.path.join(REPO, package)):
             if f.endswith(".py") and f != "__init__.py":
                 modules[f"{package}.{f[:-3]}"] = f"{package}/{f}"
+    return modules
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_module_name_in_code_exists(page):
+    """Inline code such as `dp.Shard` or `training.hf.config_from_hf`: the module is this repository's, and
+    it defines the name (a moved module is named by its package: `training.hf`, not `hf`)."""
+    modules = repository_modules()
     moved = {name.split(".")[1]: name for name in modules if "." in name}
     problems = []
-    prose = without_fences(TEXT)
-    for m in re.finditer(r"`([A-Za-z_][\w.]*)\.(\w+)`", prose):
+    prose = without_fences(TEXTS[page])
+    for m in CODE_NAME.finditer(prose):
         module, name = m.groups()
         if name in FILE_EXTENSIONS:
             continue  # a file's name, checked above
-        where = f"line {line_of(m.start(), prose)}: `{module}.{name}`"
+        where = f"{page}:{line_of(m.start(), prose)}: `{module}.{name}`"
         if module in moved and module not in modules:
             problems.append(f"{where}: {module} is now {moved[module]}")
         elif module in modules:
@@ -335,13 +377,124 @@ def slug(heading):
     return text.replace(" ", "-")
 
 
-def test_every_link_to_a_section_finds_it():
+@functools.cache
+def anchors_of(page):
+    """The anchors of a page's headings, GitHub's way (a repeated heading's with -1, -2, ...)."""
     anchors = set()
-    for m in re.finditer(r"^#{1,6} (.+)$", without_fences(TEXT), re.M):
+    for m in re.finditer(r"^#{1,6} (.+)$", without_fences(TEXTS[page]), re.M):
         anchor, n = slug(m.group(1)), 1
         while anchor in anchors:
             anchor, n = f"{slug(m.group(1))}-{n}", n + 1
         anchors.add(anchor)
-    broken = [(m.group(1), line_of(m.start())) for m in re.finditer(r"\]\(#([^)]+)\)", TEXT)
-              if m.group(1) not in anchors]
-    assert not broken, f"links to no section: {broken} (sections: {sorted(anchors)})"
+    return anchors
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def links_of(page):
+    """[(line, target page or file relative to REPO, anchor or None)] of a page's links to this repository."""
+    found, text = [], TEXTS[page]
+    for m in LINK.finditer(text):
+        target = m.group(1)
+        if re.match(r"^[a-z]+:", target):
+            continue  # https: and the like: not this repository's
+        path, _, anchor = target.partition("#")
+        where = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        found.append((line_of(m.start(), text), where, anchor or None))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_finds_its_file_and_section(page):
+    broken = []
+    for line, target, anchor in links_of(page):
+        if target.startswith("..") or not os.path.exists(os.path.join(REPO, target)):
+            broken.append(f"{page}:{line}: no {target} (paths are relative to the page's folder)")
+        elif anchor and target not in TEXTS:
+            broken.append(f"{page}:{line}: {target}#{anchor}: a section of a file that is not a page")
+        elif anchor and anchor not in anchors_of(target):
+            broken.append(f"{page}:{line}: {target} has no section #{anchor} ({sorted(anchors_of(target))})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_links_every_page():
+    linked = {target for _, target, _ in links_of(README)}
+    unlinked = [page for page in PAGES[1:] if page not in linked]
+    assert not unlinked, f"pages of docs/ that README.md's list of pages does not link: {unlinked}"
+
+
+# The sections of the article "5D Parallelism from Scratch", in its order: each needs a row of the reading map
+# whose first cell says it (a pattern, case ignored).
+ARTICLE_SECTIONS = {
+    "Why do we need parallelism?": r"why",
+    "Data parallelism": r"^data parallelism",
+    "ZeRO": r"zero",
+    "Tensor parallelism": r"^tensor parallelism",
+    "Pipeline parallelism: GPipe and 1F1B": r"^pipeline parallelism.*gpipe.*1f1b",
+    "The project's schedules: interleaved and zero bubble": r"interleaved.*zb-h1.*zb-v",
+    "Sequence parallelism, Megatron-style": r"^sequence parallelism.*megatron",
+    "Ring attention (context parallelism)": r"ring attention.*context parallelism",
+    "Expert parallelism": r"^expert parallelism",
+    "The load balancing challenge": r"load balancing",
+    "Putting it all together: the 5D grid": r"all together.*5d grid",
+}
+
+
+def reading_map():
+    """[(line, cells)] of the rows of the README's reading map (its section's table, header left out)."""
+    text = TEXTS[README]
+    section = re.search(r"^## The reading map\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "README.md has no section '## The reading map'"
+    rows = []
+    for m in re.finditer(r"^\|(.*)\|$", section.group(1), re.M):
+        cells = [cell.strip() for cell in m.group(1).split("|")]
+        if not set("".join(cells)) <= set("-: ") and cells[0] != "section of the article":
+            rows.append((line_of(section.start(1) + m.start(), text), cells))
+    return rows
+
+
+def test_the_reading_map_has_a_row_for_each_section_of_the_article():
+    rows = reading_map()
+    firsts = [cells[0].lower() for _, cells in rows]
+    missing = [section for section, pattern in ARTICLE_SECTIONS.items()
+               if not any(re.search(pattern, first) for first in firsts)]
+    assert not missing, f"the reading map has no row for {missing} (rows: {firsts})"
+    order = [next(i for i, first in enumerate(firsts) if re.search(pattern, first))
+             for pattern in ARTICLE_SECTIONS.values()]
+    assert order == sorted(order), "the reading map's rows are not in the article's order"
+
+
+def test_every_name_in_the_reading_map_is_in_the_code():
+    """Each `module.Name` of the map imports: the module is this repository's and has the attribute."""
+    modules = repository_modules()
+    problems, named = [], 0
+    for line, cells in reading_map():
+        names = [m.groups() for m in CODE_NAME.finditer(" ".join(cells)) if m.group(2) not in FILE_EXTENSIONS]
+        if not names:
+            problems.append(f"README.md:{line}: a row of the reading map that names no `module.Name`")
+        for module, name in names:
+            named += 1
+            if module not in modules:
+                problems.append(f"README.md:{line}: `{module}.{name}`: no module {module} in this repository")
+            elif not hasattr(importlib.import_module(module), name):
+                problems.append(f"README.md:{line}: `{module}.{name}`: {modules[module]} has no {name}")
+    assert named >= 2 * len(ARTICLE_SECTIONS), f"the reading map names only {named} classes and functions"
+    assert not problems, "\n".join(problems)
+
+
+def test_the_reading_map_runs_each_dimension_as_its_docstring_says():
+    """Each self-check in the map is the command its file's docstring gives, and every row has a command."""
+    problems = []
+    for line, cells in reading_map():
+        commands = [code for code in re.findall(r"`([^`]+)`", cells[-1]) if code.split()[0] in PYTHONS + ("torchrun",)]
+        if not commands:
+            problems.append(f"README.md:{line}: no command in the row's last cell {cells[-1]!r}")
+        for command in commands:
+            script = command.split()[-1]
+            if script in SELF_CHECKS:
+                with open(os.path.join(REPO, script)) as f:
+                    docstring = f.read().split('"""')[1]
+                if command not in " ".join(docstring.split()):
+                    problems.append(f"README.md:{line}: {script}'s docstring does not give `{command}`")
+    assert not problems, "\n".join(problems)
