@@ -1,4 +1,4 @@
-"""The README's worked example, end to end on a tiny model: a Hugging Face folder (a Mixtral: experts for ep,
+"""docs/own-text.md's worked example, end to end on a tiny model: a Hugging Face folder (a Mixtral: experts for ep,
 heads for tp, layers for pp) and a folder of text -> python -m tools.prepare -> train.py --init-from under
 tp=2, pp=2 and ep=2 -> python -m tools.sample -> python -m tools.convert to-hf -> python -m tools.sample again.
 

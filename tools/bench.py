@@ -1091,7 +1091,7 @@ def run_comparisons(settings, out, names=None):
 # Part 3: the soak (--soak): launches that never fail, and kills that lose nothing
 # ---------------------------------------------------------------------------
 
-SELF_CHECKS = {"dp.py": 4, "tp.py": 2, "pp.py": 4, "cp.py": 4, "ep.py": 4}  # file: ranks, as in the README
+SELF_CHECKS = {"dp.py": 4, "tp.py": 2, "pp.py": 4, "cp.py": 4, "ep.py": 4}  # file: ranks, as in the README's reading map
 SOAK_RUN = ["train.py", "--model", "tiny", "--batch-size", "8", "--micro-batches", "2", "--dtype", "float64",
             "--tp", "2", "--pp", "2", "--ep", "2", "--experts", "4", "--eval-interval", "1000"]  # 8 ranks
 
