@@ -1,84 +1,36 @@
 """Pipeline parallelism: layers split into stages, micro-batches scheduled through them.
 
-The article's section "Pipeline Parallelism" ("5D Parallelism from Scratch"); the schedules are GPipe's
-(Huang et al., 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism"),
-1F1B PipeDream's (Narayanan et al., 2019, "PipeDream: Generalized Pipeline Parallelism for DNN
-Training") with a flush at the end of each step as in PipeDream-Flush (Narayanan et al., 2021,
-"Memory-Efficient Pipeline-Parallel DNN Training"), interleaved 1F1B Megatron-LM's (Narayanan et al.,
-2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
-2.2.2), ZB-H1 Zero Bubble's (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"), and ZB-V its V-shaped
-follow-up (the same paper's section 6; Qi et al., 2024, "Pipeline Parallelism with Controllable Memory").
-
-The article's assembly line. P ranks each hold a contiguous slice of the
-layers; rank 0 also the embedding, rank P-1 the final norm, the head and the
-loss. A micro-batch's activations flow forward stage to stage, its gradients
-flow back. With one micro-batch only one stage works at a time; with M
-micro-batches the idle fraction per stage (the bubble) is
+The article's section "Pipeline Parallelism" ("5D Parallelism from Scratch"), its assembly line: P ranks
+each hold a contiguous slice of the layers (rank 0 also the embedding, rank P-1 the head and the loss); a
+micro-batch's activations flow forward stage to stage, its gradients back. With M micro-batches a stage
+idles the fraction (GPipe's bubble overhead, `bubble_formula`)
 
     bubble = (P - 1) / (M + P - 1)          (article: 3/4 for P=4, M=1; 1/5 for M=12)
 
-GPipe's bubble overhead, (K-1)/(M+K-1) for K partitions; Megatron-LM's "bubble time fraction"
-(p-1)/m (its section 2.2.1) is the same idle time over the ideal time instead of the total
-(`bubble_formula`).
+Five schedules, each a flat list of this rank's ("forward" | "backward" | "weight", chunk, micro-batch)
+actions: GPipe (Huang et al., 2019, "GPipe"); 1F1B (Narayanan et al., 2019, "PipeDream", flushed each
+step as in PipeDream-Flush, 2021); interleaved 1F1B (Narayanan et al., 2021, Megatron-LM, section 2.2.2:
+V chunks a rank, bubble (P-1)/(V*M+P-1)); ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism":
+each backward split into B, the input's gradient, and W, the weights', deferred into the bubble); ZB-V
+(Qi et al., 2024, "Pipeline Parallelism with Controllable Memory": two chunks a rank placed as a V).
+`run_schedule` executes any of them; docs/pipeline-schedules.md measures them.
 
-Five schedules, each a flat function that lists what this rank does, in
-order, as ("forward" | "backward" | "weight", chunk, micro_batch) actions:
+Copying this file alone (the contract). The model offers, for each chunk this rank holds, a callable
+that runs a contiguous slice of its layers (token ids in on the first chunk, logits out on the last,
+activations of one fixed `shape` in between; it may return (output, side_loss)), and a loss function of
+(output, targets). A micro-batch is (inputs, targets, *rest): the rest goes to every chunk after its
+input (model.py's packed documents). The glue, about ten lines (`GPTChunk` is model.py's):
 
-- GPipe: every forward, then every backward. M micro-batches' activations
-  are alive at once.
-- 1F1B: a warm-up of P-1-rank forwards, then one forward and one backward in
-  turn, then the remaining backwards. At most P micro-batches are alive.
-- Interleaved 1F1B (Megatron-LM): each rank holds V non-adjacent chunks
-  (rank r: chunks r, r+P, r+2P, ...), so a micro-batch visits every rank V
-  times; the bubble shrinks by V for V times the point-to-point messages
-  (Megatron-LM's (1/v)(p-1)/m, its section 2.2.2: here (P-1)/(V*M+P-1)).
-- ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): a backward
-  has two halves. B, the gradient of the stage's input, is what the previous
-  stage waits for; W, the gradient of the stage's weights, only the
-  optimizer needs. ZB-H1 runs 1F1B with B in place of the backward and
-  defers W: rank r keeps up to r of them back and runs them where 1F1B's
-  last stages sit idle at the end, while B, about half a backward, brings
-  the gradients down the pipeline sooner. The idle time per stage is
-  (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) (the paper's section 2): a third
-  of it when F, B and W take as long. The peak activation memory stays
-  1F1B's: rank 0 holds P micro-batches, and rank r at most P-r unfinished
-  plus r awaiting W. The split is autograd's own: B runs the backward up to
-  the stage's input only, keeping the graph, and records the gradient where
-  each weight's branch leaves that path; W runs those branches alone
-  (`backward_input`, `backward_weight`).
-- ZB-V: on the first stage ZB-H1's split gains nothing, since its input is
-  token ids and its B has nothing to compute. ZB-V gives each rank two chunks
-  of half a stage placed as a V: rank r holds model chunks r and 2P-1-r, so
-  a micro-batch goes down the ranks and back up, and rank 0 also holds the
-  last chunk, whose B is real work. With F, B and W of a chunk one unit each
-  a rank idles P-1 units out of 6M+P-1 (a sixth of 1F1B's idle time), at
-  1F1B's activation memory: rank 0 holds at most 2P chunks of half a stage.
+    schedules = [make_schedule(name, M, P, r) for r in range(P)]
+    losses, side_losses = run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device)
 
-Where the chunks are is one rule, a `Placement`: which rank holds model chunk
-k, and as which of its chunks. Interleaving places them in a loop (rank k mod
-P), ZB-V in a V (`interleaved_placement`, `v_placement`); every message goes to
-the holder of the next or previous chunk, so nothing else differs. At the turn
-of the V chunks P-1 and P are on the same rank, and their messages are handed
-over instead of sent.
-
-`run_schedule` executes any such list. First it places every rank's actions
-on common time steps (`timeline`): at each step a rank runs its next action
-if its input was sent at an earlier step. Before a forward (backward) a rank
-waits for the activation (gradient) of the previous (next) chunk; after each
-step it posts one batch with what its action sends and the receives of what
-its neighbours' actions of that step send it, and waits for a received
-tensor only when an action needs it. Both ends of every message are posted
-in the batch of the same step, so messages match by posting order alone, as
-NCCL requires, and nothing can deadlock (`exchanges` gives the argument).
-
-What a model must offer (the contract for copying this file elsewhere): a
-way to run a contiguous slice of its layers as a callable (token ids in on
-the first stage, logits out on the last, activations of one fixed shape in
-between), and a loss function of (output, targets). A micro-batch may carry
-more than (inputs, targets): what follows is handed to every stage function
-after its input (model.py's packed documents: each token's document, from
-which a stage finds its positions and attention mask). The glue is that stage
-function, about ten lines (`GPTChunk` below is model.py's).
+`chunks` lists this rank's model chunks (of `split_layers(n_layers, V*P)`) in the order of
+`schedules[rank].placement.model_chunks(rank)`: one a rank for GPipe, 1F1B and ZB-H1 (rank r: chunk r);
+interleaved, a loop (rank r: chunks r, r+P, r+2P, ...); ZB-V, a V (rank r: chunks r and 2P-1-r, so rank
+0 holds the first and the last). make_schedule's lists carry that placement and run_schedule runs on it;
+a different `placement=` is refused up front, and so is a V listed by hand without
+`placement=Placement.of("zbv", P, 2)`. `forward_only`'s lists (evaluation) carry none: pass
+run_schedule the training schedules' `placement=`.
 
 Self-check: torchrun --nproc_per_node 4 pp.py
 """
@@ -92,6 +44,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge
+
+
+def split_layers(n_layers, n_model_chunks):
+    """Layer ranges of each model chunk, as even as possible (earlier chunks get the extra layers)."""
+    if n_layers < n_model_chunks:
+        raise ValueError(f"{n_layers} layers cannot fill {n_model_chunks} pipeline chunks "
+                         f"(pp x virtual stages) of at least one layer each")
+    per_chunk, extra = divmod(n_layers, n_model_chunks)
+    bounds = [0]
+    for chunk in range(n_model_chunks):
+        bounds.append(bounds[-1] + per_chunk + (chunk < extra))
+    return [range(bounds[i], bounds[i + 1]) for i in range(n_model_chunks)]
 
 
 def bubble_formula(n_stages, n_micro, n_chunks=1, schedule=None):
@@ -111,30 +75,20 @@ def bubble_formula(n_stages, n_micro, n_chunks=1, schedule=None):
     return (n_stages - 1) / (n_chunks * n_micro + n_stages - 1)
 
 
-def split_layers(n_layers, n_model_chunks):
-    """Layer ranges of each model chunk, as even as possible (earlier chunks get the extra layers)."""
-    if n_layers < n_model_chunks:
-        raise ValueError(f"{n_layers} layers cannot fill {n_model_chunks} pipeline chunks "
-                         f"(pp x virtual stages) of at least one layer each")
-    per_chunk, extra = divmod(n_layers, n_model_chunks)
-    bounds = [0]
-    for chunk in range(n_model_chunks):
-        bounds.append(bounds[-1] + per_chunk + (chunk < extra))
-    return [range(bounds[i], bounds[i + 1]) for i in range(n_model_chunks)]
-
-
 # ---------------------------------------------------------------------------
 # Schedules: what this rank does, in order
 # ---------------------------------------------------------------------------
 
 def gpipe(n_micro, n_stages, rank):
-    """All forwards, then all backwards (GPipe, "all forward all backward")."""
+    """All forwards, then all backwards (GPipe, "all forward all backward"): every micro-batch's activations
+    are alive at once, M of them."""
     return ([("forward", 0, m) for m in range(n_micro)] +
             [("backward", 0, m) for m in range(n_micro)])
 
 
 def one_f_one_b(n_micro, n_stages, rank):
-    """1F1B: warm-up forwards, then alternate one forward and one backward, then cool-down backwards."""
+    """1F1B: warm-up forwards, then alternate one forward and one backward, then cool-down backwards. Each
+    backward frees a micro-batch's activations, so at most P - rank are alive, for GPipe's bubble."""
     warmup = min(n_stages - rank - 1, n_micro)
     actions = [("forward", 0, m) for m in range(warmup)]                     # warm-up
     for m in range(n_micro - warmup):                                         # steady state
@@ -143,9 +97,46 @@ def one_f_one_b(n_micro, n_stages, rank):
     return actions
 
 
+def virtual_step(k, n_stages, n_chunks, forward=True):
+    """(chunk, micro-batch) of a rank's k-th forward (or backward) under interleaving.
+
+    Micro-batches go in groups of P: the first P forwards run micro-batches
+    0..P-1 through chunk 0, the next P through chunk 1, and so on, then the
+    next group; backwards walk the chunks in reverse.
+    """
+    chunk = (k % (n_stages * n_chunks)) // n_stages
+    micro = (k // (n_stages * n_chunks)) * n_stages + k % n_stages
+    return (chunk if forward else n_chunks - 1 - chunk), micro
+
+
+def interleaved_1f1b(n_micro, n_stages, rank, n_chunks):
+    """Megatron-LM's interleaved 1F1B over V = n_chunks virtual stages a rank, placed in a loop (rank r holds
+    model chunks r, r+P, r+2P, ...): a micro-batch visits every rank V times, and the bubble shrinks by V
+    for V times the point-to-point messages."""
+    if n_stages < 2:
+        raise ValueError("interleaved 1F1B needs at least two pipeline stages")
+    if n_micro % n_stages:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a multiple of "
+                         f"the pipeline size ({n_stages})")
+    total = n_micro * n_chunks
+    chunk = lambda k, forward: virtual_step(k, n_stages, n_chunks, forward)[0]  # noqa: E731
+    micro = lambda k: virtual_step(k, n_stages, n_chunks)[1]  # noqa: E731
+    warmup = min((n_stages - rank - 1) * 2 + (n_chunks - 1) * n_stages, total)
+    actions = [("forward", chunk(k, True), micro(k)) for k in range(warmup)]              # warm-up
+    for k in range(total - warmup):                                                      # steady state
+        actions += [("forward", chunk(warmup + k, True), micro(warmup + k)), ("backward", chunk(k, False), micro(k))]
+    actions += [("backward", chunk(k, False), micro(k)) for k in range(total - warmup, total)]  # cool-down
+    return actions
+
+
 def zero_bubble_h1(n_micro, n_stages, rank):
     """ZB-H1: 1F1B's order with B as the backward; each W deferred while this rank holds fewer than `rank`
-    others back, the rest after the last B (where 1F1B's stage `rank` would wait for the earlier stages)."""
+    others back, the rest after the last B (where 1F1B's stage `rank` would wait for the earlier stages).
+
+    B, the gradient of the stage's input, is what the previous stage waits for; W, the weights', only the
+    optimizer needs (`backward_input`, `backward_weight`). A stage idles (P-1)(F+B-W) against 1F1B's
+    (P-1)(F+B+W) (the paper's section 2) at 1F1B's peak activation memory: rank r holds at most P-r
+    unfinished micro-batches plus r awaiting W."""
     warmup = min(n_stages - rank - 1, n_micro)
     actions, deferred = [("forward", 0, m) for m in range(warmup)], []
 
@@ -196,35 +187,194 @@ def zero_bubble_v(n_micro, n_stages, rank):
     return [action for action in actions if action[2] < n_micro]
 
 
-def virtual_step(k, n_stages, n_chunks, forward=True):
-    """(chunk, micro-batch) of a rank's k-th forward (or backward) under interleaving.
+# ---------------------------------------------------------------------------
+# The executor: every rank walks one timeline, computing its actions and exchanging their messages
+# ---------------------------------------------------------------------------
 
-    Micro-batches go in groups of P: the first P forwards run micro-batches
-    0..P-1 through chunk 0, the next P through chunk 1, and so on, then the
-    next group; backwards walk the chunks in reverse.
+def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device,
+                 grad_sync=None, stats=None, debug=False, forward_context=nullcontext, placement=None):
+    """Execute this rank's actions; returns (losses, side_losses) as floats.
+
+    schedules: every rank's action list (schedules[r] for pipeline rank r); all ranks place them on the same
+    time steps (`timeline`), which orders their messages.
+    chunks: this rank's model chunks, callables x -> y or (y, side_loss), in the order of
+    placement.model_chunks(rank).
+    placement: where the model chunks are (a `Placement`); by default the one the schedules were written for
+    (make_schedule's lists carry it: ZB-V's is a V), else a loop (chunk c of rank r is model chunk c*P + r).
+    micro_batches: (inputs, targets, *rest) each; the first chunk reads inputs, the last targets, and every
+    chunk takes the rest after its input (model.py's packed documents: their ids).
+    loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
+    losses: of each micro-batch, on the rank holding the last chunk (elsewhere []). side_losses: of each
+    (chunk, micro-batch) whose chunk returned one (an MoE layer's load-balancing loss), on the rank that
+    computed it: its gradient flows from there, so no rank has to hold every rank's side losses.
+    grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): each chunk's gradients
+    are reduced during its last gradient sum, once per step (`_ReductionPlan`).
+    forward_context: entered around every forward (activation counting). Without backward actions this is
+    an inference pass.
     """
-    chunk = (k % (n_stages * n_chunks)) // n_stages
-    micro = (k // (n_stages * n_chunks)) * n_stages + k % n_stages
-    return (chunk if forward else n_chunks - 1 - chunk), micro
+    n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
+    placement = placement_to_run(schedules[rank], placement, n_stages, len(chunks))
+    actions, stats = schedules[rank], stats or PipelineStats(device)
+    # Chosen once: a schedule with weight actions (ZB-H1, ZB-V) splits each backward into B and W.
+    Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in actions) else _WholeBackward
+    reduction = _ReductionPlan(actions, Stage.summing, _NoGradSync() if grad_sync is None else grad_sync, chunks)
+    is_last = [k == placement.n_model_chunks - 1 for k in placement.model_chunks(rank)]
+    stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats)
+    p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
+    steps, received = timeline(schedules, placement), {}
+    if stats.actions is not None:  # a timeline is recorded: the stages start it together
+        dist.barrier(group=group)
+    start = stats.origin = stats.total.now()
+    # Every rank walks the same steps and posts after each the batch `exchanges` lists: both ends of a
+    # message in the same step's batch, which is why the messages match and nothing deadlocks on NCCL.
+    for row, (sends, receives) in zip(steps, exchanges(steps, rank, placement)):
+        action, output = row[rank], None  # None: this rank idles this step (but still posts its receives)
+        if action:
+            # (1) wait for the input message: a forward's activation, a backward's gradient (if any)
+            need = message_needed(action, rank, placement)
+            waiting = stats.wait.now()
+            incoming = received.pop(need)() if need else None
+            # (2) compute
+            computing = stats.compute.now()
+            output = stage.run(action, incoming)
+            done = stats.compute.now()
+        # (3) post this step's sends (this action's output) and receives (what the neighbours' actions send)
+        received.update(p2p.post([(peer, message, output) for peer, message in sends], receives))
+        # (4) record timing
+        if action:
+            stats.record(action, waiting, computing, done)
+    p2p.flush()
+    stats.total.add(start, stats.total.now())
+    stats.bytes_sent += p2p.bytes_sent
+    return [loss.item() for loss in stage.losses], [side.item() for side in stage.side_losses]
 
 
-def interleaved_1f1b(n_micro, n_stages, rank, n_chunks):
-    """Megatron-LM's interleaved 1F1B over n_chunks virtual stages per rank."""
-    if n_stages < 2:
-        raise ValueError("interleaved 1F1B needs at least two pipeline stages")
-    if n_micro % n_stages:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a multiple of "
-                         f"the pipeline size ({n_stages})")
-    total = n_micro * n_chunks
-    chunk = lambda k, forward: virtual_step(k, n_stages, n_chunks, forward)[0]  # noqa: E731
-    micro = lambda k: virtual_step(k, n_stages, n_chunks)[1]  # noqa: E731
-    warmup = min((n_stages - rank - 1) * 2 + (n_chunks - 1) * n_stages, total)
-    actions = [("forward", chunk(k, True), micro(k)) for k in range(warmup)]              # warm-up
-    for k in range(total - warmup):                                                      # steady state
-        actions += [("forward", chunk(warmup + k, True), micro(warmup + k)), ("backward", chunk(k, False), micro(k))]
-    actions += [("backward", chunk(k, False), micro(k)) for k in range(total - warmup, total)]  # cool-down
-    return actions
+class _Stage:
+    """This rank's model chunks, running its actions. A subclass says how a backward runs: whole, or split.
 
+    `saved` holds, per (chunk, micro-batch), what its backward needs, from its forward on; with a split
+    backward, then what its weight pass has left to do. Its size is the activation memory in micro-batches.
+    """
+
+    summing = None  # the kind of action that sums the weights' gradients (each subclass names it)
+
+    def __init__(self, chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats):
+        self.chunks, self.micro_batches, self.loss_fn = chunks, micro_batches, loss_fn
+        self.forward_context, self.reduction, self.stats = forward_context, reduction, stats
+        self.is_last = is_last  # is_last[c]: chunk c is the model's last (it computes the loss)
+        self.saved, self.losses, self.side_losses = {}, [], []
+
+    def run(self, action, incoming):
+        """Compute `action` from the message it received (None if it needs none); returns what it sends, or None."""
+        kind, c, m = action
+        if kind == "forward":
+            return self.forward(c, m, incoming)
+        if kind == "backward":
+            return self.backward(c, m, incoming)
+        return self.weight(c, m)
+
+    def forward(self, c, m, activation):
+        """Chunk c on micro-batch m, from the previous chunk's activation (the first chunk reads the inputs);
+        returns its output, and keeps what its backward needs."""
+        last = self.is_last[c]
+        x = self.micro_batches[m][0] if activation is None else activation.requires_grad_()
+        with self.forward_context():  # the losses too (activation counting)
+            y = self.chunks[c](x, *self.micro_batches[m][2:])  # and what else it takes (packed documents)
+            y, side = y if isinstance(y, tuple) else (y, None)
+            roots = self._loss_roots(m, side, y if last else None)
+        if torch.is_grad_enabled():  # not an inference pass
+            self.saved[c, m] = (x, None if last else y, roots)
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.saved))
+        return y
+
+    def _loss_roots(self, m, side, last_output):
+        """The losses backward starts from, each micro-batch's share of them (the mean over micro-batches, as
+        gradient accumulation does): a side loss on any stage, the loss of the last chunk's output."""
+        roots = []
+        if side is not None:
+            self.side_losses.append(side.detach())
+            roots.append(side / len(self.micro_batches))
+        if last_output is not None:
+            loss = self.loss_fn(last_output, self.micro_batches[m][1])
+            self.losses.append(loss.detach())
+            roots.append(loss / len(self.micro_batches))
+        return roots
+
+    def _backward_start(self, c, m, grad):
+        """(input, roots, their gradients) for the backward of chunk c on micro-batch m: its losses (gradient
+        None, autograd's 1) and, below the last chunk, its output with the gradient the next chunk sent."""
+        x, y, roots = self.saved.pop((c, m))
+        grads = [None] * len(roots)
+        if grad is not None:
+            roots, grads = [y, *roots], [grad, *grads]
+        return x, roots, grads
+
+
+class _WholeBackward(_Stage):
+    """A backward action computes the input's and the weights' gradients in one pass, summing the latter."""
+
+    summing = "backward"
+
+    def backward(self, c, m, grad):
+        """Returns the gradient of the chunk's input."""
+        x, roots, grads = self._backward_start(c, m, grad)
+        with self.reduction.context(("backward", c, m)):
+            torch.autograd.backward(roots, grads)
+        return x.grad
+
+
+class _P2P:
+    """Point-to-point with the other stages: one batch of sends and receives posted after each step. A message
+    to this rank itself (the turn of a V) is handed over as it is: a tensor detached from the graph that made
+    it, as a received one would be."""
+
+    def __init__(self, group, shape, dtype, device, debug):
+        self.group, self.shape, self.dtype, self.device, self.debug = group, shape, dtype, device, debug
+        self.rank = dist.get_rank(group)
+        self.batches = []  # every batch posted; those no receive needed are waited for at the end
+        self.bytes_sent = 0
+
+    def post(self, sends, receives):
+        """Post one batch; returns {message: a function that waits for it and gives the tensor}."""
+        ops, buffers, handed_over = [], {}, {}
+        for peer, message, tensor in sends:
+            tensor = tensor.detach().to(self.dtype).contiguous()
+            if peer == self.rank:
+                handed_over[message] = _already_here(tensor)
+                continue
+            ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group))
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+            self._log(f"send {message} to stage {peer}")
+        for peer, message in receives:
+            if peer == self.rank:
+                continue
+            buffers[message] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffers[message], self._global(peer), self.group))
+            self._log(f"post receive of {message} from stage {peer}")
+        if not ops:
+            return handed_over
+        batch = _Batch(dist.batch_isend_irecv(ops))
+        self.batches.append(batch)
+        return {**handed_over, **{message: batch.waiter(buffer) for message, buffer in buffers.items()}}
+
+    def flush(self):
+        for batch in self.batches:
+            batch.wait()
+        self.batches = []
+
+    def _global(self, peer):
+        return dist.get_global_rank(self.group or dist.group.WORLD, peer)
+
+    def _log(self, message):
+        if self.debug:
+            print(f"[pp stage {dist.get_rank(self.group)}] {message}", flush=True)
+
+
+# ---- Beyond the article ----
+
+# ---------------------------------------------------------------------------
+# Schedules by name
+# ---------------------------------------------------------------------------
 
 def forward_only(n_micro, n_stages, rank, n_chunks=1):
     """Every forward and no backward (evaluation), in the order the schedules run forwards."""
@@ -237,165 +387,57 @@ CHUNKS_A_RANK = {"interleaved": 2, "zbv": 2}  # the schedules that run several c
 SPLIT_BACKWARD = ("zb1", "zbv")                # the schedules whose backward is B, then W later
 
 
-def make_schedule(name, n_micro, n_stages, rank, n_chunks=1):
+class Schedule(list):
+    """A rank's actions, and the `Placement` its schedule was written for, which `run_schedule` runs on
+    unless told otherwise: a V schedule knows it is V-shaped."""
+
+    def __init__(self, actions, placement):
+        super().__init__(actions)
+        self.placement = placement
+
+
+def make_schedule(name, n_micro, n_stages, rank, n_chunks=None):
+    """Rank `rank`'s actions under the schedule `name`, as a `Schedule` carrying its placement; n_chunks a
+    rank (default: the schedule's own, `CHUNKS_A_RANK`)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose from {sorted(SCHEDULES)}")
+    n_chunks = n_chunks or CHUNKS_A_RANK.get(name, 1)
     if name == "zbv" and n_chunks != 2:
         raise ValueError(f"ZB-V places exactly two chunks on each rank, not {n_chunks}")
     if name != "zbv" and (name == "interleaved") != (n_chunks > 1):
         raise ValueError("the interleaved schedule needs more than one virtual stage, and only it can use them")
     if name == "interleaved":
-        return interleaved_1f1b(n_micro, n_stages, rank, n_chunks)
-    return SCHEDULES[name](n_micro, n_stages, rank)
+        actions = interleaved_1f1b(n_micro, n_stages, rank, n_chunks)
+    else:
+        actions = SCHEDULES[name](n_micro, n_stages, rank)
+    return Schedule(actions, Placement.of(name, n_stages, n_chunks))
 
 
 # ---------------------------------------------------------------------------
-# Placement: which rank holds model chunk k (the one rule every message follows)
+# A backward in two halves (ZB-H1, ZB-V): B, the input's gradient now; W, the weights' later
 # ---------------------------------------------------------------------------
 
-def interleaved_placement(k, n_stages):
-    """(rank, its chunk index) of model chunk k in a loop over the ranks: rank r holds chunks r, r+P, r+2P, ...
-    (Megatron-LM's interleaving; with one chunk a rank, the plain split)."""
-    return k % n_stages, k // n_stages
+class _SplitBackward(_Stage):
+    """ZB-H1's and ZB-V's backward in two actions: the backward runs B (`backward_input`), the input's gradient only, and
+    keeps in `saved` what is left; the weight action later runs W (`backward_weight`), which sums the weights'."""
 
+    summing = "weight"
 
-def v_placement(k, n_stages):
-    """(rank, its chunk index) of model chunk k in a V: down the ranks, then back up, so that rank r holds
-    chunks r and 2P-1-r, and rank 0 both the first and the last (ZB-V's placement)."""
-    return (k, 0) if k < n_stages else (2 * n_stages - 1 - k, 1)
+    def backward(self, c, m, grad):
+        """B; returns the gradient of the chunk's input."""
+        x, roots, grads = self._backward_start(c, m, grad)
+        with self.reduction.grad_sync.no_sync():  # no weight's gradient is summed here
+            x_grad, self.saved[c, m] = backward_input(roots, grads, x)
+        return x_grad
 
+    def weight(self, c, m):
+        """W."""
+        *firsts, last = self.saved.pop((c, m))
+        with self.reduction.context(("weight", c, m)):
+            with self.reduction.grad_sync.keep_incomplete_buckets():
+                backward_weight(firsts)  # a W is several backwards: the end of the last is the end of W
+            backward_weight([last])
 
-PLACEMENTS = {"zbv": v_placement}  # every other schedule places its chunks in a loop
-
-
-class Placement:
-    """Where P ranks x V chunks of a model are: `rule(k, P)` gives the rank holding model chunk k and that
-    chunk's index on the rank (an action's chunk)."""
-
-    def __init__(self, n_stages, n_chunks=1, rule=interleaved_placement):
-        self.n_stages, self.n_chunks, self.rule = n_stages, n_chunks, rule
-        self.n_model_chunks = n_stages * n_chunks
-        held = {self.holder(k): k for k in range(self.n_model_chunks)}  # the rule inverted, once
-        self._held = [[held[rank, c] for c in range(n_chunks)] for rank in range(n_stages)]
-
-    @classmethod
-    def of(cls, schedule, n_stages, n_chunks=1):
-        """The placement a schedule (by name) runs on."""
-        return cls(n_stages, n_chunks, PLACEMENTS.get(schedule, interleaved_placement))
-
-    def holder(self, k):
-        """(rank, chunk index) of model chunk k."""
-        return self.rule(k, self.n_stages)
-
-    def model_chunks(self, rank):
-        """The model chunks `rank` holds, by chunk index."""
-        return self._held[rank]
-
-    @property
-    def first_rank(self):
-        """The rank holding the first model chunk (the embedding)."""
-        return self.holder(0)[0]
-
-    @property
-    def last_rank(self):
-        """The rank holding the last model chunk (the output layer and the loss)."""
-        return self.holder(self.n_model_chunks - 1)[0]
-
-    def ends_apart(self):
-        """Whether the first and the last model chunk are on two ranks (so a weight both use, a tied embedding
-        and output layer, has a copy on each)."""
-        return self.first_rank != self.last_rank
-
-
-# ---------------------------------------------------------------------------
-# Messages, and the time steps that make their order the same on both sides
-# ---------------------------------------------------------------------------
-
-def message_needed(action, rank, placement):
-    """The message `action` on `rank` must receive before it runs, or None.
-
-    A message is named (kind, model chunk that sent it, micro-batch): a forward of model chunk k needs
-    the activation of chunk k-1, a backward the gradient of chunk k+1 (the first chunk reads tokens,
-    the last chunk's backward starts from the loss).
-    """
-    kind, c, m = action
-    k = placement.model_chunks(rank)[c]
-    if kind == "forward" and k > 0:
-        return ("activation", k - 1, m)
-    if kind == "backward" and k < placement.n_model_chunks - 1:
-        return ("gradient", k + 1, m)
-    return None
-
-
-def message_sent(action, rank, placement):
-    """(destination rank, message) that `action` on `rank` sends when it is done, or None: to the holder of
-    the next model chunk (a forward's activation) or of the previous one (a backward's gradient)."""
-    kind, c, m = action
-    k = placement.model_chunks(rank)[c]
-    if kind == "forward" and k < placement.n_model_chunks - 1:
-        return placement.holder(k + 1)[0], ("activation", k, m)
-    if kind == "backward" and k > 0:
-        return placement.holder(k - 1)[0], ("gradient", k, m)
-    return None
-
-
-def timeline(schedules, placement=None):
-    """Every rank's actions on common time steps: steps[t][r] is what rank r runs at step t (None: idle).
-
-    schedules[r] is rank r's action list; placement says where the chunks are (default: one a rank). At
-    each step a rank runs its next action if the message it needs was sent at an earlier step, and idles
-    otherwise. The result is the pipeline diagram of the article (one row per stage, one column per step),
-    and it fixes the order of every message.
-    """
-    n_stages = len(schedules)
-    placement = placement or Placement(n_stages)
-    position, sent_at, steps = [0] * n_stages, {}, []
-    while any(position[r] < len(schedules[r]) for r in range(n_stages)):
-        t, row = len(steps), []
-        for r, actions in enumerate(schedules):
-            action = actions[position[r]] if position[r] < len(actions) else None
-            need = action and message_needed(action, r, placement)
-            ready = action is not None and (need is None or sent_at.get(need, t) < t)
-            row.append(action if ready else None)
-            position[r] += ready
-        if not any(row):
-            raise ValueError(f"the schedule deadlocks: no rank can run its next action at step {t}")
-        for r, action in enumerate(row):
-            out = action and message_sent(action, r, placement)
-            if out:
-                sent_at[out[1]] = t
-        steps.append(row)
-    return steps
-
-
-def exchanges(steps, rank, placement=None):
-    """What this rank posts after each step: ([(destination, message)], [(source, message)]).
-
-    After step t every rank posts, as one batch, the message its own action of step t sends and the receives
-    of the messages its neighbours' actions of step t send it. The two ends of a message are thus always in
-    the batch of the same step, which is what NCCL needs. NCCL ignores tags: between two ranks, sends and
-    receives match in posting order, and here both sides post their messages in step order, so they match by
-    that order alone. And NCCL runs the batches of one communicator one after the other on one stream, so a
-    receive posted early would block every send queued behind it (with 1F1B on two stages, a first stage
-    waiting for a gradient before sending the activation that the second stage needs to produce it). Here
-    batch t can complete as soon as every rank has finished step t, and step t waits only for batches before
-    t, so nothing deadlocks. A message from a rank to itself (the turn of a V, from chunk P-1 to chunk P on
-    rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
-    """
-    n_stages = len(steps[0])
-    placement = placement or Placement(n_stages)
-    posted = []
-    for row in steps:
-        sent = [message_sent(a, r, placement) if a else None for r, a in enumerate(row)]
-        sends = [sent[rank]] if sent[rank] else []
-        receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
-        posted.append((sends, receives))
-    return posted
-
-
-# ---------------------------------------------------------------------------
-# A backward in two halves (ZB-H1): B, the input's gradient now; W, the weights' later
-# ---------------------------------------------------------------------------
 
 def backward_graph(roots):
     """The nodes of the backward graph below `roots` (autograd Nodes), in the order a breadth-first walk finds
@@ -477,7 +519,222 @@ def backward_weight(work):
 
 
 # ---------------------------------------------------------------------------
-# Running a schedule
+# Placement: which rank holds model chunk k (the one rule every message follows)
+# ---------------------------------------------------------------------------
+
+def interleaved_placement(k, n_stages):
+    """(rank, its chunk index) of model chunk k in a loop over the ranks: rank r holds chunks r, r+P, r+2P, ...
+    (Megatron-LM's interleaving; with one chunk a rank, the plain split)."""
+    return k % n_stages, k // n_stages
+
+
+def v_placement(k, n_stages):
+    """(rank, its chunk index) of model chunk k in a V: down the ranks, then back up, so that rank r holds
+    chunks r and 2P-1-r, and rank 0 both the first and the last (ZB-V's placement)."""
+    return (k, 0) if k < n_stages else (2 * n_stages - 1 - k, 1)
+
+
+PLACEMENTS = {"zbv": v_placement}  # every other schedule places its chunks in a loop
+
+
+class Placement:
+    """Where P ranks x V chunks of a model are: `rule(k, P)` gives the rank holding model chunk k and that
+    chunk's index on the rank (an action's chunk). Two placements are equal if they put the same model
+    chunks on the same ranks in the same order."""
+
+    def __init__(self, n_stages, n_chunks=1, rule=interleaved_placement):
+        self.n_stages, self.n_chunks, self.rule = n_stages, n_chunks, rule
+        self.n_model_chunks = n_stages * n_chunks
+        held = {self.holder(k): k for k in range(self.n_model_chunks)}  # the rule inverted, once
+        self._held = [[held[rank, c] for c in range(n_chunks)] for rank in range(n_stages)]
+
+    @classmethod
+    def of(cls, schedule, n_stages, n_chunks=1):
+        """The placement a schedule (by name) runs on."""
+        return cls(n_stages, n_chunks, PLACEMENTS.get(schedule, interleaved_placement))
+
+    def holder(self, k):
+        """(rank, chunk index) of model chunk k."""
+        return self.rule(k, self.n_stages)
+
+    def model_chunks(self, rank):
+        """The model chunks `rank` holds, by chunk index."""
+        return self._held[rank]
+
+    @property
+    def first_rank(self):
+        """The rank holding the first model chunk (the embedding)."""
+        return self.holder(0)[0]
+
+    @property
+    def last_rank(self):
+        """The rank holding the last model chunk (the output layer and the loss)."""
+        return self.holder(self.n_model_chunks - 1)[0]
+
+    def ends_apart(self):
+        """Whether the first and the last model chunk are on two ranks (so a weight both use, a tied embedding
+        and output layer, has a copy on each)."""
+        return self.first_rank != self.last_rank
+
+    def __eq__(self, other):
+        return isinstance(other, Placement) and self._held == other._held
+
+    def __hash__(self):
+        return hash(tuple(map(tuple, self._held)))
+
+    def __repr__(self):
+        """The expression that makes it (what to pass as run_schedule's `placement=`)."""
+        name = next((name for name, rule in PLACEMENTS.items() if rule is self.rule), None)
+        if name:
+            return f"Placement.of({name!r}, {self.n_stages}, {self.n_chunks})"
+        rule = "" if self.rule is interleaved_placement else f", {self.rule.__name__}"
+        return f"Placement({self.n_stages}, {self.n_chunks}{rule})"
+
+
+def placement_to_run(actions, placement, n_stages, n_chunks):
+    """The placement `run_schedule` runs this rank's `actions` on, given its `placement` argument and this
+    rank's n_chunks: that argument, else the one the actions were written for (a `Schedule`'s), else a loop.
+    A placement that differs from the schedule's is refused before anything runs: the schedule's order
+    would deadlock there, or run in an order it was not written for."""
+    written_for = getattr(actions, "placement", None)
+    placement = placement or written_for or Placement(n_stages, n_chunks)
+    if written_for is not None and placement != written_for:
+        raise ValueError(f"the schedule was written for placement={written_for!r}, not {placement!r}: "
+                         f"pass that one (or none)")
+    if placement.n_chunks != n_chunks:
+        raise ValueError(f"the placement puts {placement.n_chunks} chunks on each rank; this rank has {n_chunks}")
+    return placement
+
+
+# ---------------------------------------------------------------------------
+# Messages, and the time steps that make their order the same on both sides
+# ---------------------------------------------------------------------------
+
+def message_needed(action, rank, placement):
+    """The message `action` on `rank` must receive before it runs, or None.
+
+    A message is named (kind, model chunk that sent it, micro-batch): a forward of model chunk k needs
+    the activation of chunk k-1, a backward the gradient of chunk k+1 (the first chunk reads tokens,
+    the last chunk's backward starts from the loss).
+    """
+    kind, c, m = action
+    k = placement.model_chunks(rank)[c]
+    if kind == "forward" and k > 0:
+        return ("activation", k - 1, m)
+    if kind == "backward" and k < placement.n_model_chunks - 1:
+        return ("gradient", k + 1, m)
+    return None
+
+
+def message_sent(action, rank, placement):
+    """(destination rank, message) that `action` on `rank` sends when it is done, or None: to the holder of
+    the next model chunk (a forward's activation) or of the previous one (a backward's gradient)."""
+    kind, c, m = action
+    k = placement.model_chunks(rank)[c]
+    if kind == "forward" and k < placement.n_model_chunks - 1:
+        return placement.holder(k + 1)[0], ("activation", k, m)
+    if kind == "backward" and k > 0:
+        return placement.holder(k - 1)[0], ("gradient", k, m)
+    return None
+
+
+def timeline(schedules, placement=None):
+    """Every rank's actions on common time steps: steps[t][r] is what rank r runs at step t (None: idle).
+
+    schedules[r] is rank r's action list; placement says where the chunks are (default: the one the
+    schedules carry, else one a rank). At each step a rank runs its next action if the message it needs was
+    sent at an earlier step, and idles otherwise. The result is the pipeline diagram of the article (one row
+    per stage, one column per step), and it fixes the order of every message.
+    """
+    n_stages = len(schedules)
+    placement = placement or getattr(schedules[0], "placement", None) or Placement(n_stages)
+    position, sent_at, steps = [0] * n_stages, {}, []
+    while any(position[r] < len(schedules[r]) for r in range(n_stages)):
+        t, row = len(steps), []
+        for r, actions in enumerate(schedules):
+            action = actions[position[r]] if position[r] < len(actions) else None
+            need = action and message_needed(action, r, placement)
+            ready = action is not None and (need is None or sent_at.get(need, t) < t)
+            row.append(action if ready else None)
+            position[r] += ready
+        if not any(row):
+            raise _deadlock(schedules, placement, t)
+        for r, action in enumerate(row):
+            out = action and message_sent(action, r, placement)
+            if out:
+                sent_at[out[1]] = t
+        steps.append(row)
+    return steps
+
+
+def _deadlock(schedules, placement, t):
+    """The error for schedules that no rank can go on with at step t on `placement`: if they run on another
+    placement a schedule is written for (ZB-V's V), the placement is what is wrong, and it says which."""
+    stuck = f"no rank can run its next action at step {t} on {placement!r}"
+    for name in PLACEMENTS:
+        try:
+            other = Placement.of(name, placement.n_stages, placement.n_chunks)
+            if other != placement and timeline(schedules, other):
+                return ValueError(f"{stuck}, but these schedules run on {other!r}: pass run_schedule "
+                                  f"placement={other!r} and list each rank's chunks in its order, rank r's "
+                                  f"model_chunks(r): {[other.model_chunks(r) for r in range(other.n_stages)]}")
+        except (KeyError, ValueError):  # the rule places no such number of chunks, or they deadlock there too
+            continue
+    return ValueError(f"the schedule deadlocks: {stuck}")
+
+
+def exchanges(steps, rank, placement=None):
+    """What this rank posts after each step: ([(destination, message)], [(source, message)]).
+
+    After step t every rank posts, as one batch, the message its own action of step t sends and the receives
+    of the messages its neighbours' actions of step t send it. The two ends of a message are thus always in
+    the batch of the same step, which is what NCCL needs. NCCL ignores tags: between two ranks, sends and
+    receives match in posting order, and here both sides post their messages in step order, so they match by
+    that order alone. And NCCL runs the batches of one communicator one after the other on one stream, so a
+    receive posted early would block every send queued behind it (with 1F1B on two stages, a first stage
+    waiting for a gradient before sending the activation that the second stage needs to produce it). Here
+    batch t can complete as soon as every rank has finished step t, and step t waits only for batches before
+    t, so nothing deadlocks. A message from a rank to itself (the turn of a V, from chunk P-1 to chunk P on
+    rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
+    """
+    n_stages = len(steps[0])
+    placement = placement or Placement(n_stages)
+    posted = []
+    for row in steps:
+        sent = [message_sent(a, r, placement) if a else None for r, a in enumerate(row)]
+        sends = [sent[rank]] if sent[rank] else []
+        receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
+        posted.append((sends, receives))
+    return posted
+
+
+class _Batch:
+    """The works of one `batch_isend_irecv`, waited for once: a receive needs its whole batch (NCCL
+    gives one work for a batch, whose operations run as one group), and waiting twice on gloo's
+    receive waits for a second message."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def waiter(self, buffer):
+        def wait():
+            self.wait()
+            return buffer
+        return wait
+
+
+def _already_here(tensor):
+    """A waiter (as _Batch.waiter gives) for a message that needs no waiting."""
+    return lambda: tensor
+
+
+# ---------------------------------------------------------------------------
+# Measuring: the device's time, the bubble, the activations in flight
 # ---------------------------------------------------------------------------
 
 class Stopwatch:
@@ -547,77 +804,9 @@ class PipelineStats:
         return 1.0 - self.compute.seconds() / total if total else 0.0
 
 
-class _Batch:
-    """The works of one `batch_isend_irecv`, waited for once: a receive needs its whole batch (NCCL
-    gives one work for a batch, whose operations run as one group), and waiting twice on gloo's
-    receive waits for a second message."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-        self.works = []
-
-    def waiter(self, buffer):
-        def wait():
-            self.wait()
-            return buffer
-        return wait
-
-
-def _already_here(tensor):
-    """A waiter (as _Batch.waiter gives) for a message that needs no waiting."""
-    return lambda: tensor
-
-
-class _P2P:
-    """Point-to-point with the other stages: one batch of sends and receives posted after each step. A message
-    to this rank itself (the turn of a V) is handed over as it is: a tensor detached from the graph that made
-    it, as a received one would be."""
-
-    def __init__(self, group, shape, dtype, device, debug):
-        self.group, self.shape, self.dtype, self.device, self.debug = group, shape, dtype, device, debug
-        self.rank = dist.get_rank(group)
-        self.batches = []  # every batch posted; those no receive needed are waited for at the end
-        self.bytes_sent = 0
-
-    def post(self, sends, receives):
-        """Post one batch; returns {message: a function that waits for it and gives the tensor}."""
-        ops, buffers, handed_over = [], {}, {}
-        for peer, message, tensor in sends:
-            tensor = tensor.detach().to(self.dtype).contiguous()
-            if peer == self.rank:
-                handed_over[message] = _already_here(tensor)
-                continue
-            ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group))
-            self.bytes_sent += tensor.numel() * tensor.element_size()
-            self._log(f"send {message} to stage {peer}")
-        for peer, message in receives:
-            if peer == self.rank:
-                continue
-            buffers[message] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffers[message], self._global(peer), self.group))
-            self._log(f"post receive of {message} from stage {peer}")
-        if not ops:
-            return handed_over
-        batch = _Batch(dist.batch_isend_irecv(ops))
-        self.batches.append(batch)
-        return {**handed_over, **{message: batch.waiter(buffer) for message, buffer in buffers.items()}}
-
-    def flush(self):
-        for batch in self.batches:
-            batch.wait()
-        self.batches = []
-
-    def _global(self, peer):
-        return dist.get_global_rank(self.group or dist.group.WORLD, peer)
-
-    def _log(self, message):
-        if self.debug:
-            print(f"[pp stage {dist.get_rank(self.group)}] {message}", flush=True)
-
+# ---------------------------------------------------------------------------
+# The data-parallel reduction: when each chunk's gradients are complete
+# ---------------------------------------------------------------------------
 
 class _NoGradSync:
     """Stands in for grad_sync=None (no data parallelism): there is nothing to reduce, so its contexts do nothing."""
@@ -671,163 +860,6 @@ def _weight_sharing(chunks):
         weights = chunk.parameters() if hasattr(chunk, "parameters") else []
         unit[c] = min([first_user.setdefault(w, c) for w in weights], default=c)
     return unit
-
-
-class _Stage:
-    """This rank's model chunks, running its actions. A subclass says how a backward runs: whole, or split.
-
-    `saved` holds, per (chunk, micro-batch), what its backward needs, from its forward on; with a split
-    backward, then what its weight pass has left to do. Its size is the activation memory in micro-batches.
-    """
-
-    summing = None  # the kind of action that sums the weights' gradients (each subclass names it)
-
-    def __init__(self, chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats):
-        self.chunks, self.micro_batches, self.loss_fn = chunks, micro_batches, loss_fn
-        self.forward_context, self.reduction, self.stats = forward_context, reduction, stats
-        self.is_last = is_last  # is_last[c]: chunk c is the model's last (it computes the loss)
-        self.saved, self.losses, self.side_losses = {}, [], []
-
-    def run(self, action, incoming):
-        """Compute `action` from the message it received (None if it needs none); returns what it sends, or None."""
-        kind, c, m = action
-        if kind == "forward":
-            return self.forward(c, m, incoming)
-        if kind == "backward":
-            return self.backward(c, m, incoming)
-        return self.weight(c, m)
-
-    def forward(self, c, m, activation):
-        """Chunk c on micro-batch m, from the previous chunk's activation (the first chunk reads the inputs);
-        returns its output, and keeps what its backward needs."""
-        last = self.is_last[c]
-        x = self.micro_batches[m][0] if activation is None else activation.requires_grad_()
-        with self.forward_context():  # the losses too (activation counting)
-            y = self.chunks[c](x, *self.micro_batches[m][2:])  # and what else it takes (packed documents)
-            y, side = y if isinstance(y, tuple) else (y, None)
-            roots = self._loss_roots(m, side, y if last else None)
-        if torch.is_grad_enabled():  # not an inference pass
-            self.saved[c, m] = (x, None if last else y, roots)
-            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.saved))
-        return y
-
-    def _loss_roots(self, m, side, last_output):
-        """The losses backward starts from, each micro-batch's share of them (the mean over micro-batches, as
-        gradient accumulation does): a side loss on any stage, the loss of the last chunk's output."""
-        roots = []
-        if side is not None:
-            self.side_losses.append(side.detach())
-            roots.append(side / len(self.micro_batches))
-        if last_output is not None:
-            loss = self.loss_fn(last_output, self.micro_batches[m][1])
-            self.losses.append(loss.detach())
-            roots.append(loss / len(self.micro_batches))
-        return roots
-
-    def _backward_start(self, c, m, grad):
-        """(input, roots, their gradients) for the backward of chunk c on micro-batch m: its losses (gradient
-        None, autograd's 1) and, below the last chunk, its output with the gradient the next chunk sent."""
-        x, y, roots = self.saved.pop((c, m))
-        grads = [None] * len(roots)
-        if grad is not None:
-            roots, grads = [y, *roots], [grad, *grads]
-        return x, roots, grads
-
-
-class _WholeBackward(_Stage):
-    """A backward action computes the input's and the weights' gradients in one pass, summing the latter."""
-
-    summing = "backward"
-
-    def backward(self, c, m, grad):
-        """Returns the gradient of the chunk's input."""
-        x, roots, grads = self._backward_start(c, m, grad)
-        with self.reduction.context(("backward", c, m)):
-            torch.autograd.backward(roots, grads)
-        return x.grad
-
-
-class _SplitBackward(_Stage):
-    """ZB-H1's backward in two actions: the backward runs B (`backward_input`), the input's gradient only, and
-    keeps in `saved` what is left; the weight action later runs W (`backward_weight`), which sums the weights'."""
-
-    summing = "weight"
-
-    def backward(self, c, m, grad):
-        """B; returns the gradient of the chunk's input."""
-        x, roots, grads = self._backward_start(c, m, grad)
-        with self.reduction.grad_sync.no_sync():  # no weight's gradient is summed here
-            x_grad, self.saved[c, m] = backward_input(roots, grads, x)
-        return x_grad
-
-    def weight(self, c, m):
-        """W."""
-        *firsts, last = self.saved.pop((c, m))
-        with self.reduction.context(("weight", c, m)):
-            with self.reduction.grad_sync.keep_incomplete_buckets():
-                backward_weight(firsts)  # a W is several backwards: the end of the last is the end of W
-            backward_weight([last])
-
-
-def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device,
-                 grad_sync=None, stats=None, debug=False, forward_context=nullcontext, placement=None):
-    """Execute this rank's actions; returns (losses, side_losses) as floats.
-
-    schedules: every rank's action list (schedules[r] for pipeline rank r); all ranks place them on
-    the same time steps (`timeline`), which orders their messages.
-    losses: of each micro-batch, on the last stage (elsewhere []). side_losses:
-    of each (chunk, micro-batch) whose chunk returned one (an MoE layer's
-    load-balancing loss), on any stage: its gradient flows from where it is
-    computed, so no stage has to hold every stage's side losses.
-    chunks: this rank's model chunks, callables x -> y or (y, side_loss), in the order of
-    placement.model_chunks(rank) (a Placement; by default chunk c is model chunk c*P + rank).
-    micro_batches: (inputs, targets, *rest) per micro-batch; the first stage reads inputs, the last targets,
-    and every chunk takes the rest after its input (model.py's packed documents: their ids).
-    loss_fn(output, targets): the loss of one micro-batch; gradients average over micro-batches.
-    grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): gradients are
-    reduced only during the last backward (ZB-H1: weight pass) of each chunk, once per step, and only
-    the rank's last one launches what is left (the other chunks' last ones leave it to a later one).
-    Without backward actions this is an inference pass.
-    forward_context: entered around every forward (activation counting).
-    """
-    n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
-    placement = placement or Placement(n_stages, len(chunks))
-    if placement.n_chunks != len(chunks):
-        raise ValueError(f"the placement puts {placement.n_chunks} chunks on each rank; this rank has {len(chunks)}")
-    actions, stats = schedules[rank], stats or PipelineStats(device)
-    # Chosen once: a schedule with weight actions (ZB-H1) splits each backward into B and W.
-    Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in actions) else _WholeBackward
-    reduction = _ReductionPlan(actions, Stage.summing, _NoGradSync() if grad_sync is None else grad_sync, chunks)
-    is_last = [k == placement.n_model_chunks - 1 for k in placement.model_chunks(rank)]
-    stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats)
-    p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
-    steps, received = timeline(schedules, placement), {}
-    if stats.actions is not None:  # a timeline is recorded: the stages start it together
-        dist.barrier(group=group)
-    start = stats.origin = stats.total.now()
-    # Every rank walks the same steps and posts after each the batch `exchanges` lists: both ends of a
-    # message in the same step's batch, which is why the messages match and nothing deadlocks on NCCL
-    # (`exchanges` says how).
-    for row, (sends, receives) in zip(steps, exchanges(steps, rank, placement)):
-        action, output = row[rank], None  # None: this rank idles this step (but still posts its receives)
-        if action:
-            # (1) wait for the input message: a forward's activation, a backward's gradient (if any)
-            need = message_needed(action, rank, placement)
-            waiting = stats.wait.now()
-            incoming = received.pop(need)() if need else None
-            # (2) compute
-            computing = stats.compute.now()
-            output = stage.run(action, incoming)
-            done = stats.compute.now()
-        # (3) post this step's sends (this action's output) and receives (what the neighbours' actions send)
-        received.update(p2p.post([(peer, message, output) for peer, message in sends], receives))
-        # (4) record timing
-        if action:
-            stats.record(action, waiting, computing, done)
-    p2p.flush()
-    stats.total.add(start, stats.total.now())
-    stats.bytes_sent += p2p.bytes_sent
-    return [loss.item() for loss in stage.losses], [side.item() for side in stage.side_losses]
 
 
 # ---------------------------------------------------------------------------
@@ -934,14 +966,13 @@ def _self_check():
     for name, n_chunks in checked if n_stages > 1 else checked[:3]:
         for p in (p for layer in layers for p in layer.parameters()):
             p.grad = None
-        placement = Placement.of(name, n_stages, n_chunks)
+        schedules = [make_schedule(name, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
         ranges = split_layers(n_layers, n_stages * n_chunks)
-        mine = placement.model_chunks(rank)
+        mine = schedules[rank].placement.model_chunks(rank)  # the copy contract: chunks in the placement's order
         chunks = [nn.Sequential(*[layers[i] for i in ranges[k]]) for k in mine]
         stats = PipelineStats()
-        schedules = [make_schedule(name, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]
         losses, _ = run_schedule(schedules, chunks, micro_batches, loss_fn, None, (batch, width), torch.float64,
-                                 device, stats=stats, placement=placement)
+                                 device, stats=stats)
         worst = 0.0
         for k in mine:
             for i in ranges[k]:

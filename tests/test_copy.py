@@ -108,10 +108,10 @@ class Layer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, moe=False):
+    def __init__(self, moe=False, n_layers=LAYERS):
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer(moe) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Layer(moe) for _ in range(n_layers))
         self.norm = nn.RMSNorm(D)
         self.lm_head = nn.Linear(D, VOCAB, bias=False)
 
@@ -143,10 +143,10 @@ def import_copy(folder, filename):
     return module
 
 
-def reference(moe=False):
+def reference(moe=False, n_layers=LAYERS):
     """The model, a batch and the single process's loss and gradients (float64)."""
     torch.manual_seed(0)
-    model = Llama(moe).double()
+    model = Llama(moe, n_layers).double()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     loss = cross_entropy(model(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:])
     loss.backward()
@@ -252,42 +252,71 @@ def test_cp_on_a_llama_with_grouped_query_attention(tmp_path):
 
 # -- pp.py -----------------------------------------------------------------------------------
 
-def glue_pp(model, rank, n_stages):
-    """pp.py on the Llama: this rank's stage as a callable (ids or activations in, activations or logits out)."""
-    per_stage = LAYERS // n_stages
-    layers = model.layers[rank * per_stage:(rank + 1) * per_stage]
+def glue_pp(pp, model, rank, placement):
+    """pp.py on the Llama: this rank's model chunks as callables (ids or activations in, activations or
+    logits out), the layers of split_layers, listed in the order of placement.model_chunks(rank)."""
+    ranges, last = pp.split_layers(len(model.layers), placement.n_model_chunks), placement.n_model_chunks - 1
     pos = torch.arange(SEQ)
 
-    def stage(x):
-        x = model.embed_tokens(x) if rank == 0 else x
-        for layer in layers:
-            x = layer(x, pos)
-        return model.lm_head(model.norm(x)) if rank == n_stages - 1 else x
-    return stage
+    def chunk(k):
+        def run(x):
+            x = model.embed_tokens(x) if k == 0 else x
+            for i in ranges[k]:
+                x = model.layers[i](x, pos)
+            return model.lm_head(model.norm(x)) if k == last else x
+        return run
+    return [chunk(k) for k in placement.model_chunks(rank)]
 
 
 def pp_worker(folder, schedule):
     pp = import_copy(folder, "pp.py")
     rank, n, micro = dist.get_rank(), dist.get_world_size(), 4
-    ref, ids, ref_loss, ref_grads = reference()
-    model = fresh_copy(ref)
     schedules = [pp.make_schedule(schedule, micro, n, r) for r in range(n)]
+    placement = schedules[rank].placement  # ZB-V's a V: rank r holds model chunks r and 2P-1-r
+    ref, ids, ref_loss, ref_grads = reference(n_layers=LAYERS * placement.n_chunks)  # a layer a chunk
+    model = fresh_copy(ref)
     micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in ids.chunk(micro)]
-    losses, _ = pp.run_schedule(schedules, [glue_pp(model, rank, n)], micro_batches, cross_entropy, None,
-                                (BATCH // micro, SEQ, D), torch.float64, torch.device("cpu"))
-    errors = [abs(sum(losses) / micro - ref_loss)] if rank == n - 1 else []
+    losses, _ = pp.run_schedule(schedules, glue_pp(pp, model, rank, placement), micro_batches, cross_entropy,
+                                None, (BATCH // micro, SEQ, D), torch.float64, torch.device("cpu"))
+    errors = [abs(sum(losses) / micro - ref_loss)] if rank == placement.last_rank else []
     errors += [worst(p.grad, ref_grads[name]) for name, p in model.named_parameters() if p.grad is not None]
     used = sorted(name for name, p in model.named_parameters() if p.grad is not None)
-    return max(errors), used
+    return max(errors), used, sorted(ref_grads)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv"])
 def test_pp_on_a_llama_cut_into_stages(tmp_path, schedule):
     folder = copy_alone("pp.py", tmp_path)
     results = run_on_ranks(2, pp_worker, folder, schedule)
-    assert max(error for error, _ in results) < 1e-12
-    everything = sorted(name for name, _ in Llama().named_parameters())
+    assert max(error for error, _, _ in results) < 1e-12
+    everything = results[0][2]
     assert sorted(results[0][1] + results[1][1]) == everything  # the stages together hold every parameter
+
+
+def pp_misplaced_worker(folder):
+    """ZB-V run on a placement it was not written for: listed by hand with none, or made with a loop."""
+    pp = import_copy(folder, "pp.py")
+    rank, n, micro = dist.get_rank(), dist.get_world_size(), 4
+    model = Llama(n_layers=2 * LAYERS).double()
+    micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in torch.randint(0, VOCAB, (BATCH, SEQ + 1)).chunk(micro)]
+    run = lambda schedules, **placement: pp.run_schedule(  # noqa: E731
+        schedules, glue_pp(pp, model, rank, pp.Placement.of("zbv", n, 2)), micro_batches, cross_entropy, None,
+        (BATCH // micro, SEQ, D), torch.float64, torch.device("cpu"), **placement)
+    errors = []
+    for schedules, placement in [([pp.zero_bubble_v(micro, n, r) for r in range(n)], {}),
+                                 ([pp.make_schedule("zbv", micro, n, r) for r in range(n)],
+                                  {"placement": pp.Placement(n, 2)})]:
+        with pytest.raises(ValueError) as refused:
+            run(schedules, **placement)
+        errors.append(str(refused.value))
+    return errors
+
+
+def test_pp_refuses_a_v_schedule_on_the_wrong_placement_and_names_the_right_one(tmp_path):
+    hand_listed, made = run_on_ranks(2, pp_misplaced_worker, copy_alone("pp.py", tmp_path))[0]
+    assert "placement=Placement.of('zbv', 2, 2)" in hand_listed and "deadlocks" not in hand_listed
+    assert "model_chunks(r): [[0, 3], [1, 2]]" in hand_listed
+    assert "written for placement=Placement.of('zbv', 2, 2), not Placement(2, 2)" in made
 
 
 # -- ep.py -----------------------------------------------------------------------------------
