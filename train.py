@@ -44,9 +44,8 @@ from mesh import Mesh
 from model import (GPT, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
 from training import checkpoint, hf
-from training.cli import (DTYPES, ConfigError, check_args, check_vocabulary, data_vocab_size, document_eos,
-                          parse_args)
-from training.data import load_data
+from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, describe_data, document_eos, parse_args
+from training.data import open_data
 from training.launch import Preemption, exit_with_error, in_collective, init_distributed, rank_and_world, where
 from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
                             peak_resident_bytes, tensor_bytes)
@@ -80,7 +79,8 @@ def train(args):
     """Run the training described by args; returns the losses and the trainer (its state.full_state_dict()
     gathers the final weights, a collective: for tests and tools, never done by a run itself)."""
     rank, world = rank_and_world()
-    config, shape = check_args(args, world)  # before any process group exists: a bad launch cannot hang
+    described = describe_data(args)  # the data's meta.json, read once: the checks and the data opened take it
+    config, shape = check_args(args, world, described)  # before any process group exists: a bad launch cannot hang
     if args.resume not in (None, "auto"):
         checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, below
     device = init_distributed(timedelta(seconds=args.timeout))
@@ -88,7 +88,7 @@ def train(args):
     saver = checkpoint.Saver(dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)))
     args.resume = resume_from(args, world, saver.group, report=print if rank == 0 else lambda message: None)
     mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
-    data = load_training_data(args)
+    data = open_data(described, seed=args.seed)
     check_vocabulary(data, rank, world)
     trainer = Trainer(args, config, mesh, data, device)
     log = RunLog(args, world, device, trainer, writes=rank == 0)
@@ -193,7 +193,7 @@ class Trainer:
 
     def __init__(self, args, config, mesh, data, device):
         self.args, self.mesh, self.data, self.device = args, mesh, data, device
-        self.packing = packing_of(document_eos(args))
+        self.packing = packing_of(document_eos(args, data=data.info))
         precision = Precision.from_args(args)
         # The full model's shapes, on the meta device: no memory until parallelize keeps this rank's share.
         with torch.device("meta"):
@@ -271,8 +271,8 @@ class Trainer:
         batches = [self.packing.split(inputs, targets) for inputs, targets in batches]
         if mesh.size("cp") == 1:
             return batches
-        shard = lambda t: cp.shard_sequence(t, mesh.size("cp"), mesh.index("cp"))  # noqa: E731
-        return [(shard(inputs), shard(targets), documents) for inputs, targets, documents in batches]
+        own_chunks = lambda t: cp.shard_sequence(t, mesh.size("cp"), mesh.index("cp"))  # noqa: E731
+        return [(own_chunks(inputs), own_chunks(targets), documents) for inputs, targets, documents in batches]
 
     @property
     def n_shards(self):
@@ -578,17 +578,17 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
         # (dp.ZeRO3). Hybrid sharding (--dp-shard): each shards over its part of its group (mesh.zero_groups).
         held_through_step = dict(reshard_after_forward=False) if args.zero == 3 and args.pp > 1 else {}
 
-        def shard(params, units, averaged_over, **options):
+        def make_zero(params, units, averaged_over, **options):
             group, replicas = mesh.zero_groups(averaged_over)
             return ZERO_STAGES[args.zero](
                 model, group, lambda shards: make_optimizer(shards, args), units=units, bucket_bytes=bucket_bytes,
                 broadcast=False, params=params, master_dtype=precision.master, reduce_dtype=precision.reduce,
                 initial_values=share.elements, replicate_group=replicas, **held_through_step, **options)
-        tied_zero = shard(tied, gpt_units(model), "dense") if tied else None
-        zeros = [shard(dense, gpt_units(model), "dense"), *([tied_zero] if tied else [])]
+        tied_zero = make_zero(tied, gpt_units(model), "dense") if tied else None
+        zeros = [make_zero(dense, gpt_units(model), "dense"), *([tied_zero] if tied else [])]
         if experts:
-            zeros.append(shard(experts, moe_layers, "expert", find_unused_parameters=True,
-                               divide_by=mesh.size("dense")))
+            zeros.append(make_zero(experts, moe_layers, "expert", find_unused_parameters=True,
+                                   divide_by=mesh.size("dense")))
         return zeros, GradientSync(zeros), TiedOutputLayer(tied_zero, tied_names, mesh)
     average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
     tied_sync = average(tied, group) if tied else None
@@ -1035,7 +1035,8 @@ def make_optimizer(params, args):
 
 
 def load_training_data(args):
-    return load_data(args.data, data_vocab_size(args), seed=args.seed)
+    """The data the flags name, opened (train() opens the DataInfo its configuration read instead)."""
+    return open_data(describe_data(args), seed=args.seed)
 
 
 def local_micro_batches(tokens, n_micro, n_data, data_rank):

@@ -5,6 +5,8 @@ Statistical checks derive their tolerances from the sample itself (standard
 errors from counts or from independent sequences), never from hard-coded figures.
 """
 import builtins
+import dataclasses
+import json
 import pickle
 import re
 
@@ -13,7 +15,8 @@ import pytest
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from training.data import GPT2_VOCAB_SIZE, MarkovLanguage, TokenFile, load_data, stationary_distribution, vocab_size_of
+from training.data import (GPT2_VOCAB_SIZE, DataInfo, MarkovLanguage, TokenFile, load_data, open_data,
+                           stationary_distribution, vocab_size_of)
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +347,47 @@ def test_a_split_exactly_one_window_long_is_used_whole(tmp_path):
     assert tf.batch("train", 0, 2, 9).tolist() == [list(range(10))] * 2
     # Every start, including the last one, is drawn: the final token is reachable.
     assert max(int(tf.batch("train", s, 4, 4)[:, -1].max()) for s in range(200)) == 9
+
+
+# 6. DataInfo: what the configuration knows of the data, its meta.json read once -------------------
+
+def count_opens(monkeypatch, name):
+    """From now on, every open() of a file called `name` is listed in the list returned."""
+    opens, real_open = [], builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        opens.extend([file] if str(file).endswith(name) else [])
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    return opens
+
+
+def test_data_info_reads_meta_json_once_and_the_data_opened_from_it_reads_it_no_more(tmp_path, monkeypatch):
+    tokens = np.arange(100, dtype=np.uint32) * 1000  # ids past uint16's: read as uint16 they would be other ids
+    for split in ("train", "val"):
+        tokens.tofile(tmp_path / f"{split}.bin")
+    (tmp_path / "meta.json").write_text(json.dumps(dict(dtype="uint32", vocab_size=100_000, eos_id=7,
+                                                        tokenizer="/a/folder", tokenizer_sha256="ab12")))
+    opens = count_opens(monkeypatch, "meta.json")
+    info = DataInfo.read(str(tmp_path), vocab_size=1000)  # meta.json's vocabulary wins over the one given
+    assert info == DataInfo(str(tmp_path), 100_000, np.dtype(np.uint32), 7, ("/a/folder", "ab12"))
+    assert info.split_lengths() == {"train": 100, "val": 100}
+    data = open_data(info, seed=3)
+    assert data.info is info and data.vocab_size == 100_000 and data.seed == 3
+    np.testing.assert_array_equal(data.tokens["val"], tokens)
+    assert len(opens) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.vocab_size = 1
+
+
+def test_data_info_of_a_text_file_a_nanogpt_directory_and_the_synthetic_language(tmp_path, text_file):
+    path, _ = text_file
+    assert DataInfo.read(str(path), 1000) == DataInfo(str(path), 256, np.dtype(np.uint8))  # bytes, no documents
+    assert DataInfo.read(str(path)).split_lengths() == {"train": 900, "val": 100}
+    (tmp_path / "nanogpt").mkdir()
+    nanogpt = write_token_dir(tmp_path / "nanogpt", np.arange(40), np.arange(30), meta_vocab_size=65)
+    assert DataInfo.read(nanogpt, 1000) == DataInfo(nanogpt, 65, np.dtype(np.uint16))
+    assert DataInfo.read(nanogpt).split_lengths() == {"train": 40, "val": 30}
+    synthetic = open_data(DataInfo.read(None, 64), seed=3)
+    assert isinstance(synthetic, MarkovLanguage) and synthetic.vocab_size == 64 and synthetic.seed == 3
+    assert synthetic.info == DataInfo(None, 64)  # no files, no EOS id

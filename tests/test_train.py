@@ -1,4 +1,5 @@
 """train.py end to end: refused flags, the run log, resuming, real data."""
+import builtins
 import json
 import math
 import os
@@ -36,6 +37,22 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
     (1, ["--kv-heads", "3"], "--model tiny --arch gpt: n_kv_heads=3 must divide n_head=4"),
     (4, ["--arch", "llama", "--tp", "4"], "--tp 4: key/value heads 2 does not divide by the tensor-parallel size 4"),
     (1, ["--balance", "bias"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),
+    # Real-valued flags: a NaN, an infinity or a negative rate is refused here, not by the optimizer mid-launch.
+    (1, ["--lr", "nan"], "--lr must be a finite number, at least 0, got nan"),
+    (1, ["--lr", "inf"], "--lr must be a finite number, at least 0, got inf"),
+    (1, ["--lr", "-0.001"], "--lr must be a finite number, at least 0, got -0.001"),
+    (1, ["--min-lr-ratio", "-0.1"], "--min-lr-ratio must be a finite number, at least 0, got -0.1"),
+    (1, ["--warmup", "-1"], "--warmup must be a finite number, at least 0, got -1"),
+    (1, ["--weight-decay", "nan"], "--weight-decay must be a finite number, at least 0, got nan"),
+    (1, ["--grad-clip", "-1"], "--grad-clip must be a finite number, at least 0, got -1.0"),
+    (1, ["--bucket-mb", "nan"], "--bucket-mb must be a finite number, at least 0, got nan"),
+    (1, ["--aux-loss-coef", "inf"], "--aux-loss-coef must be a finite number, at least 0, got inf"),
+    (1, ["--bias-update-rate", "-1"], "--bias-update-rate must be a finite number, at least 0, got -1.0"),
+    (1, ["--peak-tflops", "nan"], "--peak-tflops must be a finite number, at least 0, got nan"),
+    (1, ["--timeout", "0"], "--timeout must be a finite number of seconds, more than 0, got 0.0"),
+    (1, ["--experts", "4", "--capacity-factor", "nan"], "--capacity-factor must be positive and needs --experts"),
+    (1, ["--eval-interval", "0"], "--eval-interval must be at least 1, got 0"),
+    (1, ["--log-interval", "0"], "--log-interval must be at least 1, got 0"),
 ])
 def test_refused_flags_say_why(world, flags, message):
     with pytest.raises(cli.ConfigError) as refusal:
@@ -46,6 +63,7 @@ def test_refused_flags_say_why(world, flags, message):
 @pytest.mark.parametrize("flags,message", [
     (["--sp"], "--sp (sequence parallelism) splits the sequence over the tensor-parallel group"),
     (["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
+    (["--lr", "nan"], "--lr must be a finite number, at least 0, got nan"),  # one line, not AdamW's traceback
 ])
 def test_refused_flags_fail_fast_on_every_rank(tmp_path, flags, message):
     out = torchrun(2, "train.py", *QUICK, "--out", str(tmp_path), *flags, timeout=60)
@@ -207,9 +225,13 @@ def test_data_that_cannot_train_is_refused_before_training(tmp_path):
     short.write_bytes(b"x" * 100)  # val: the last 10 bytes, fewer than 16 + 1
     tokens.mkdir()
     np.zeros(100, dtype=np.uint16).tofile(tokens / "train.bin")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "meta.json").write_text("{")
     for path, message in [(tmp_path / "missing", "no such file or directory"),
                           (empty, "the train split has 0 tokens"), (short, "the val split has 10 tokens"),
-                          (tokens, "no such file or directory")]:  # no val.bin
+                          (tokens, "no such file or directory"),  # no val.bin
+                          (broken, "meta.json: cannot be read as JSON")]:
         with pytest.raises(cli.ConfigError, match=message):
             cli.check_args(cli.parse_args([*QUICK, "--data", str(path)]), 1)
     np.zeros(100, dtype=np.uint16).tofile(tokens / "val.bin")
@@ -231,3 +253,32 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training_on_every_r
         assert (f"[rank {rank}] train.py: error: --data {tokens} holds token id 60000, outside the vocabulary "
                 f"of 50257") in result.stderr, result.stderr[-2000:]
     assert not out.exists(), "nothing may be written before the data is found good"
+
+
+def test_the_configuration_reads_the_datas_meta_json_once(tmp_path):
+    """train.py reads its --data's meta.json once (cli.describe_data), before any process group exists; the checks,
+    the model's vocabulary, the documents' EOS id and the data opened all take that record, and a run of a step
+    opens the file no more."""
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    for split in ("train", "val"):
+        (np.arange(200, dtype=np.uint16) % 60).tofile(tokens / f"{split}.bin")
+    (tokens / "meta.json").write_text(json.dumps(dict(dtype="uint16", vocab_size=60, eos_id=59)))
+    argv = [*QUICK, "--steps", "1", "--data", str(tokens), "--out", str(tmp_path / "runs")]
+    (opened,) = run_on_ranks(1, meta_json_opens_worker, argv, str(tokens / "meta.json"))
+    assert opened == 1
+
+
+def meta_json_opens_worker(argv, meta_json):
+    """train.py's training of argv on this rank; returns how many times it opened the file meta_json."""
+    opens, real_open = [], builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        opens.extend([file] if os.path.abspath(str(file)) == meta_json else [])
+        return real_open(file, *args, **kwargs)
+    builtins.open = counting_open
+    try:
+        train.train(cli.parse_args(argv))
+    finally:
+        builtins.open = real_open
+    return len(opens)

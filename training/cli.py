@@ -2,10 +2,12 @@
 
 Each check raises ConfigError, with a message naming the flags at fault, on every rank alike: check_args
 before any process group exists (tools/plan.py asks it too, for the layouts it predicts), so a bad launch ends
-at once instead of hanging; check_vocabulary once the data is loaded, before the first step.
+at once instead of hanging; check_vocabulary once the data is loaded, before the first step. The data's
+meta.json is read once (describe_data), and its record passed to every check and to the data opened.
 """
 import argparse
 import dataclasses
+import math
 import os
 
 import torch
@@ -17,7 +19,7 @@ import tp
 from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
 from training import hf
-from training.data import data_eos_id, split_lengths, tokenizer_of, vocab_size_of
+from training.data import DataInfo
 from training.tokenizer import fingerprint
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
@@ -174,14 +176,17 @@ def parse_args(argv=None):
     return args
 
 
-def check_args(args, world):
+def check_args(args, world, data=None):
     """(the model config, the mesh's shape) these flags describe on `world` ranks, or a ConfigError saying
     what is wrong. With --init-from the folder's config.json sets the model (its layers, experts, top-k),
-    whatever --layers, --experts and --top-k say."""
-    check_data(args)
-    check_tokenizer(args)
-    config = model_config(args, data_vocab_size(args))
-    document_eos(args, config.vocab_size)
+    whatever --layers, --experts and --top-k say. data: the training data's DataInfo where the caller has
+    read it (train.py, which passes it on), else it is read here (describe_data)."""
+    check_numbers(args)
+    data = data or describe_data(args)
+    check_data(args, data)
+    check_tokenizer(args, data)
+    config = model_config(args, data.vocab_size)
+    document_eos(args, config.vocab_size, data)
     check_experts(args, config)
     try:
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, expert_tp=args.expert_tp,
@@ -193,7 +198,8 @@ def check_args(args, world):
                           f"it needs --zero 1, 2 or 3 (without ZeRO every rank holds everything)")
     n_data = shape.dp
     for flag, value in [("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
-                        ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)]:
+                        ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches),
+                        ("--eval-interval", args.eval_interval), ("--log-interval", args.log_interval)]:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if args.batch_size % (args.micro_batches * n_data):
@@ -222,8 +228,8 @@ def check_args(args, world):
     if config.tie_embeddings and args.zero == 3:
         raise ConfigError("--zero 3 with a tied output layer is not supported: ZeRO-3 gathers the embedding and "
                           "the output layer as two units, and a tied weight would have to be both")
-    if data_vocab_size(args) > config.vocab_size:
-        raise ConfigError(f"the data's vocabulary ({data_vocab_size(args)} ids) is larger than the model's "
+    if data.vocab_size > config.vocab_size:
+        raise ConfigError(f"the data's vocabulary ({data.vocab_size} ids) is larger than the model's "
                           f"({config.vocab_size}, from --init-from {args.init_from})")
     return config, shape
 
@@ -240,29 +246,52 @@ def check_experts(args, config):
     if experts and config.d_ff % args.expert_tp:
         raise ConfigError(f"--expert-tp {args.expert_tp}: an expert's hidden size {config.d_ff} does not divide "
                           f"by it")
-    if args.capacity_factor < 0 or (args.capacity_factor and not experts):
+    if not 0 <= args.capacity_factor < math.inf or (args.capacity_factor and not experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
     if not experts and (args.shared_experts or args.balance != "aux"):
         raise ConfigError("--shared-experts and --balance shape mixture-of-experts layers: they need --experts")
 
 
-def check_data(args):
-    """--data that cannot train (missing, empty, shorter than one sequence) fails here, not mid-run."""
+def check_numbers(args):
+    """The real-valued flags finite and in range: a NaN, an infinite or a negative --lr would otherwise end in
+    the optimizer's traceback, or train to NaN; a negative --grad-clip would turn the gradients around."""
+    for flag, value in [("--lr", args.lr), ("--min-lr-ratio", args.min_lr_ratio), ("--warmup", args.warmup),
+                        ("--weight-decay", args.weight_decay), ("--grad-clip", args.grad_clip),
+                        ("--aux-loss-coef", args.aux_loss_coef), ("--bias-update-rate", args.bias_update_rate),
+                        ("--bucket-mb", args.bucket_mb), ("--peak-tflops", args.peak_tflops or 0.0)]:  # None: a table's
+        if not 0 <= value < math.inf:
+            raise ConfigError(f"{flag} must be a finite number, at least 0, got {value}")
+    if not 0 < args.timeout < math.inf:
+        raise ConfigError(f"--timeout must be a finite number of seconds, more than 0, got {args.timeout}")
+
+
+def describe_data(args):
+    """The training data's DataInfo: its meta.json (or meta.pkl) read here, once for the whole configuration.
+    Data that cannot be read (missing, a broken meta.json) fails here, not mid-run."""
+    vocab_size = args.vocab_size if args.data else synthetic_vocab_size(args)
+    try:
+        return DataInfo.read(args.data, vocab_size)
+    except FileNotFoundError:
+        raise ConfigError(f"--data {args.data}: no such file or directory ({args.data})") from None
+    except ValueError as e:  # a meta.json that cannot be read
+        raise ConfigError(str(e)) from None
+
+
+def check_data(args, data):
+    """--data that cannot train (empty, shorter than one sequence, a split missing) fails here, not mid-run."""
     if args.data is None:
         return
     try:
-        lengths = split_lengths(args.data)
+        lengths = data.split_lengths()
     except FileNotFoundError as e:
         raise ConfigError(f"--data {args.data}: no such file or directory ({e.filename})") from None
-    except ValueError as e:  # a meta.json that cannot be read
-        raise ConfigError(str(e)) from None
     for split, n_tokens in lengths.items():
         if n_tokens < args.seq_len + 1:
             raise ConfigError(f"--data {args.data}: the {split} split has {n_tokens} tokens, fewer than one "
                               f"sequence of --seq-len {args.seq_len} plus its last target")
 
 
-def check_tokenizer(args):
+def check_tokenizer(args, data):
     """A released model (--init-from) reads its own tokenizer's ids: --data tokenized by another tokenizer, or a
     text file (read as bytes, ids 0 to 255), would train it on ids that mean other tokens, without a word."""
     if args.init_from is None or args.data is None:
@@ -271,17 +300,18 @@ def check_tokenizer(args):
     if not os.path.isdir(args.data):
         raise ConfigError(f"--data {args.data} is a text file, read as bytes (ids 0 to 255), but --init-from "
                           f"{args.init_from} reads its tokenizer's ids: make a token directory with {prepare}")
-    made_by, model_tokenizer = tokenizer_of(args.data), fingerprint(args.init_from)
+    made_by, model_tokenizer = data.tokenizer, fingerprint(args.init_from)
     if made_by and model_tokenizer and made_by[1] != model_tokenizer:
         raise ConfigError(f"--data {args.data} was tokenized by {made_by[0]}'s tokenizer.json, not by --init-from "
                           f"{args.init_from}'s: its ids mean other tokens; prepare it again with {prepare}")
 
 
-def document_eos(args, vocab_size=None):
+def document_eos(args, vocab_size=None, data=None):
     """The EOS id that ends each packed document (--eos-id, else the data's meta.json's), or None where
     training sees one causal sequence: --no-document-mask, or data that declares no EOS (the synthetic
-    language, bytes, nanoGPT's ids without --eos-id). --document-mask without an EOS id is an error."""
-    eos_id = args.eos_id if args.eos_id is not None else data_eos_id(args.data)
+    language, bytes, nanoGPT's ids without --eos-id). --document-mask without an EOS id is an error.
+    data: the data's DataInfo where it has been read (else it is read here, if --eos-id is not given)."""
+    eos_id = args.eos_id if args.eos_id is not None else (data or describe_data(args)).eos_id
     if args.document_mask is False:
         return None
     if args.document_mask and eos_id is None:
@@ -319,10 +349,13 @@ def check_pipeline(args, n_layer):
 
 
 def data_vocab_size(args):
-    """The vocabulary of the training data, known before anything is loaded (see data.vocab_size_of)."""
-    synthetic = args.vocab_size or (hf_vocab_size(args.init_from) if args.init_from
-                                    else PRESETS[args.model]["vocab_size"])
-    return vocab_size_of(args.data, synthetic if args.data is None else args.vocab_size)
+    """The vocabulary of the training data, known before anything is loaded (see data.DataInfo.read)."""
+    return describe_data(args).vocab_size
+
+
+def synthetic_vocab_size(args):
+    """The synthetic language's vocabulary: --vocab-size, else the --init-from model's, else the preset's."""
+    return args.vocab_size or (hf_vocab_size(args.init_from) if args.init_from else PRESETS[args.model]["vocab_size"])
 
 
 def hf_vocab_size(folder):
@@ -340,7 +373,7 @@ def model_config(args, vocab_size):
     if args.init_from:
         try:
             config = hf.config_from_hf(hf.read_config(args.init_from), args.seq_len, **moe)
-        except hf.UnsupportedModel as e:
+        except (hf.UnsupportedModel, KeyError) as e:  # (KeyError: a config.json without a field it needs)
             raise ConfigError(f"--init-from {args.init_from}: {e}") from None
         if args.layers and not 1 <= args.layers <= config.n_layer:
             raise ConfigError(f"--layers {args.layers}: --init-from {args.init_from} has {config.n_layer} blocks "

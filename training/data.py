@@ -18,6 +18,7 @@ configuration be compared token for token with the single device.
   The files are mapped, not read: only the windows of each batch are loaded,
   and one scan, shared by the ranks, checks the ids.
 """
+import dataclasses
 import json
 import os
 import pickle
@@ -69,6 +70,7 @@ class MarkovLanguage:
         rng = np.random.default_rng([seed, 12345])
         self.vocab_size = vocab_size
         self.seed = seed
+        self.info = DataInfo(None, vocab_size)  # what the configuration knew of it: no files, no documents
         successors = np.stack([rng.choice(vocab_size, branching, replace=False) for _ in range(vocab_size)])
         # Every token can be followed by the next one in the vocabulary: the
         # chain is then irreducible, so its stationary distribution is unique.
@@ -129,45 +131,65 @@ def read_meta(path):
     return meta
 
 
-def token_dtype(path):
-    """The type of the ids in the token directory at path: meta.json's, else nanoGPT's uint16."""
-    meta = read_meta(path)
-    return np.dtype(TOKEN_DTYPES[meta["dtype"]] if meta else np.uint16)
-
-
-def data_eos_id(path):
-    """The id that ends each document of the data at path (meta.json's eos_id), or None where it declares none."""
-    meta = read_meta(path) if path is not None else None
-    return meta.get("eos_id") if meta else None
+def tokenizer_in(meta):
+    """(folder, SHA-256 of its tokenizer.json) of the tokenizer a meta.json names; None without a meta.json."""
+    return (meta.get("tokenizer"), meta.get("tokenizer_sha256")) if meta else None
 
 
 def tokenizer_of(path):
     """(folder, SHA-256 of its tokenizer.json) of the tokenizer that made the data at path, from its
     meta.json; None where unknown (no path: the synthetic language; a text file; nanoGPT's directory).
     training/tokenizer.py's fingerprint(folder) gives the same SHA-256 for a model folder, to compare."""
-    meta = read_meta(path) if path is not None else None
-    return (meta.get("tokenizer"), meta.get("tokenizer_sha256")) if meta else None
+    return tokenizer_in(read_meta(path) if path is not None else None)
 
 
-def vocab_size_of(path, vocab_size=None):
-    """The vocabulary of the data at path (None: the synthetic language of vocab_size).
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+    """What is known of the data before any token is read: its meta.json (or meta.pkl), read once.
 
-    Reads no tokens and builds nothing: it is called before any process group
-    exists, to shape the model. A token directory's size comes from its
-    meta.json or meta.pkl, else from vocab_size, else GPT-2's; never from a
-    scan of the files.
+    Training's configuration reads it once (training/cli.py's describe_data) and passes it to everything
+    after: the checks, the model's vocabulary, the documents' EOS id, and the data opened (open_data).
     """
-    if path is None:
-        if vocab_size is None:
-            raise ValueError("the synthetic language needs a vocab_size")
-        return vocab_size
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--data {path}: no such file or directory")
-    if not os.path.isdir(path):
-        return 256  # a text file: bytes are tokens
-    meta = read_meta(path)
-    if meta:
-        return meta["vocab_size"]
+    path: str | None  # None: the synthetic language
+    vocab_size: int
+    dtype: np.dtype | None = None  # the ids' type in the files: meta.json's, nanoGPT's uint16, a text's bytes
+    eos_id: int | None = None  # the id that ends each document, where meta.json declares one
+    tokenizer: tuple | None = None  # (folder, SHA-256) of the tokenizer that made the ids: meta.json's
+
+    @classmethod
+    def read(cls, path=None, vocab_size=None):
+        """The data at path (None: the synthetic language of vocab_size).
+
+        Reads no tokens and builds nothing: it is read before any process group
+        exists, to shape the model. A token directory's vocabulary comes from
+        its meta.json or meta.pkl, else from vocab_size, else GPT-2's; never
+        from a scan of the files.
+        """
+        if path is None:
+            if vocab_size is None:
+                raise ValueError("the synthetic language needs a vocab_size")
+            return cls(None, vocab_size)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--data {path}: no such file or directory")
+        if not os.path.isdir(path):
+            return cls(path, 256, np.dtype(np.uint8))  # a text file: bytes are tokens
+        meta = read_meta(path)
+        if meta is None:  # nanoGPT's directory: uint16 ids
+            return cls(path, nanogpt_vocab_size(path, vocab_size), np.dtype(np.uint16))
+        return cls(path, meta["vocab_size"], np.dtype(TOKEN_DTYPES[meta["dtype"]]), meta.get("eos_id"),
+                   tokenizer_in(meta))
+
+    def split_lengths(self):
+        """Tokens in each split, from the files' sizes alone (nothing is read)."""
+        if os.path.isdir(self.path):
+            return {split: os.path.getsize(os.path.join(self.path, f"{split}.bin")) // self.dtype.itemsize
+                    for split in SPLITS}
+        size = os.path.getsize(self.path)
+        return {"train": int(size * 0.9), "val": size - int(size * 0.9)}  # the last tenth held out, as TokenFile does
+
+
+def nanogpt_vocab_size(path, vocab_size=None):
+    """The vocabulary of nanoGPT's token directory at path: its meta.pkl's, else vocab_size, else GPT-2's."""
     pickled = os.path.join(path, "meta.pkl")
     if os.path.exists(pickled):
         with open(pickled, "rb") as f:
@@ -175,13 +197,14 @@ def vocab_size_of(path, vocab_size=None):
     return GPT2_VOCAB_SIZE if vocab_size is None else vocab_size
 
 
+def vocab_size_of(path, vocab_size=None):
+    """The vocabulary of the data at path (None: the synthetic language of vocab_size); see DataInfo.read."""
+    return DataInfo.read(path, vocab_size).vocab_size
+
+
 def split_lengths(path):
     """Tokens in each split of the data at path, from the files' sizes alone (nothing is read)."""
-    if os.path.isdir(path):
-        itemsize = token_dtype(path).itemsize
-        return {split: os.path.getsize(os.path.join(path, f"{split}.bin")) // itemsize for split in SPLITS}
-    size = os.path.getsize(path)
-    return {"train": int(size * 0.9), "val": size - int(size * 0.9)}  # the last tenth held out, as TokenFile does
+    return DataInfo.read(path).split_lengths()
 
 
 class TokenFile:
@@ -189,14 +212,15 @@ class TokenFile:
 
     entropy_rate = None  # unknown for real data
 
-    def __init__(self, path, seed=0, vocab_size=None):
+    def __init__(self, path, seed=0, vocab_size=None, info=None):
+        """info: the data's DataInfo where it has been read already (else it is read here, from path)."""
+        self.info = info or DataInfo.read(path, vocab_size)
         self.path = path
         self.seed = seed
-        self.vocab_size = vocab_size_of(path, vocab_size)
+        self.vocab_size = self.info.vocab_size
         if os.path.isdir(path):
             # Mapped, not read: only the windows of each batch are ever loaded.
-            dtype = token_dtype(path)
-            self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=dtype, mode="r")
+            self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=self.info.dtype, mode="r")
                            for split in SPLITS}
         else:
             data = np.fromfile(path, dtype=np.uint8)
@@ -221,8 +245,14 @@ class TokenFile:
         return largest
 
 
+def open_data(info, seed=0):
+    """The data a DataInfo describes: the synthetic language when its path is None, else the text file or
+    token directory at its path (its meta.json is not read again)."""
+    if info.path is None:
+        return MarkovLanguage(info.vocab_size, seed=seed)
+    return TokenFile(info.path, seed, info=info)
+
+
 def load_data(path=None, vocab_size=None, seed=0):
     """The synthetic language of vocab_size when path is None, else the text file or token directory at path."""
-    if path is None:
-        return MarkovLanguage(vocab_size_of(None, vocab_size), seed=seed)
-    return TokenFile(path, seed, vocab_size)
+    return open_data(DataInfo.read(path, vocab_size), seed)
