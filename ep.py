@@ -1,81 +1,37 @@
 """Expert parallelism: the experts of a mixture-of-experts layer spread over ranks.
 
-The article's section "Expert Parallelism" ("5D Parallelism from Scratch"); expert parallelism with
-all-to-all dispatch is GShard's (Lepikhin et al., 2020, "GShard: Scaling Giant Models with Conditional
-Computation and Automatic Sharding"), top-k routing and the load-balancing loss Switch
-Transformer's (Fedus et al., 2022, its equation 4), the shared expert DeepSeek-MoE's (Dai et al.,
-2024) and the auxiliary-loss-free routing bias DeepSeek-V3's (DeepSeek-AI, 2024, section 2.1.2).
+The article's "Expert Parallelism" ("5D Parallelism from Scratch"): all-to-all dispatch is GShard's
+(Lepikhin et al., 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
+Sharding"), top-k routing and the load-balancing loss Switch Transformer's (Fedus et al., 2022, its
+equation 4), the shared expert DeepSeek-MoE's (Dai et al., 2024), the auxiliary-loss-free routing bias
+DeepSeek-V3's (DeepSeek-AI, 2024, section 2.1.2).
 
-A mixture-of-experts layer replaces the MLP by E expert MLPs and a router;
-each token goes to its top-k experts and comes back as the gate-weighted
-sum of their outputs (article: y = sum_i g_i(x) E_i(x), gates renormalised
-over the chosen experts, 0.60/0.35 -> 0.63/0.37). With expert parallelism
-each of the N ranks of an expert-parallel group holds E/N experts, and
-tokens travel to the rank that holds their expert with an all-to-all:
+A mixture-of-experts layer replaces the MLP by E expert MLPs and a router: y = sum_i g_i(x) E_i(x) over the
+token's top-k experts, gates renormalised over them (the article's 0.60/0.35 -> 0.63/0.37). Each of the N
+ranks of an expert-parallel group holds E/N experts, and tokens travel to their experts' ranks:
 
-1. route: softmax over the experts, top-k, renormalised gates (float32 or better);
-2. dispatch: sort the (token, choice) pairs by expert, tell every rank how
-   many tokens it will get for each of its experts (an all-to-all of counts),
-   then send the tokens (an all-to-all with uneven splits);
-3. compute: each local expert runs on the tokens it received (if none, it is
-   not run: as on one device, its gradient stays None unless another rank's
-   copy of it ran, which data parallelism's used-mask finds out);
-4. combine: the reverse all-to-all brings the outputs home, where they are
-   weighted by their gates and added into place.
+1. route: softmax over the experts, top-k, renormalised gates (`route`);
+2. dispatch: sort the (token, choice) pairs by expert, exchange the counts, then the tokens (an all-to-all);
+3. compute: each local expert runs on the tokens it received (none: not run, its gradient stays None);
+4. combine: the reverse all-to-all brings the outputs home, weighted by their gates and added into place.
 
-The all-to-all is an autograd function whose backward is the reverse
-all-to-all. Routing is dropless unless a capacity factor is given: then an
-expert takes at most capacity_factor * tokens * k / E of a rank's tokens, in
-token order, and the rest are dropped (their output is zero, the residual
-stream carries them) and counted.
+Routing is dropless unless a capacity factor is given. Balance: the Switch loss E * sum_i f_i P_i over the
+whole micro-batch (`aux_loss`), and/or a bias on the choice moved towards balance after every step (`load`).
 
-Load balance, two ways (either or both). The Switch Transformer loss
-E * sum_i f_i P_i, with f_i the fraction of token assignments that went to
-expert i and P_i its mean router probability, both over the whole
-micro-batch: the statistics are summed over every rank that holds different
-tokens, so the loss equals the single device's. And DeepSeek-V3's
-auxiliary-loss-free balancing: a per-expert bias added to the router's
-probabilities when choosing the top k (not to the gates), moved after every
-step by a fixed rate towards balance; the tokens per expert it is moved by
-are the same global counts, so every rank moves it alike (`load`).
-
-A shared expert (DeepSeek-MoE), an MLP every token passes through besides
-its top k, is replicated like the router and runs on this rank's tokens.
-
-Folded over tensor parallelism (Megatron-LM's "MoE parallel folding"): the
-ep group need not be a dimension of its own; its ranks may be the ones
-attention splits heads (tp) or the sequence (cp) over, so every rank must
-route tokens no other rank routes. `tokens` says how the arriving tokens
-relate to those of the other ranks of a tensor-parallel group:
-OwnTokens (no tp), ShardedTokens (sequence parallelism: each rank holds a
-shard) or ReplicatedTokens (every rank holds them all: each routes its 1/N
-and the outputs are all-gathered back, so a token is routed once, not N
-times). The ranks sharing a loss then each differentiate their own tokens'
-part of it: the router's gradient is summed over them (tp.py does it), and
-the balancing loss sums their probabilities forward (SumForward).
-
-Expert tensor parallelism (`expert_tp`): SplitExperts(group) for experts
-whose matrices tp.py's `split_experts` split over `group`, all-gathering
-their rows before and reduce-scattering their outputs after; WholeExperts
-(the default, DeepSeek-V3's) for experts held whole.
-
-What a model's MoE layer must offer (the contract for copying this file):
-`experts`, a list of modules mapping (tokens, d) -> (tokens, d); its router,
-a module mapping tokens to one logit per expert, under any attribute name
-(`router=`); `top_k`. Optional: a shared expert (`shared=`, its name), a
-`route_bias` buffer with `bias_update_rate`. Parameter and buffer names stay
-those of the layer it replaces, so checkpoints match the single device's.
-The glue is one line per MoE layer: `layer = ExpertParallelMoE(layer,
-ep_group, stats_group, router="gate", shared="shared_expert")`, plus, under
-tensor parallelism, `tokens=ReplicatedTokens(tp_group)` (or ShardedTokens)
-and, for expert tensor parallelism, `expert_tp=SplitExperts(group)`.
-
-Gradients: the router and everything outside the experts are averaged over
-the ranks holding different data, as in data parallelism. An expert sees
-tokens from all N ranks of its group, so summing its gradient over the
-expert-gradient group (the ranks holding the same expert shard) and
-dividing by the number of ranks the loss is averaged over (not by the
-group's size) gives the single device's gradient.
+Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -> (tokens, d)), its router
+(any attribute name: `router=`), `top_k`; optionally a shared expert (`shared=`) and a `route_bias` buffer
+with `bias_update_rate`. Names stay the single device's, so checkpoints match. The glue, per MoE layer:
+    layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert")
+Gradients: the router's (and all outside the experts) are averaged over the ranks holding different data;
+an expert's are summed over the ranks holding the same expert and divided by the ranks the loss averages.
+Folded over tensor parallelism (the ep ranks are tp ranks): pass `tokens=ShardedTokens(tp_group)` under
+sequence parallelism, `ReplicatedTokens(tp_group)` without, and sum the router's gradient over tp_group
+(tp.py: `split_moe(layer, plan, router="gate", ...)` or `gradients_summed(layer.gate, tp_group)`; left out,
+nothing fails and that gradient is wrong). A router so summed without a `tokens=` policy is refused (every
+token would be routed N times). Expert tensor parallelism: `expert_tp=SplitExperts(group)` for experts
+whose matrices are split over `group` with no communication inside (tp.py: `split_experts(layer, group,
+columns=("gate_proj", "up_proj"), row="down_proj")`, column- and row-parallel layers under its
+`ExpertTensorParallel` plan).
 
 Self-check: torchrun --nproc_per_node 4 ep.py
 """
@@ -90,6 +46,10 @@ import torch.nn.functional as F
 comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
 
 
+# ---------------------------------------------------------------------------
+# The router
+# ---------------------------------------------------------------------------
+
 def route(router_logits, top_k, bias=None):
     """(gates, experts, probs): top-k of the softmax (shifted by a balancing bias for the choice only),
     gates renormalised to sum to one. (A deliberate copy of model.py's `route`: this file stands alone.)"""
@@ -99,13 +59,9 @@ def route(router_logits, top_k, bias=None):
     return top_probs / top_probs.sum(-1, keepdim=True), experts, probs
 
 
-def capacity_mask(experts, n_experts, capacity):
-    """Which (token, choice) assignments an expert keeps: the first `capacity` of each expert, in token order."""
-    flat = experts.flatten()
-    one_hot = F.one_hot(flat, n_experts)
-    rank_within_expert = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
-    return (rank_within_expert < capacity).view_as(experts)
-
+# ---------------------------------------------------------------------------
+# Dispatch and combine: the all-to-all
+# ---------------------------------------------------------------------------
 
 class AllToAll(torch.autograd.Function):
     """Rows of x, split by input_splits, go to the ranks of the group; backward sends gradients back."""
@@ -127,6 +83,190 @@ def _all_to_all(x, output_splits, input_splits, group):
     rank, row_bytes = dist.get_rank(group), x[0].numel() * x.element_size() if len(x) else 0
     comm_bytes["all_to_all"] += sum(n for r, n in enumerate(input_splits) if r != rank) * row_bytes
     return out
+
+
+# ---------------------------------------------------------------------------
+# The layer, and its two seams' defaults: tokens this rank's alone, experts held whole
+# ---------------------------------------------------------------------------
+
+class OwnTokens:
+    """The tokens arriving at the MoE layer are this rank's alone (no tensor parallelism): route them all.
+    Folded over tensor parallelism, ShardedTokens and ReplicatedTokens (after the banner) take its place."""
+
+    size = 1  # ranks sharing these tokens' loss
+
+    def enter(self, tokens):
+        return tokens
+
+    def leave(self, out, tokens):
+        return out
+
+    def total(self, x):
+        """x summed over the tokens the ranks sharing a loss route."""
+        return x
+
+
+class WholeExperts:
+    """Each rank holds its experts whole, and computes the rows it received (SplitExperts: slices of them)."""
+
+    def gather(self, received, recv_counts):
+        """(rows to compute, their counts per (expert-tp rank, source rank, local expert))."""
+        return received, recv_counts.unsqueeze(0)
+
+    def reduce(self, outputs, counts):
+        return outputs
+
+
+class ExpertParallelMoE(nn.Module):
+    """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks routing distinct
+    tokens (for the balancing statistics). Made from a single-device MoE layer (the contract in the module
+    docstring): the router (and a shared expert) is replicated, this rank keeps experts [r*E/N, (r+1)*E/N)
+    under their global indices, so names match the single device's.
+
+    Two seams a reader can skip (defaults: nothing shared, nothing split): `tokens`, how the arriving tokens
+    are shared with tensor parallelism (OwnTokens; ShardedTokens, ReplicatedTokens), and `expert_tp`,
+    whether this rank holds its experts whole (WholeExperts) or slices of them (SplitExperts).
+    """
+
+    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared",
+                 tokens=OwnTokens(), expert_tp=WholeExperts()):
+        super().__init__()
+        self.n_experts, self.top_k = len(moe.experts), moe.top_k
+        n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.n_experts % n:
+            raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
+        self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
+        self.tokens, self.expert_tp = tokens, expert_tp
+        self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
+        self.router_name, self.shared_name = router, shared
+        setattr(self, router, getattr(moe, router))
+        setattr(self, shared, getattr(moe, shared, None))
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
+        route_bias = getattr(moe, "route_bias", None)
+        self.register_buffer("route_bias", route_bias)  # absent (None) if the layer has no balancing bias
+        self.bias_update_rate = getattr(moe, "bias_update_rate", 0.0)
+        # This step's tokens per expert over every rank, for the rule that moves the bias (the model's own,
+        # DeepSeek-V3's): the same global counts on every rank, so every rank moves it alike.
+        self.register_buffer("load", torch.zeros(self.n_experts, dtype=torch.long,
+                                                 device=next(moe.parameters()).device), persistent=False)
+        self.aux_loss = self.tokens_per_expert = None
+        self.dropped = 0
+        self.recomputing = False  # set while the forward runs again for backward: its tokens were counted
+
+    def forward(self, x):
+        arrived = x.reshape(-1, x.shape[-1])
+        router = getattr(self, self.router_name)
+        refuse_unshared_tokens(router, self.tokens)  # tp.py summed it over ranks that share tokens: say how
+        tokens = self.tokens.enter(arrived)  # those this rank routes: no other rank routes them
+        gates, experts, probs = route(router(tokens), self.top_k, self.route_bias)
+        keep = within_capacity(experts, self.n_experts, self.capacity_factor)  # all (dropless) by default
+        self.aux_loss = self._load_balancing_loss(probs, experts, keep)
+        out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
+        shared = getattr(self, self.shared_name)  # on x as it came (a sequence shard under sp: tp.py gathers it)
+        return out if shared is None else out + shared(x)
+
+    def _load_balancing_loss(self, probs, experts, keep):
+        """This rank's share of the Switch loss E * sum_i f_i P_i over the whole micro-batch, f_i the fraction of
+        token assignments that went to expert i, P_i its mean router probability.
+
+        f_i and the token count are summed over stats_group (no gradient flows
+        through them), the probabilities over the ranks sharing this rank's loss
+        (tensor parallelism), each differentiating its own tokens'. Each of the
+        N ranks the loss is averaged over contributes E * N * sum_i f_i * (sum
+        of its p_ti) / T: averaged, as data parallelism averages the losses,
+        that is exactly E * sum_i f_i P_i, value and gradient.
+        """
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts).to(probs.dtype)
+        stats = torch.cat([counts, torch.tensor([len(probs), (~keep).sum()], dtype=probs.dtype, device=probs.device)])
+        dist.all_reduce(stats, group=self.stats_group)
+        counts, n_tokens, dropped = stats[:-2], stats[-2], stats[-1]
+        self.tokens_per_expert, self.dropped = counts.long().tolist(), int(dropped)
+        if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
+            self.load += counts.long()
+        f = counts / (n_tokens * self.top_k)
+        n_ranks = dist.get_world_size(self.stats_group) // self.tokens.size
+        return self.n_experts * n_ranks * (f * self.tokens.total(probs.sum(0))).sum() / n_tokens
+
+    def _dispatch_compute_combine(self, tokens, gates, experts, keep):
+        n = dist.get_world_size(self.ep_group)
+        flat_experts = experts.flatten()[keep.flatten()]
+        assignment = torch.nonzero(keep.flatten()).squeeze(1)  # index into the (token, choice) pairs
+        order = torch.argsort(flat_experts, stable=True)        # grouped by expert, hence by owner rank
+        token_of, expert_of = assignment[order] // self.top_k, flat_experts[order]
+        send_counts = torch.bincount(expert_of, minlength=self.n_experts)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # per (source rank, local expert)
+        send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
+        recv_counts = recv_counts.view(n, self.per_rank)
+        received = AllToAll.apply(tokens[token_of], recv_counts.sum(1).tolist(), send_splits, self.ep_group)
+        returned = AllToAll.apply(self._compute(received, recv_counts), send_splits, recv_counts.sum(1).tolist(),
+                                  self.ep_group)
+        weights = gates.flatten()[keep.flatten()][order].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_of, returned * weights.unsqueeze(1))
+
+    def _compute(self, received, recv_counts):
+        """Run each local expert on the rows it received (grouped by source rank, then by local expert), under
+        expert tensor parallelism on every rank's of the group (expert_tp)."""
+        rows_in, counts = self.expert_tp.gather(received, recv_counts)
+        pieces = list(rows_in.split(counts.flatten().tolist()))
+        blocks = len(pieces) // self.per_rank  # (expert-tp rank, source rank) pairs
+        for e, expert in enumerate(self.experts.values()):
+            rows = [pieces[b * self.per_rank + e] for b in range(blocks)]
+            if not sum(len(r) for r in rows):  # no token: not run, so no gradient, as on one device
+                with torch.no_grad():
+                    dtype = expert(rows[0]).dtype  # the dtype a run would give (the activations')
+                outputs = [row.to(dtype) for row in rows]  # empty, so that every rank sends the same dtype
+            else:
+                outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
+            for b in range(blocks):
+                pieces[b * self.per_rank + e] = outputs[b]
+        return self.expert_tp.reduce(torch.cat(pieces), counts)
+
+
+# ---- Beyond the article ----
+# The capacity limit, folding over tensor parallelism, expert tensor parallelism, model.py's glue, the
+# self-check.
+
+def within_capacity(experts, n_experts, capacity_factor):
+    """Which (token, choice) assignments are kept: all (dropless), or under a capacity factor the first
+    capacity_factor * tokens * k / E of each expert's, in token order; the others are dropped (their output
+    is zero, the residual stream carries them) and counted."""
+    if not capacity_factor:
+        return torch.ones_like(experts, dtype=torch.bool)
+    n_tokens, top_k = experts.shape
+    return capacity_mask(experts, n_experts, int(capacity_factor * n_tokens * top_k / n_experts + 0.999999))
+
+
+def capacity_mask(experts, n_experts, capacity):
+    """Which (token, choice) assignments an expert keeps: the first `capacity` of each expert, in token order."""
+    flat = experts.flatten()
+    one_hot = F.one_hot(flat, n_experts)
+    rank_within_expert = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+    return (rank_within_expert < capacity).view_as(experts)
+
+
+# ---------------------------------------------------------------------------
+# Folded over tensor parallelism (Megatron-LM's "MoE parallel folding")
+# ---------------------------------------------------------------------------
+# The ep group need not be a dimension of its own: its ranks may be the ones attention splits heads (tp)
+# or the sequence (cp) over, so every rank must route tokens no other rank routes. The `tokens` policy says
+# how the arriving tokens relate to those of the other ranks of a tensor-parallel group: OwnTokens (no tp),
+# ShardedTokens (sequence parallelism: each rank holds a shard) or ReplicatedTokens (every rank holds them
+# all: each routes its 1/N and the outputs are all-gathered back, so a token is routed once, not N times).
+# The ranks sharing a loss then each differentiate their own tokens' part of it: the router's gradient is
+# summed over them (tp.py's split_moe), and the balancing loss sums their probabilities forward (SumForward).
+
+def refuse_unshared_tokens(router, tokens):
+    """Refuse a router whose gradient tp.py sums over more ranks (`summed_over_ranks`, set by its
+    `gradients_summed`) than the token policy shares tokens with: under tensor parallelism without
+    `tokens=`, every rank would route the same tokens (each routed N times) or only its shard's with the
+    balancing loss counted alone, and nothing else would fail."""
+    ranks = getattr(router, "summed_over_ranks", 1)
+    if ranks > tokens.size:
+        raise ValueError(f"the router's gradient is summed over {ranks} tensor-parallel ranks (tp.py), but the "
+                         f"layer's token policy {type(tokens).__name__} shares its tokens with {tokens.size}: pass "
+                         f"tokens=ShardedTokens(tp_group) under sequence parallelism, ReplicatedTokens(tp_group) "
+                         f"without")
 
 
 # Row counts differ from rank to rank (the router decides them), which all-gather and reduce-scatter do not
@@ -201,22 +341,6 @@ class SumForward(torch.autograd.Function):
         return grad, None
 
 
-class OwnTokens:
-    """The tokens arriving at the MoE layer are this rank's alone (no tensor parallelism): route them all."""
-
-    size = 1  # ranks sharing these tokens' loss
-
-    def enter(self, tokens):
-        return tokens
-
-    def leave(self, out, tokens):
-        return out
-
-    def total(self, x):
-        """x summed over the tokens the ranks sharing a loss route."""
-        return x
-
-
 class ShardedTokens(OwnTokens):
     """Sequence parallelism: the ranks of `group` (tensor parallelism's) share one loss, each holding its own
     shard of the sequence. Each routes its shard; the load-balancing loss sums their probabilities."""
@@ -240,20 +364,14 @@ class ReplicatedTokens(ShardedTokens):
         return GatherRows.apply(out, split_counts(len(tokens), self.size), self.group)
 
 
-class WholeExperts:
-    """Each rank holds its experts whole, and computes the rows it received."""
-
-    def gather(self, received, recv_counts):
-        """(rows to compute, their counts per (expert-tp rank, source rank, local expert))."""
-        return received, recv_counts.unsqueeze(0)
-
-    def reduce(self, outputs, counts):
-        return outputs
-
+# ---------------------------------------------------------------------------
+# Expert tensor parallelism
+# ---------------------------------------------------------------------------
 
 class SplitExperts(WholeExperts):
-    """Expert tensor parallelism: the ranks of `group` hold slices of the same experts (tp.py's
-    `split_experts`) and received different rows. Each expert's rows from all of them are gathered, every
+    """Expert tensor parallelism: the ranks of `group` hold slices of the same experts (each expert's first
+    matrices column-parallel, its last row-parallel, nothing communicating inside: tp.py's `split_experts`,
+    any MLP's layer names) and received different rows. Each expert's rows from all of them are gathered, every
     rank computes its slice's partial outputs for all of them, and a reduce-scatter sums those and hands
     each rank its own rows: Megatron-LM's expert tensor parallelism, all-gather in, reduce-scatter out."""
 
@@ -270,110 +388,9 @@ class SplitExperts(WholeExperts):
         return reduce_scatter_rows(outputs, counts.flatten(1).sum(1).tolist(), self.group)
 
 
-class ExpertParallelMoE(nn.Module):
-    """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks routing distinct
-    tokens (for the balancing statistics). `tokens` says how the arriving tokens are shared with tensor
-    parallelism (OwnTokens, ShardedTokens, ReplicatedTokens); `expert_tp`, whether this rank holds its
-    experts whole (WholeExperts) or slices of them (SplitExperts: tp.py's `split_experts` cuts them).
-
-    Made from a single-device MoE layer (see the contract in the module docstring):
-    the router (and a shared expert) is replicated, this rank keeps experts
-    [r*E/N, (r+1)*E/N) under their global indices, so names match the single device's.
-    """
-
-    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared",
-                 tokens=OwnTokens(), expert_tp=WholeExperts()):
-        super().__init__()
-        self.n_experts, self.top_k = len(moe.experts), moe.top_k
-        n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        if self.n_experts % n:
-            raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
-        self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
-        self.tokens, self.expert_tp = tokens, expert_tp
-        self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
-        self.router_name, self.shared_name = router, shared
-        setattr(self, router, getattr(moe, router))
-        setattr(self, shared, getattr(moe, shared, None))
-        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
-        route_bias = getattr(moe, "route_bias", None)
-        self.register_buffer("route_bias", route_bias)  # absent (None) if the layer has no balancing bias
-        self.bias_update_rate = getattr(moe, "bias_update_rate", 0.0)
-        # This step's tokens per expert over every rank, for the rule that moves the bias (the model's own).
-        self.register_buffer("load", torch.zeros(self.n_experts, dtype=torch.long,
-                                                 device=next(moe.parameters()).device), persistent=False)
-        self.aux_loss = self.tokens_per_expert = None
-        self.dropped = 0
-        self.recomputing = False  # set while the forward runs again for backward: its tokens were counted
-
-    def forward(self, x):
-        arrived = x.reshape(-1, x.shape[-1])
-        tokens = self.tokens.enter(arrived)  # those this rank routes: no other rank routes them
-        gates, experts, probs = route(getattr(self, self.router_name)(tokens), self.top_k, self.route_bias)
-        keep = torch.ones_like(experts, dtype=torch.bool)
-        if self.capacity_factor:
-            capacity = int(self.capacity_factor * len(tokens) * self.top_k / self.n_experts + 0.999999)
-            keep = capacity_mask(experts, self.n_experts, capacity)
-        self.aux_loss = self._load_balancing_loss(probs, experts, keep)
-        out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
-        shared = getattr(self, self.shared_name)  # on x as it came (a sequence shard under sp: tp.py gathers it)
-        return out if shared is None else out + shared(x)
-
-    def _load_balancing_loss(self, probs, experts, keep):
-        """This rank's share of E * sum_i f_i P_i over the whole micro-batch (see the module docstring).
-
-        f_i and the token count are summed over stats_group (no gradient flows
-        through them), the probabilities over the ranks sharing this rank's loss
-        (tensor parallelism), each differentiating its own tokens'. Each of the
-        N ranks the loss is averaged over contributes E * N * sum_i f_i * (sum
-        of its p_ti) / T: averaged, as data parallelism averages the losses,
-        that is exactly E * sum_i f_i P_i, value and gradient.
-        """
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts).to(probs.dtype)
-        stats = torch.cat([counts, torch.tensor([len(probs), (~keep).sum()], dtype=probs.dtype, device=probs.device)])
-        dist.all_reduce(stats, group=self.stats_group)
-        counts, n_tokens, dropped = stats[:-2], stats[-2], stats[-1]
-        self.tokens_per_expert, self.dropped = counts.long().tolist(), int(dropped)
-        if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
-            self.load += counts.long()
-        f = counts / (n_tokens * self.top_k)
-        n_ranks = dist.get_world_size(self.stats_group) // self.tokens.size
-        return self.n_experts * n_ranks * (f * self.tokens.total(probs.sum(0))).sum() / n_tokens
-
-    def _dispatch_compute_combine(self, tokens, gates, experts, keep):
-        n = dist.get_world_size(self.ep_group)
-        flat_experts = experts.flatten()[keep.flatten()]
-        assignment = torch.nonzero(keep.flatten()).squeeze(1)  # index into the (token, choice) pairs
-        order = torch.argsort(flat_experts, stable=True)        # grouped by expert, hence by owner rank
-        token_of, expert_of = assignment[order] // self.top_k, flat_experts[order]
-        send_counts = torch.bincount(expert_of, minlength=self.n_experts)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # per (source rank, local expert)
-        send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
-        recv_counts = recv_counts.view(n, self.per_rank)
-        received = AllToAll.apply(tokens[token_of], recv_counts.sum(1).tolist(), send_splits, self.ep_group)
-        returned = AllToAll.apply(self._compute(received, recv_counts), send_splits, recv_counts.sum(1).tolist(),
-                                  self.ep_group)
-        weights = gates.flatten()[keep.flatten()][order].to(tokens.dtype)
-        return torch.zeros_like(tokens).index_add(0, token_of, returned * weights.unsqueeze(1))
-
-    def _compute(self, received, recv_counts):
-        """Run each local expert on the rows it received (grouped by source rank, then by local expert), under
-        expert tensor parallelism on every rank's of the group (expert_tp)."""
-        rows_in, counts = self.expert_tp.gather(received, recv_counts)
-        pieces = list(rows_in.split(counts.flatten().tolist()))
-        blocks = len(pieces) // self.per_rank  # (expert-tp rank, source rank) pairs
-        for e, expert in enumerate(self.experts.values()):
-            rows = [pieces[b * self.per_rank + e] for b in range(blocks)]
-            if not sum(len(r) for r in rows):  # no token: not run, so no gradient, as on one device
-                with torch.no_grad():
-                    dtype = expert(rows[0]).dtype  # the dtype a run would give (the activations')
-                outputs = [row.to(dtype) for row in rows]  # empty, so that every rank sends the same dtype
-            else:
-                outputs = expert(torch.cat(rows)).split([len(r) for r in rows])
-            for b in range(blocks):
-                pieces[b * self.per_rank + e] = outputs[b]
-        return self.expert_tp.reduce(torch.cat(pieces), counts)
-
+# ---------------------------------------------------------------------------
+# Applying it to model.py's GPT
+# ---------------------------------------------------------------------------
 
 def is_expert_parameter(name):
     return ".experts." in name

@@ -1,71 +1,38 @@
 """Tensor parallelism (Megatron-LM), with Megatron-style sequence parallelism.
 
-The article's sections "Tensor Parallelism" and "Sequence Parallelism, Flavor 1" ("5D Parallelism
-from Scratch"); the layer splits and the f and g operators are Megatron-LM's (Shoeybi et al., 2019,
-"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", its
-section 3 and Figure 3), sequence parallelism Korthikanti et al.'s (2022, "Reducing Activation
-Recomputation in Large Transformer Models", section 4.2.2, its operators g and g-bar).
+The article's "Tensor Parallelism" and "Sequence Parallelism, Flavor 1" ("5D Parallelism from Scratch"):
+Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism" (section 3, Figure 3), and Korthikanti et al., 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (section 4.2.2). The weight matrices are split over a group of N ranks:
 
-Split the weight matrices themselves across a tensor-parallel group of N ranks.
+    column-parallel  W = [W_1 | ... | W_N]: rank i computes Y_i = X W_i     (q, k, v by heads; the MLP's first)
+    row-parallel     rank i holds X_i and W_i's rows: Y = sum_i X_i W_i     (attention's output; the MLP's last)
 
-- Column-parallel linear: W = [W_1 | ... | W_N] split by output features;
-  rank i computes Y_i = X W_i, its own slice of the output (article:
-  Y = [XW_1 | XW_2]). Attention's q, k, v are split this way by heads (the
-  query heads and the key/value heads each N ways, so that with grouped-query
-  attention a rank's query heads find their key/value heads on the same
-  rank), the MLP's first matrix by hidden units (SwiGLU's gate and up alike),
-  the LM head by vocabulary entries.
-- Row-parallel linear: W split by input features; rank i holds X_i (the
-  slice a column-parallel layer produced) and computes the partial product
-  X_i W_i; the partial products are summed (article: Y = X_1 W_1 + X_2 W_2).
-
-Column then row needs no communication in between (GELU and attention act
-on each rank's slice alone), so a transformer block costs one all-reduce
-after attention and one after the MLP in forward, and the conjugate ones in
-backward. They are the two conjugate operators of Megatron-LM:
+Column then row needs nothing in between, so a block costs one all-reduce after attention and one after
+the MLP in forward (g) and one before each in backward (f):
 
     f = CopyToTensorParallel      forward: identity      backward: all-reduce
     g = ReduceFromTensorParallel  forward: all-reduce    backward: identity
 
-Sequence parallelism: outside the tensor-parallel regions (layer norms, the
-residual stream, dropout) every rank would hold the same full activations.
-Instead each rank keeps 1/N of the sequence there, and g and f become
+Sequence parallelism keeps 1/N of the sequence on each rank outside the split layers (norms, residuals):
+f becomes an all-gather (backward: reduce-scatter) and g a reduce-scatter (backward: all-gather), the same
+traffic, and a parameter applied to a sequence shard (a norm's) has its gradient summed over the group.
 
-    ScatterToSequenceParallel     forward: reduce-scatter  backward: all-gather
-    GatherFromSequenceParallel    forward: all-gather      backward: reduce-scatter
-
-An all-reduce is a reduce-scatter followed by an all-gather, so the traffic
-is the same and the activation memory outside the matmuls drops by N. A
-parameter applied to a sequence shard (layer norm weights, the row-parallel
-bias, position embeddings) then only sees 1/N of the tokens, so its gradient
-is summed over the group, as f applied to the parameter would do; a hook on
-the parameter's gradient does it for any norm module (`sequence_parallel_norm`).
-
-The embedding is split by vocabulary (each rank looks up the ids it holds,
-the others contribute zeros, g sums), and the cross-entropy is computed on
-vocabulary-sharded logits without ever gathering them.
-
-Sharding slices an existing full model, so the single device and the
-parallel run start identical; `unshard` gathers a shard back to full size.
-
-What a model must offer (the contract for copying this file elsewhere): its
-attention reads q, k and v from column-parallel layers (fused, laid out as
-q heads | k heads | v heads, or separate: then `share_region_entry` on the
-attention module makes the three share one f) and writes through a
-row-parallel projection, reading the number of heads off the shapes it gets
-rather than from a config; likewise the MLP (SwiGLU's gate and up fused as
-gate | up, or separate with a shared entry). Everything else is untouched.
-
-The glue decides sequence parallelism once, as an object every layer is
-handed: `plan = SequenceParallel(group) if sequence_parallel else
-TensorParallel(group)`; then `VocabParallelEmbedding(embedding, plan)`,
-`ColumnParallelLinear(linear, plan)` and `RowParallelLinear(linear, plan)`
-in place of the layers, `plan.norm(norm)` on each norm (a learned position
-table: `plan.position_embedding(table)`), and `vocab_parallel_cross_entropy`
-as the loss (targets IGNORE, -100, are left out, as PyTorch's ignore_index;
-positions may be per sequence, (batch, seq)). For a Llama-style model with separate projections that is about
-a dozen lines (tests/test_copy.py, `glue_tp`); for model.py's,
-`apply_tensor_parallel`.
+Copying this file (the glue for a Llama-style model, as tests/test_copy.py's `glue_tp` writes it):
+    plan = SequenceParallel(group) if sequence_parallel else TensorParallel(group)
+    split_attention(attn, plan, head_dim, ("q_proj", "k_proj", "v_proj"), "o_proj")  # fused: ("qkv",)
+    split_mlp(mlp, plan, ("gate_proj", "up_proj"), "down_proj")                       # fused: ("fc",)
+    plan.norm(norm) for each norm (a learned position table: plan.position_embedding(table)),
+    VocabParallelEmbedding(embedding, plan), ColumnParallelLinear(head, plan), and as the loss
+    vocab_parallel_cross_entropy(logits, targets, embedding.vocab_start, group) (targets IGNORE, -100, left out).
+The attention reads its heads off the shapes (view(..., -1, head_dim)); a split that would cut a head
+(fewer key/value heads than ranks) is refused. A mixture of experts folded over the group (ep.py): each
+rank routes tokens of its own, so the router's gradient must be summed over the group, or it is silently
+wrong: `split_moe(moe, plan, router="gate", shared="shared_expert", columns=..., row=...)` does it and
+splits the shared expert as an MLP (the router alone: `gradients_summed(moe.gate, group)`); ep.py's layer
+then needs its `tokens=` policy (it refuses without one). Expert tensor parallelism: `split_experts(moe,
+group, columns=..., row=...)` splits each expert with `ExpertTensorParallel` (no communication inside),
+beside ep.py's `expert_tp=SplitExperts(group)`.
 
 Self-check: torchrun --nproc_per_node 2 tp.py
 """
@@ -79,11 +46,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-# torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy
-# of dp.py's: each dimension file stands alone.)
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 comm_bytes = Counter()  # bytes this rank sent, per collective kind, assuming ring algorithms
 
@@ -101,31 +63,8 @@ def all_reduce(x, group, op=dist.ReduceOp.SUM):
     return x
 
 
-@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
-def all_gather_sequence(x, group):
-    """(batch, seq/N, ...) on each rank -> (batch, seq, ...), rank r's part at position r."""
-    n = dist.get_world_size(group)
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: every backend takes it
-    _count("all_gather", out.numel() * out.element_size(), n)
-    return out.movedim(0, 1).flatten(1, 2)
-
-
-@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
-def reduce_scatter_sequence(x, group):
-    """(batch, seq, ...) partial sums on each rank -> this rank's (batch, seq/N, ...) of their sum."""
-    n = dist.get_world_size(group)
-    if x.shape[1] % n:
-        raise ValueError(f"sequence length {x.shape[1]} does not divide by the tensor-parallel size {n}")
-    chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # (N, batch, seq/N, ...)
-    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
-    _count("reduce_scatter", chunks.numel() * chunks.element_size(), n)
-    return out
-
-
 # ---------------------------------------------------------------------------
-# The conjugate operators
+# f and g, the conjugate operators
 # ---------------------------------------------------------------------------
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -151,6 +90,197 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The plan every split layer is handed: tensor parallelism over `group` (None: the default group), f
+    into a region and g out of it. Each method is a place where `SequenceParallel` differs; a model is
+    split with one plan throughout, so no layer asks which."""
+
+    group: object
+
+    def enter(self, x):
+        """Into a region: f."""
+        return CopyToTensorParallel.apply(x, self.group)
+
+    def leave(self, partial_sums):
+        """Out of a region: g, summing the ranks' partial products."""
+        return ReduceFromTensorParallel.apply(partial_sums, self.group)
+
+    # Outside the regions every rank sees every token: a replicated parameter applied there (the
+    # row-parallel bias) already has its whole gradient, and norms and a position table stay as they are.
+    def replicated(self, parameter):
+        return parameter
+
+    def norm(self, norm):
+        return norm
+
+    def position_embedding(self, table):
+        return table
+
+
+# ---------------------------------------------------------------------------
+# Column- and row-parallel linear layers
+# ---------------------------------------------------------------------------
+
+def shard(full, dim, rank, n_ranks, blocks=None):
+    """This rank's slice of `full` along dim. blocks: the sizes of consecutive blocks along dim
+    that are each split on their own (attention's q | k | v, SwiGLU's gate | up); None: one block."""
+    pieces = full.split(list(blocks or [full.shape[dim]]), dim)
+    return torch.cat([piece.chunk(n_ranks, dim)[rank] for piece in pieces], dim).clone()
+
+
+def unshard(local, dim, group, blocks=None):
+    """The inverse of shard: the full tensor, from every rank's slice."""
+    n = dist.get_world_size(group)
+    pieces = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    sizes = [size // n for size in blocks] if blocks else [local.shape[dim]]
+    per_rank = [piece.split(sizes, dim) for piece in pieces]
+    return torch.cat([per_rank[r][b] for b in range(len(sizes)) for r in range(n)], dim)
+
+
+def _sharded_parameter(full, dim, group, blocks=None):
+    return nn.Parameter(shard(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), blocks))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X W_i + b_i: this rank's output features (the input is replicated, or gathered: plan.enter).
+
+    blocks: the sizes of consecutive blocks of output features split each on its own (see `shard`).
+    head_dim: the features are heads of this width, and a rank must hold whole ones (refused otherwise).
+    entered: the input has already entered the region (`share_region_entry`).
+    """
+
+    def __init__(self, full: nn.Linear, plan: TensorParallel, blocks=None, entered=False, head_dim=None):
+        super().__init__()
+        self.plan, self.entered = plan, entered
+        n = dist.get_world_size(plan.group)
+        for size in blocks or [full.weight.shape[0]]:
+            if size % (n * (head_dim or 1)):
+                raise ValueError(_indivisible_block(size, n, head_dim))
+        self.weight = _sharded_parameter(full.weight, 0, plan.group, blocks)
+        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, plan.group, blocks)
+        self.layouts = {"weight": (0, blocks), "bias": (0, blocks)}  # how to unshard each parameter
+
+    def forward(self, x):
+        if not self.entered:
+            x = self.plan.enter(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _indivisible_block(size, n, head_dim):
+    if head_dim is None:
+        return f"a block of {size} output features does not divide by the tensor-parallel size {n}"
+    heads = size // head_dim
+    return (f"a block of {heads} head{'s' * (heads != 1)} of width {head_dim} does not divide by the tensor-parallel "
+            f"size {n}: each rank must hold whole heads (with grouped-query attention, as many key/value heads as "
+            f"ranks at least)")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i W_i + b: this rank's input features; the bias is added once, after the sum."""
+
+    def __init__(self, full: nn.Linear, plan: TensorParallel):
+        super().__init__()
+        self.plan = plan
+        self.weight = _sharded_parameter(full.weight, 1, plan.group)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.layouts = {"weight": (1, None)}
+
+    def forward(self, x):
+        y = self.plan.leave(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.plan.replicated(self.bias)
+
+
+# ---------------------------------------------------------------------------
+# A block's plan: attention and the MLP, each column-parallel layers then a row-parallel one
+# ---------------------------------------------------------------------------
+
+def share_region_entry(module, plan):
+    """Enter the region once, at module's first input, for the separate column-parallel layers inside it
+    that all read that input (q, k and v; SwiGLU's gate and up; made with entered=True): one all-reduce
+    (under sequence parallelism, reduce-scatter) for all of them in backward, as for a fused layer,
+    instead of one each."""
+    module.register_forward_pre_hook(lambda _, args: (plan.enter(args[0]), *args[1:]))
+    return module
+
+
+def split_region(module, plan, columns, row, fused_blocks=lambda layer: None, head_dim=None):
+    """module's layers named `columns` column-parallel, `row` row-parallel: no communication between them,
+    g after (f before, in backward). Several columns read the same input and share one entry; a single
+    one may fuse several matrices, each split on its own (fused_blocks(layer): their sizes)."""
+    separate = len(columns) > 1
+    if separate:
+        share_region_entry(module, plan)
+    for name in columns:
+        layer = getattr(module, name)
+        blocks = None if separate else fused_blocks(layer)
+        setattr(module, name, ColumnParallelLinear(layer, plan, blocks, separate, head_dim))
+    setattr(module, row, RowParallelLinear(getattr(module, row), plan))
+
+
+def split_attention(attention, plan, head_dim, columns=("qkv",), row="proj"):
+    """q, k and v column-parallel by heads, the output projection row-parallel: a rank attends with its heads
+    alone. Query and key/value heads are split each N ways (a fused layer holds q | k | v), so with
+    grouped-query attention a rank's query heads find their key/value heads on the same rank."""
+    width = getattr(attention, row).in_features  # the query heads'
+
+    def q_k_v(fused):  # the query heads' width, then the keys' and the values', equal
+        kv_width = (fused.out_features - width) // 2
+        return [width, kv_width, kv_width]
+    split_region(attention, plan, columns, row, q_k_v, head_dim)
+
+
+def split_mlp(mlp, plan, columns=("fc",), row="proj"):
+    """The first matrices column-parallel by hidden units, the last row-parallel (the article's "one
+    AllReduce per block"). A fused SwiGLU fc holds gate | up, each split alike, so a rank holds the gate and
+    up of the same units."""
+    width = getattr(mlp, row).in_features
+    split_region(mlp, plan, columns, row, lambda fused: [width] * (fused.out_features // width))
+
+
+def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_heads=None):
+    """Why a model cannot be split n_ranks ways (seq_len given: with sequence parallelism), or None."""
+    for what, size in [("attention heads", n_head), ("key/value heads", n_kv_heads), ("MLP hidden size", d_ff),
+                       ("vocabulary", vocab_size), ("sequence length (sequence parallelism)", seq_len)]:
+        if size is not None and size % n_ranks:
+            return f"{what} {size} does not divide by the tensor-parallel size {n_ranks}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallelism (Korthikanti et al.'s g and g-bar)
+# ---------------------------------------------------------------------------
+
+# torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy of
+# dp.py's: each dimension file stands alone.)
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
+def all_gather_sequence(x, group):
+    """(batch, seq/N, ...) on each rank -> (batch, seq, ...), rank r's part at position r."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: every backend takes it
+    _count("all_gather", out.numel() * out.element_size(), n)
+    return out.movedim(0, 1).flatten(1, 2)
+
+
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
+def reduce_scatter_sequence(x, group):
+    """(batch, seq, ...) partial sums on each rank -> this rank's (batch, seq/N, ...) of their sum."""
+    n = dist.get_world_size(group)
+    if x.shape[1] % n:
+        raise ValueError(f"sequence length {x.shape[1]} does not divide by the tensor-parallel size {n}")
+    chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # (N, batch, seq/N, ...)
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
+    _count("reduce_scatter", chunks.numel() * chunks.element_size(), n)
+    return out
 
 
 class GatherFromSequenceParallel(torch.autograd.Function):
@@ -179,67 +309,10 @@ class ScatterToSequenceParallel(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.group), None
 
 
-# ---------------------------------------------------------------------------
-# Slicing a full tensor, and gathering it back
-# ---------------------------------------------------------------------------
-
-def shard(full, dim, rank, n_ranks, blocks=None):
-    """This rank's slice of `full` along dim. blocks: the sizes of consecutive blocks along dim
-    that are each split on their own (attention's q | k | v, SwiGLU's gate | up); None: one block."""
-    pieces = full.split(list(blocks or [full.shape[dim]]), dim)
-    return torch.cat([piece.chunk(n_ranks, dim)[rank] for piece in pieces], dim).clone()
-
-
-def unshard(local, dim, group, blocks=None):
-    """The inverse of shard: the full tensor, from every rank's slice."""
-    n = dist.get_world_size(group)
-    pieces = [torch.empty_like(local) for _ in range(n)]
-    dist.all_gather(pieces, local.contiguous(), group=group)
-    sizes = [size // n for size in blocks] if blocks else [local.shape[dim]]
-    per_rank = [piece.split(sizes, dim) for piece in pieces]
-    return torch.cat([per_rank[r][b] for b in range(len(sizes)) for r in range(n)], dim)
-
-
-def _sharded_parameter(full, dim, group, blocks=None):
-    return nn.Parameter(shard(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), blocks))
-
-
-# ---------------------------------------------------------------------------
-# With sequence parallelism or without: decided once, as the plan every layer is handed
-# ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """Tensor parallelism over `group` (None: the default group), as in the article's "Tensor Parallelism":
-    outside the tensor-parallel regions every rank holds the same full activations. Each method is a place
-    where `SequenceParallel` differs; a model is split with one plan throughout, so no layer asks which."""
-
-    group: object
-
-    def enter(self, x):
-        """Into a region: f (identity forward; backward, all-reduce: every rank's use of x adds to its gradient)."""
-        return CopyToTensorParallel.apply(x, self.group)
-
-    def leave(self, partial_sums):
-        """Out of a region: g (all-reduce forward, summing the ranks' partial products)."""
-        return ReduceFromTensorParallel.apply(partial_sums, self.group)
-
-    # Outside the regions every rank sees every token: a replicated parameter applied there (the
-    # row-parallel bias) already has its whole gradient, and norms and a position table stay as they are.
-    def replicated(self, parameter):
-        return parameter
-
-    def norm(self, norm):
-        return norm
-
-    def position_embedding(self, table):
-        return table
-
-
 class SequenceParallel(TensorParallel):
-    """Sequence parallelism on top (the article's "Sequence Parallelism"; Korthikanti et al., 2022, section
-    4.2.2): outside the regions each rank keeps 1/N of the sequence, so a region begins with an all-gather
-    and ends with a reduce-scatter, and whatever acts outside sees this rank's tokens alone."""
+    """Outside the regions each rank keeps 1/N of the sequence, so a region begins with an all-gather and
+    ends with a reduce-scatter (an all-reduce's two halves: the same traffic), and whatever acts outside
+    sees this rank's tokens alone."""
 
     def enter(self, x):
         """Korthikanti et al.'s g: all-gather the sequence forward, reduce-scatter its gradient backward."""
@@ -260,75 +333,43 @@ class SequenceParallel(TensorParallel):
         return SequenceParallelPositionEmbedding(table, self.group)
 
 
-class ExpertTensorParallel(TensorParallel):
-    """Inside an expert whose matrices are split over `group` (Megatron-LM's expert tensor parallelism), as
-    ep.py's SplitExperts runs it: the expert's rows are all-gathered from every rank of the group before,
-    and its partial outputs reduce-scattered after, so nothing communicates inside. The row-parallel bias
-    is added by the group's first rank alone (the reduce-scatter adds it once), and f sums its gradient."""
-
-    def enter(self, x):
-        return x
-
-    def leave(self, partial_sums):
-        return partial_sums
-
-    def replicated(self, parameter):
-        first = dist.get_rank(self.group) == 0
-        return CopyToTensorParallel.apply(parameter, self.group) * first
-
-
-# ---------------------------------------------------------------------------
-# Layers
-# ---------------------------------------------------------------------------
-
-def share_region_entry(module, plan):
-    """Enter the region once, at module's first input, for the separate column-parallel layers inside it
-    that all read that input (q, k and v; SwiGLU's gate and up; made with entered=True): one all-reduce
-    (under sequence parallelism, reduce-scatter) for all of them in backward, as for a fused layer,
-    instead of one each."""
-    module.register_forward_pre_hook(lambda _, args: (plan.enter(args[0]), *args[1:]))
+def gradients_summed(module, group):
+    """A replicated module that each rank applies to tokens of its own (a norm under sequence parallelism;
+    a router whose experts are folded over the group), in place: each of its parameters' gradients is
+    summed over the group (a hook on the gradient does what f applied to the parameter would). Names and
+    module type stay the same; `summed_over_ranks` says how many ranks share its tokens' loss (ep.py reads
+    it on a router, to refuse a layer that would route every token N times)."""
+    for p in module.parameters():
+        p.register_hook(partial(all_reduce, group=group))
+    module.summed_over_ranks = dist.get_world_size(group)
     return module
 
 
-class ColumnParallelLinear(nn.Module):
-    """Y_i = X W_i + b_i: this rank's output features (the input is replicated, or gathered).
+def sequence_parallel_norm(norm, group):
+    """Any norm module (LayerNorm, RMSNorm, ...) applied to this rank's sequence shard, in place."""
+    return gradients_summed(norm, group)
 
-    blocks: the sizes of consecutive blocks of output features that are split
-    each on its own (see `shard`). entered: the input has already entered the
-    tensor-parallel region (`share_region_entry`).
-    """
 
-    def __init__(self, full: nn.Linear, plan: TensorParallel, blocks=None, entered=False):
+class SequenceParallelPositionEmbedding(nn.Module):
+    """Position embeddings of this rank's sequence shard (positions are given for the whole sequence)."""
+
+    def __init__(self, full: nn.Embedding, group):
         super().__init__()
-        self.plan, self.entered = plan, entered
-        n, out_features = dist.get_world_size(plan.group), full.weight.shape[0]
-        for size in blocks or [out_features]:
-            if size % n:
-                raise ValueError(f"{size} output features of a block do not divide by the tensor-parallel size {n}")
-        self.weight = _sharded_parameter(full.weight, 0, plan.group, blocks)
-        self.bias = None if full.bias is None else _sharded_parameter(full.bias, 0, plan.group, blocks)
-        self.layouts = {"weight": (0, blocks), "bias": (0, blocks)}  # how to unshard each parameter
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach().clone())
 
-    def forward(self, x):
-        if not self.entered:
-            x = self.plan.enter(x)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, pos):
+        mine = pos.chunk(dist.get_world_size(self.group), -1)[dist.get_rank(self.group)]
+        return F.embedding(mine, CopyToTensorParallel.apply(self.weight, self.group))
 
 
-class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i W_i + b: this rank's input features; the bias is added once, after the sum."""
+# ---- Beyond the article ----
+# The vocabulary-parallel embedding and loss, the experts' split (folded over tp, expert tensor
+# parallelism), model.py's glue, the gathered state dict, and the self-check.
 
-    def __init__(self, full: nn.Linear, plan: TensorParallel):
-        super().__init__()
-        self.plan = plan
-        self.weight = _sharded_parameter(full.weight, 1, plan.group)
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
-        self.layouts = {"weight": (1, None)}
-
-    def forward(self, x):
-        y = self.plan.leave(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.plan.replicated(self.bias)
-
+# ---------------------------------------------------------------------------
+# The vocabulary split: embedding and cross-entropy
+# ---------------------------------------------------------------------------
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous range of the vocabulary; ids outside it look up zeros, and leaving the
@@ -351,33 +392,6 @@ class VocabParallelEmbedding(nn.Module):
         partial_lookup = F.embedding(local.masked_fill(outside, 0), self.weight)
         partial_lookup = partial_lookup.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.plan.leave(partial_lookup)
-
-
-def gradients_summed(module, group):
-    """A replicated module that each rank applies to tokens of its own, in place: each of its parameters'
-    gradients is summed over the group (a hook on the gradient does what f applied to the parameter
-    would). Names and module type stay the same."""
-    for p in module.parameters():
-        p.register_hook(partial(all_reduce, group=group))
-    return module
-
-
-def sequence_parallel_norm(norm, group):
-    """Any norm module (LayerNorm, RMSNorm, ...) applied to this rank's sequence shard, in place."""
-    return gradients_summed(norm, group)
-
-
-class SequenceParallelPositionEmbedding(nn.Module):
-    """Position embeddings of this rank's sequence shard (positions are given for the whole sequence)."""
-
-    def __init__(self, full: nn.Embedding, group):
-        super().__init__()
-        self.group = group
-        self.weight = nn.Parameter(full.weight.detach().clone())
-
-    def forward(self, pos):
-        mine = pos.chunk(dist.get_world_size(self.group), -1)[dist.get_rank(self.group)]
-        return F.embedding(mine, CopyToTensorParallel.apply(self.weight, self.group))
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -433,51 +447,54 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start, group, vocab_size
 
 
 # ---------------------------------------------------------------------------
-# Applying it to model.py's GPT (the only model knowledge in this file)
+# Experts: folded over the group, and split by it (expert tensor parallelism)
 # ---------------------------------------------------------------------------
 
-def split_mlp(mlp, plan):
-    """fc column-parallel, proj row-parallel. A SwiGLU fc holds (gate | up): its width is a multiple of
-    proj's input, and each part is split alike, so a rank holds the gate and up of the same units."""
-    width = mlp.proj.in_features
-    mlp.fc = ColumnParallelLinear(mlp.fc, plan, blocks=[width] * (mlp.fc.out_features // width))
-    mlp.proj = RowParallelLinear(mlp.proj, plan)
+class ExpertTensorParallel(TensorParallel):
+    """Inside an expert whose matrices are split over `group` (Megatron-LM's expert tensor parallelism), as
+    ep.py's SplitExperts runs it: the expert's rows are all-gathered from every rank of the group before,
+    and its partial outputs reduce-scattered after, so nothing communicates inside. The row-parallel bias
+    is added by the group's first rank alone (the reduce-scatter adds it once), and f sums its gradient."""
+
+    def enter(self, x):
+        return x
+
+    def leave(self, partial_sums):
+        return partial_sums
+
+    def replicated(self, parameter):
+        first = dist.get_rank(self.group) == 0
+        return CopyToTensorParallel.apply(parameter, self.group) * first
 
 
-def split_moe(moe, plan):
-    """A mixture of experts as ep.py runs it under tensor parallelism: each rank of the group routes tokens
-    of its own (a sequence shard, or its part of tokens every rank holds), so the replicated router's
-    gradient is summed over the group (`gradients_summed`); the shared expert, which every token
-    passes through, is split like a dense MLP. The routed experts are ep.py's to place (`split_experts`)."""
-    gradients_summed(moe.router, plan.group)
-    if getattr(moe, "shared", None) is not None:
-        split_mlp(moe.shared, plan)
+def split_moe(moe, plan, router="router", shared="shared", columns=("fc",), row="proj"):
+    """A mixture of experts as ep.py runs it folded over the group: each rank routes tokens of its own (a
+    sequence shard, or its part of tokens every rank holds), so the replicated router's gradient is summed
+    over the group (`gradients_summed`); the shared expert, which every token passes through, is split like
+    a dense MLP (`split_mlp`'s columns and row). router, shared: their attribute names (as ep.py's layer
+    takes them). The routed experts are ep.py's to place (`split_experts` for expert tensor parallelism)."""
+    gradients_summed(getattr(moe, router), plan.group)
+    if getattr(moe, shared, None) is not None:
+        split_mlp(getattr(moe, shared), plan, columns, row)
 
 
-def split_experts(moe, group):
-    """Split each routed expert's MLP over `group` (expert tensor parallelism), with no communication inside:
-    ep.py's SplitExperts gathers their rows before and reduce-scatters their partial outputs after."""
+def split_experts(moe, group, columns=("fc",), row="proj"):
+    """Split each routed expert's MLP over `group` (expert tensor parallelism; columns and row as for
+    `split_mlp`, e.g. ("gate_proj", "up_proj"), "down_proj"), with no communication inside: ep.py's
+    SplitExperts gathers their rows before and reduce-scatters their partial outputs after."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
     for expert in experts:
-        split_mlp(expert, ExpertTensorParallel(group))
+        split_mlp(expert, ExpertTensorParallel(group), columns, row)
 
 
-def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_heads=None):
-    """Why a model cannot be split n_ranks ways (seq_len given: with sequence parallelism), or None."""
-    for what, size in [("attention heads", n_head), ("key/value heads", n_kv_heads), ("MLP hidden size", d_ff),
-                       ("vocabulary", vocab_size), ("sequence length (sequence parallelism)", seq_len)]:
-        if size is not None and size % n_ranks:
-            return f"{what} {size} does not divide by the tensor-parallel size {n_ranks}"
-    return None
-
+# ---------------------------------------------------------------------------
+# Applying it to model.py's GPT (the only model knowledge in this file)
+# ---------------------------------------------------------------------------
 
 def split_block(block, config, plan):
     """One transformer block of model.py, in place: one all-reduce (under sequence parallelism,
     reduce-scatter) after attention and one after the MLP in forward, and their conjugates in backward."""
-    # Query heads and key/value heads are split separately, so each rank keeps whole groups.
-    qkv_blocks = [config.d_model, config.kv_dim, config.kv_dim]
-    block.attn.qkv = ColumnParallelLinear(block.attn.qkv, plan, blocks=qkv_blocks)
-    block.attn.proj = RowParallelLinear(block.attn.proj, plan)
+    split_attention(block.attn, plan, config.d_model // config.n_head)
     if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts ep.py's
         split_moe(block.mlp, plan)
     else:
@@ -559,7 +576,7 @@ class _ToyLM(nn.Module):
 def _split_toy(model, plan):
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, plan)
     model.pos_emb = plan.position_embedding(model.pos_emb)
-    model.qkv = ColumnParallelLinear(model.qkv, plan, blocks=model.qkv_sizes)  # heads and KV heads split alike
+    model.qkv = ColumnParallelLinear(model.qkv, plan, blocks=model.qkv_sizes, head_dim=model.head_dim)  # whole heads
     model.out = RowParallelLinear(model.out, plan)
     model.fc, model.proj = ColumnParallelLinear(model.fc, plan), RowParallelLinear(model.proj, plan)
     for norm in (model.norm0, model.norm1, model.norm):

@@ -165,18 +165,23 @@ def worst(a, b):
 
 # -- tp.py -----------------------------------------------------------------------------------
 
+SWIGLU = dict(columns=("gate_proj", "up_proj"), row="down_proj")  # the Llama's MLP layers, for tp.py's splits
+
+
 def glue_tp(tp, model, group, sp):
-    """tp.py on the Llama: vocabulary-parallel embedding and head, q/k/v and gate/up column-parallel behind
-    one shared entry each, o and down row-parallel; under sequence parallelism the norms' gradients summed."""
+    """tp.py on the Llama: vocabulary-parallel embedding and head; in each layer q/k/v (by whole heads) and
+    gate/up column-parallel behind one shared entry each, o and down row-parallel (in an MoE, the shared
+    expert's, and the router's gradient summed over the group); under sequence parallelism the norms'
+    gradients summed."""
     plan = tp.SequenceParallel(group) if sp else tp.TensorParallel(group)
     model.embed_tokens = tp.VocabParallelEmbedding(model.embed_tokens, plan)
     for layer in model.layers:
-        for module, columns, row in [(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                                     (layer.mlp, ("gate_proj", "up_proj"), "down_proj")]:
-            tp.share_region_entry(module, plan)
-            for name in columns:
-                setattr(module, name, tp.ColumnParallelLinear(getattr(module, name), plan, entered=True))
-            setattr(module, row, tp.RowParallelLinear(getattr(module, row), plan))
+        attention = layer.self_attn
+        tp.split_attention(attention, plan, attention.head_dim, ("q_proj", "k_proj", "v_proj"), "o_proj")
+        if hasattr(layer.mlp, "experts"):  # the MoE (ep.py's layer made from it, or the MoE itself)
+            tp.split_moe(layer.mlp, plan, router="gate", shared="shared_expert", **SWIGLU)
+        else:
+            tp.split_mlp(layer.mlp, plan, **SWIGLU)
     for norm in [m for m in model.modules() if isinstance(m, nn.RMSNorm)]:
         plan.norm(norm)
     model.lm_head = tp.ColumnParallelLinear(model.lm_head, plan)
@@ -349,6 +354,87 @@ def test_ep_on_an_moe_with_its_own_router_name_and_a_shared_expert(tmp_path):
     assert names == {name for name, _ in MoE().named_parameters()}  # the single device's names, nothing renamed
     assert [{name.split(".")[1] for name in names if name.startswith("experts.")} for _, names in results] == \
         [{"0", "1"}, {"2", "3"}]  # each rank holds half of the experts
+
+
+# -- ep.py folded over tp.py --------------------------------------------------------------------
+
+def glue_ep_over_tp(tp, ep, model, sp, expert_tp):
+    """ep.py's layer in place of each MoE, its experts spread over the tp ranks (or, with expert_tp, held by
+    every rank in slices: tp.py's split_experts) and the tp group's token policy; then tp.py's glue, which
+    sums each router's gradient over the group."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(n)][rank]  # with expert tp, no expert parallelism
+    for layer in model.layers:
+        layer.mlp = ep.ExpertParallelMoE(layer.mlp, alone if expert_tp else None, None, router="gate",
+                                         shared="shared_expert",
+                                         tokens=ep.ShardedTokens(None) if sp else ep.ReplicatedTokens(None),
+                                         expert_tp=ep.SplitExperts(None) if expert_tp else ep.WholeExperts())
+        if expert_tp:
+            tp.split_experts(layer.mlp, None, **SWIGLU)
+    return glue_tp(tp, model, None, sp)
+
+
+def ep_over_tp_worker(folder, sequence_parallel, expert_tp):
+    tp, ep = import_copy(folder, "tp.py"), import_copy(folder, "ep.py")
+    ref, ids, ref_loss, ref_grads = reference(moe=True)
+    model = fresh_copy(ref)
+    loss_fn = glue_ep_over_tp(tp, ep, model, sequence_parallel, expert_tp)
+    loss = loss_fn(model(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:])
+    loss.backward()
+    layouts = tp.sharded_layouts(model)
+    grads = {name: tp.unshard(p.grad, layouts[name][0], None, layouts[name][1]) if name in layouts else p.grad
+             for name, p in model.named_parameters()}
+    return abs(loss.item() - ref_loss), max(worst(grads[k], ref_grads[k]) for k in grads), sorted(grads)
+
+
+@pytest.mark.parametrize("sequence_parallel,expert_tp", [(False, False), (True, False), (False, True)],
+                         ids=["tp2-ep2", "tp2-sp-ep2", "tp2-expert-tp2"])
+def test_ep_folded_over_tp_on_a_llama_moe(tmp_path, sequence_parallel, expert_tp):
+    """The Llama's SwiGLU experts spread over the tp ranks, or split over them (expert tensor parallelism),
+    its router `gate` summed over tp by tp.py's split_moe: loss and every gradient as on one process."""
+    folder = copy_alone("tp.py", tmp_path)
+    shutil.copy(os.path.join(REPO, "ep.py"), folder)
+    results = run_on_ranks(2, ep_over_tp_worker, folder, sequence_parallel, expert_tp)
+    for loss_error, grad_error, _ in results:
+        assert loss_error < 1e-12 and grad_error < 1e-12
+    assert set(results[0][2]) | set(results[1][2]) == {name for name, _ in Llama(moe=True).named_parameters()}
+
+
+def forgotten_token_policy_worker(folder):
+    tp, ep = import_copy(folder, "tp.py"), import_copy(folder, "ep.py")
+    model = fresh_copy(reference(moe=True)[0])
+    for layer in model.layers:
+        layer.mlp = ep.ExpertParallelMoE(layer.mlp, None, None, router="gate", shared="shared_expert")  # no tokens=
+    glue_tp(tp, model, None, False)
+    with pytest.raises(ValueError) as refusal:
+        model(torch.zeros(BATCH, SEQ, dtype=torch.long), torch.arange(SEQ))
+    return str(refusal.value)
+
+
+def test_ep_under_tp_without_a_token_policy_is_refused(tmp_path):
+    """Left out, each tp rank would route the same tokens (every token twice): the layer refuses instead."""
+    folder = copy_alone("tp.py", tmp_path)
+    shutil.copy(os.path.join(REPO, "ep.py"), folder)
+    for message in run_on_ranks(2, forgotten_token_policy_worker, folder):
+        assert "summed over 2 tensor-parallel ranks" in message and "ReplicatedTokens(tp_group)" in message
+
+
+def one_kv_head_worker(folder):
+    tp = import_copy(folder, "tp.py")
+    model = Llama()
+    for layer in model.layers:  # multi-query attention: one key/value head for the four query heads
+        attention = layer.self_attn
+        attention.k_proj, attention.v_proj = (nn.Linear(D, attention.head_dim, bias=False) for _ in range(2))
+    with pytest.raises(ValueError) as refusal:
+        glue_tp(tp, model, None, False)
+    return str(refusal.value)
+
+
+def test_tp_refuses_fewer_key_value_heads_than_ranks(tmp_path):
+    """Split, not at the first forward with a shape error: one key/value head does not divide over 2 ranks."""
+    folder = copy_alone("tp.py", tmp_path)
+    for message in run_on_ranks(2, one_kv_head_worker, folder):
+        assert "a block of 1 head of width 4 does not divide by the tensor-parallel size 2" in message
 
 
 # -- dp.py -----------------------------------------------------------------------------------
