@@ -22,16 +22,17 @@ Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -
 (any attribute name: `router=`), `top_k`; optionally a shared expert (`shared=`) and a `route_bias` buffer
 with `bias_update_rate`. Names stay the single device's, so checkpoints match. The glue, per MoE layer:
     layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert")
+(stats_group: every rank that routes tokens of its own, for the balancing statistics.)
 Gradients: the router's (and all outside the experts) are averaged over the ranks holding different data;
 an expert's are summed over the ranks holding the same expert and divided by the ranks the loss averages.
 Folded over tensor parallelism (the ep ranks are tp ranks): pass `tokens=ShardedTokens(tp_group)` under
 sequence parallelism, `ReplicatedTokens(tp_group)` without, and sum the router's gradient over tp_group
 (tp.py: `split_moe(layer, plan, router="gate", ...)` or `gradients_summed(layer.gate, tp_group)`; left out,
-nothing fails and that gradient is wrong). A router so summed without a `tokens=` policy is refused (every
-token would be routed N times). Expert tensor parallelism: `expert_tp=SplitExperts(group)` for experts
-whose matrices are split over `group` with no communication inside (tp.py: `split_experts(layer, group,
-columns=("gate_proj", "up_proj"), row="down_proj")`, column- and row-parallel layers under its
-`ExpertTensorParallel` plan).
+nothing fails and that gradient is wrong). A router tp.py has summed (it marks it `summed_over_ranks`)
+meeting no `tokens=` policy is refused at the first forward (every token would be routed N times).
+Expert tensor parallelism: `expert_tp=SplitExperts(group)` for experts whose matrices are split over
+`group` with no communication inside (tp.py: `split_experts(layer, group, columns=("gate_proj",
+"up_proj"), row="down_proj")`: column- and row-parallel layers under its `ExpertTensorParallel` plan).
 
 Self-check: torchrun --nproc_per_node 4 ep.py
 """
