@@ -1,120 +1,37 @@
-"""Context parallelism: the sequence split over ranks, exact attention by ring attention (or all-gathered
-keys and values, or an all-to-all to head shards).
+"""Context parallelism: the sequence split over ranks, attention kept exact by ring attention.
 
-The article's section "Sequence Parallelism, Flavor 2: Ring Attention" ("5D Parallelism from Scratch");
-ring attention is Liu et al.'s (2023, "Ring Attention with Blockwise Transformers for Near-Infinite
-Context"), the block merge the online softmax of FlashAttention (Dao et al., 2022, its Algorithm 1;
-Milakov and Gimelshein, 2018), the zigzag split Llama 3's (Llama Team, 2024, section 3.3.2).
+The article's "Sequence Parallelism, Flavor 2: Ring Attention" ("5D Parallelism from Scratch"); ring
+attention is Liu et al.'s (2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"),
+the block merge the online softmax of FlashAttention (Dao et al., 2022, Algorithm 1; Milakov and
+Gimelshein, 2018), the zigzag split Llama 3's (Llama Team, 2024, section 3.3.2).
 
-Every layer except attention treats tokens independently, so a rank can hold
-1/N of the sequence and run norms, MLPs and the loss on it alone. Attention
-needs every earlier key and value: ring attention passes the K/V blocks
-round a ring of N ranks, and each rank combines its queries with each block
-as it passes (the article's four steps), while the next block is already on
-its way (communication overlaps computation).
-
-Load balance (zigzag). With causal attention the last tokens attend to the
-whole sequence and the first to almost nothing. Cut the sequence into 2N
-chunks and give rank r chunks r and 2N-1-r: every rank then holds one early
-and one late chunk, and computes the same number of (query chunk, key chunk)
-blocks, 2N + 1 of them (`blocks_computed` counts them).
-
-Combining blocks. For each block, the partial output O_b and its
-log-sum-exp L_b = log sum exp(q k^T / sqrt(d)) are merged into the running
-ones (online softmax):
+Every layer but attention treats tokens independently, so each of N ranks holds 1/N of the sequence and
+runs norms, MLPs and the loss on it alone. Attention needs every earlier key and value: the ranks pass
+their K/V blocks round a ring, and each combines its queries with every block as it passes, while the
+next block is already on its way. A block's partial output O_b and log-sum-exp L_b are merged into the
+running pair (the online softmax), in float32 or better:
 
     L = log(exp(L) + exp(L_b)),    O = O exp(L_old - L) + O_b exp(L_b - L)
 
-computed in float32 or better. A pair of chunks whose keys all come after
-its queries is skipped; a chunk paired with itself gets the causal mask; any
-other pair needs no mask at all (within packed documents, below, each pair
-gets its mask written out).
+Backward recomputes each block's probabilities from the final L (P = exp(S - L)), and the dK/dV
+accumulators travel round the ring with their K/V block until they are home.
 
-Backward recomputes each block's probabilities from the saved log-sum-exp
-(P = exp(S - L)), and the dK/dV accumulators travel round the ring with their
-K/V block, picking up each rank's contribution, until they are back home.
+First the article: the zigzag split, one block and the merge, ring attention forward and backward on the
+block computation written out. After the banner "Beyond the article": packed documents (masks from the
+document ids, the ring skipping what no query needs), the all-gather (Llama 3) and all-to-all
+(DeepSpeed-Ulysses) ways on the same shards, the glue to model.py, PyTorch's fused block kernels, the
+self-check. Longer design notes: docs/design-cp.md.
 
-Packed documents. A sequence may hold several documents back to back: query
-i then sees the keys j <= i of its own document. The core takes the document
-ids of the whole sequence (every rank has all of them), so a rank knows the
-mask of any pair of chunks without asking (`attention_masks`: one small
-object per call; plain causal attention keeps the pairs and flags above).
-Ring attention skips what no query needs, decided alike on every rank from
-the ids, copied to the host once per call (`_RingPlan`): a pair where no
-query sees a key, in any row, is not computed; a K/V block goes round only
-as far as the furthest rank that needs it, in backward too, and its dK/dV
-accumulators come home from there in one message instead of round the rest
-of the ring (a block no other rank needs never leaves home, nor do its
-gradients). Not skipped, as the layout stands: a rank between a block's home
-and the furthest rank that needs it relays it all the same (the ring is the
-only path); a pair empty in some rows only (the batch shares one plan); and
-a document across the boundary of two ranks' chunks makes the later one need
-the earlier's block. The all-gather and the all-to-all move the whole
-sequence whatever the mask (the all-gather skips an empty block, the
-all-to-all computes one masked block).
-
-Each block is computed by one of PyTorch's fused attention kernels that
-return the log-sum-exp the merge needs and whose backward takes the merged
-output and log-sum-exp (`default_kernels` picks): on CPUs its flash kernel
-(half-precision blocks widened to float32: its backward is slow in them); on
-CUDA FlashAttention-2 for float16/bfloat16 and the memory-efficient kernel
-for float32. These adapters are the file's last section, after the three
-ways and their glue to model.py. A block's (s/2N)² scores are never
-materialised, so memory grows linearly with the sequence. The same
-computation written out (`block_attention`, `block_attention_backward`) is
-the readable reference that the self-check runs too; it is also what float64
-on CUDA (no fused CUDA kernel takes it) and other devices get. A block within
-documents takes its mask as a boolean tensor; the fused kernels take it as an
-additive one (0 or -inf), CUDA's FlashAttention not at all (its masked blocks
-go to the memory-efficient kernel).
-
-Mixed precision. The kernels take q, k, v in their own dtype, and K, V and
-their gradient accumulators travel in it (bfloat16 halves the ring's
-bytes); the merge and each rank's gradient sums are in float32 or better
-(as FlashAttention keeps its running output and softmax statistics in
-float32: a bfloat16 sum of many blocks would lose their small terms).
-
-Grouped-query attention: k and v may have fewer heads than q, each serving a
-group of consecutive query heads. The ring carries them as they are (so its
-traffic is n_kv_heads / n_heads of full multi-head attention's); each block
-computation repeats them to the query heads, and backward sums the repeated
-heads' dK, dV over each group before they travel on.
-
-Messages match by order alone, as NCCL requires (it ignores tags). Every rank
-runs the same loop, so every rank posts the same sequence of exchanges: each
-passes one set of tensors to the next rank and receives a set of the same
-shapes from the previous one, in one batch (K, V in forward; K, V, then dK,
-dV at each step of backward). The n-th message from a rank to its successor
-is therefore the n-th receive its successor posts from it, and since both
-ends of an exchange sit in the batch of the same step on every rank, the
-exchange of step s completes once every rank has reached step s. Within
-documents every rank plans the skipped messages from the same ids, so both
-ends of a message leave it out or post it, in the same step's batch (the
-accumulators coming home from the furthest rank too, the one message not
-between neighbours). Then a rank may post nothing in a call, and on NCCL
-PyTorch asks every rank of a group to take part in its first
-batch_isend_irecv: create the process group bound to a device
-(init_process_group's device_id), whose communicators are made at once, as
-this file's self-check and training/launch.py do.
-
-Two other ways split attention over the same zigzag shards (`MODES`, below ring attention): every rank
-all-gathers the whole sequence's K and V and reduce-scatters their gradients (Llama 3's long-context
-stage; PyTorch's context_parallel does this by default), or an all-to-all turns sequence shards into
-head shards for ordinary attention and back (DeepSpeed-Ulysses). Each section writes out its traffic;
-all three keep tensors of the same sizes for backward (q, k, v, the output, the log-sum-exp).
-
-What a model must offer (the contract for copying this file elsewhere): its
-attention calls a replaceable function on q, k, v of shape (batch, heads,
-seq, head_dim), k and v possibly with fewer heads, after any rotary
-embedding, and, for packed documents, the document ids (batch, seq) of the
-WHOLE sequence in natural order, not this rank's shard (non-decreasing along
-a row; None: one causal sequence); and it takes token positions as an
-argument, so that a rank's zigzag shard (`shard_sequence`) is embedded at its
-true positions (`zigzag_positions`). The glue is one line per attention
-layer, `core = lambda q, k, v, documents=None: ring_attention(q, k, v, group,
-documents=documents)[0]` (or all_gather_attention, all_to_all_attention;
-`ContextParallelCore` is this line), plus sharding the batch; gradients are
-then averaged over the group as data parallelism does.
+What a model must offer (the contract for copying this file alone): its attention calls a replaceable
+function on q, k, v of shape (batch, heads, seq, head_dim) after any rotary embedding (k and v may have
+fewer heads: grouped-query attention), and, for packed documents, the document ids (batch, seq) of the
+WHOLE sequence in natural order (non-decreasing along a row; None: one causal sequence); and it takes
+token positions as an argument, so that a rank's shard (`shard_sequence`) is embedded at its true
+positions (`zigzag_positions`). The glue is one line per attention layer, `core = ContextParallelCore(group)`
+(ring attention on PyTorch's fused kernels; mode="allgather" or "alltoall" for the other ways), or
+`core = lambda q, k, v, documents=None: ring_attention(q, k, v, group, documents=documents)[0]` on the
+written-out blocks (pass kernels=default_kernels(q.device, q.dtype, q.shape[-1]) for the fused ones);
+plus sharding the batch. Gradients are then averaged over the group as data parallelism does.
 
 Self-check: torchrun --nproc_per_node 4 cp.py
 """
@@ -138,7 +55,9 @@ blocks_computed = Counter()  # attention blocks (pairs of chunks) computed by th
 # ---------------------------------------------------------------------------
 
 def zigzag_positions(seq_len, n_ranks, rank, device=None):
-    """The positions rank `rank` holds: chunks r and 2N-1-r of 2N equal chunks."""
+    """The positions rank `rank` holds: chunks r and 2N-1-r of 2N equal chunks. Under causal attention the
+    last tokens attend to the whole sequence and the first to almost nothing; one early and one late chunk
+    give every rank the same work, 2N + 1 (query chunk, key chunk) blocks (`blocks_computed`)."""
     if seq_len % (2 * n_ranks):
         raise ValueError(f"sequence length {seq_len} does not divide into 2 x {n_ranks} context-parallel chunks")
     chunk = seq_len // (2 * n_ranks)
@@ -164,79 +83,9 @@ def restore_order(shards, dim=1):
     return torch.cat(shards, dim).index_select(dim, torch.argsort(order))
 
 
-# ---------------------------------------------------------------------------
-# Which keys a query sees: causal attention, or causal within packed documents
-# ---------------------------------------------------------------------------
-#
-# Each way cuts attention into blocks, a run of queries against a run of keys (slices of sequence indices),
-# and asks one object per call (`attention_masks`) what mask a block gets: None where no query of it sees
-# any key (the block is skipped), else what the block kernels take: True (the causal mask of a run of
-# queries against their own keys), False (every key seen) or a boolean tensor (batch or 1, 1, queries,
-# keys), True where a query sees a key.
-
-class CausalMasks:
-    """Plain causal attention, query i sees keys 0..i: the blocks the three ways cut are queries against their
-    own keys (True), against keys all before them (False) or all after them (None: skipped)."""
-
-    def sees(self, queries, keys):
-        """Whether any query of the block sees any of its keys: there are keys, and not all after the queries."""
-        return keys.start < min(keys.stop, queries.stop)
-
-    def mask(self, queries, keys):
-        if not self.sees(queries, keys):
-            return None
-        if keys == queries:
-            return True
-        if keys.stop - 1 <= queries.start:
-            return False
-        raise ValueError(f"keys {keys} are neither the queries' own ({queries}) nor all before them")
-
-
-class DocumentMasks:
-    """Causal attention within packed documents, query i sees the keys j <= i of its own document.
-
-    documents (batch, seq): each token's document id over the whole sequence, non-decreasing along a row, so
-    a document is a run of tokens and query i sees keys first[i]..i, first[i] its document's first token.
-    Queries qs..qe-1 together see keys first[qs]..qe-1 (first does not decrease), so whether a block is
-    empty depends on first[:, qs] alone: decided on the host (the ring plans its messages there), from one
-    copy of the ids per call. The masks are made on the ids' device when asked for (again in backward: only
-    the caller's ids are kept).
-    """
-
-    def __init__(self, documents):
-        self.documents = documents
-        on_host = documents.cpu()
-        starts = torch.ones_like(on_host, dtype=torch.bool)
-        starts[:, 1:] = on_host[:, 1:] != on_host[:, :-1]
-        index = torch.arange(on_host.shape[1]).expand_as(on_host)
-        self.first_on_host = torch.where(starts, index, 0).cummax(dim=1).values  # (batch, seq)
-
-    def sees(self, queries, keys):
-        """Whether, in any row, a query of the block sees a key of it: keys first[qs]..qe-1 meet the block's."""
-        return (keys.start < min(keys.stop, queries.stop)
-                and bool((self.first_on_host[:, queries.start] < keys.stop).any()))
-
-    def mask(self, queries, keys):
-        if not self.sees(queries, keys):
-            return None
-        device = self.documents.device
-        earlier = torch.arange(keys.start, keys.stop, device=device) <= torch.arange(
-            queries.start, queries.stop, device=device).unsqueeze(1)
-        same = self.documents[:, queries].unsqueeze(2) == self.documents[:, keys].unsqueeze(1)
-        return (earlier & same).unsqueeze(1)
-
-
-def attention_masks(documents):
-    """What mask each block of this call gets: plain causal attention (documents None), or within documents.
-    Every layer of a micro-batch asks with the same ids tensor: the last one's DocumentMasks is kept and
-    given again, so the ids go to the host once per micro-batch, not once per layer (on a GPU each copy
-    makes the host wait for the device)."""
-    return CausalMasks() if documents is None else _document_masks(documents)
-
-
-@functools.lru_cache(maxsize=1)  # (a tensor hashes by identity; the cache holds the last one, so none can alias it)
-def _document_masks(documents):
-    return DocumentMasks(documents)
+def chunk_slices(rank, n_ranks, chunk):
+    """The sequence indices of rank `rank`'s two chunks, r and 2N-1-r, as slices."""
+    return [slice(c * chunk, (c + 1) * chunk) for c in (rank, 2 * n_ranks - 1 - rank)]
 
 
 # ---------------------------------------------------------------------------
@@ -269,22 +118,11 @@ def _scores(q, k, mask):
     return scores
 
 
-def _without_keyless_rows(out, lse, mask):
-    """A block's (output, log-sum-exp) with the rows its mask lets see no key set to 0 and to the lowest finite
-    value, standing in for log 0 = -inf: merging two -inf would be inf - inf (NaN), and each kernel leaves its
-    own values there (the reference NaN; the CPU kernel a log-sum-exp of 0, which the merge would count as a
-    weight of 1). Blocks of plain causal attention (mask True or False) have no such rows."""
-    if not isinstance(mask, torch.Tensor):
-        return out, lse
-    keyless = ~mask.any(dim=-1)  # (batch or 1, 1, queries)
-    return out.masked_fill(keyless.unsqueeze(-1), 0), lse.masked_fill(keyless, torch.finfo(lse.dtype).min)
-
-
 def block_attention(q, k, v, mask):
-    """(output, log-sum-exp) of q against one block of keys and values, written out (the reference).
-    Computed in float32 or better whatever the inputs' dtype, as the fused kernels keep their softmax.
-    mask: True (causal: queries against their own keys), False (none) or a boolean tensor (batch or 1, 1,
-    queries, keys), True where a query sees a key."""
+    """(output, log-sum-exp) of q against one block of keys and values, written out. Computed in float32 or
+    better whatever the inputs' dtype, as the fused kernels keep their softmax. mask: True (causal: queries
+    against their own keys), False (none) or a boolean tensor (batch or 1, 1, queries, keys), True where a
+    query sees a key (within documents, whose rows that see no key `_without_keyless_rows` sets apart)."""
     q, k, v = (_widened(t) for t in (q, k, v))
     scores = _scores(q, k, mask)
     lse = torch.logsumexp(scores, dim=-1)
@@ -292,7 +130,7 @@ def block_attention(q, k, v, mask):
 
 
 def block_attention_backward(grad_out, q, k, v, out, lse, mask):
-    """(dQ, dK, dV) of one block, from the merged output and log-sum-exp of the whole row (the reference).
+    """(dQ, dK, dV) of one block, from the merged output and log-sum-exp of the whole row, written out.
 
     P = exp(S - L) recomputed with the final L is this block's share of the softmax; then
     dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO O)), dQ = dS K / √d, dK = dSᵀ Q / √d. In float32 or better.
@@ -314,116 +152,27 @@ def merge(out, lse, block_out, block_lse):
     return rescaled + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
 
 
+# The block kernels, (forward, backward): the written-out computation above, the readable reference and
+# every way's default; `default_kernels` (after the banner) picks PyTorch's fused ones, which never hold a
+# block's (s/2N)² scores, for a production run.
+EXPLICIT = (block_attention, block_attention_backward)
+
+
 # ---------------------------------------------------------------------------
-# The first way: ring attention
+# Ring attention, forward and backward
 # ---------------------------------------------------------------------------
-
-def chunk_slices(rank, n_ranks, chunk):
-    """The sequence indices of rank `rank`'s two chunks, r and 2N-1-r, as slices."""
-    return [slice(c * chunk, (c + 1) * chunk) for c in (rank, 2 * n_ranks - 1 - rank)]
-
-
-class _RingPlan:
-    """Which blocks this rank computes at each step of one call, and which messages the ring carries.
-
-    The local queries are chunks (r, 2N-1-r); the block from rank j holds chunks (j, 2N-1-j), and a pair of
-    them is computed unless its mask sees nothing (`attention_masks`). A K/V block goes only as far round the
-    ring as it is needed: block j travels hops[j] steps, to the furthest rank ahead of it that sees any of its
-    keys (0: no other rank does, it never leaves), through the ranks between whether they need it or not.
-    Every rank computes hops from the same masks, so the sender and the receiver of a message both post it
-    or neither does. Plain causal attention: a rank's late chunk comes after every rank's early one, so every
-    rank needs every block and every hops[j] is N-1, the full ring.
-    """
-
-    def __init__(self, masks, rank, n_ranks, chunk):
-        self.masks, self.rank, self.n, self.chunk = masks, rank, n_ranks, chunk
-        self.hops = [max(t for t in range(n_ranks) if self._sees((j + t) % n_ranks, j)) for j in range(n_ranks)]
-
-    def _sees(self, rank, source):
-        """Whether any query of `rank` sees any key of `source`'s block."""
-        return any(self.masks.sees(q, k) for q in chunk_slices(rank, self.n, self.chunk)
-                   for k in chunk_slices(source, self.n, self.chunk))
-
-    def source(self, step):
-        """Whose block this rank holds at `step` (if it came this far)."""
-        return (self.rank - step) % self.n
-
-    def blocks(self, step):
-        """(query half, key half, mask) of every block this rank computes at `step`: none if the block of this
-        step never came this far."""
-        if step > self.hops[self.source(step)]:
-            return []
-        q_chunks, k_chunks = (chunk_slices(r, self.n, self.chunk) for r in (self.rank, self.source(step)))
-        masks = [(qi, ki, self.masks.mask(q_chunks[qi], k_chunks[ki])) for qi in range(2) for ki in range(2)]
-        return [(qi, ki, mask) for qi, ki, mask in masks if mask is not None]
-
-    def passes_on(self, step, rank=None):
-        """Whether `rank` (default this one) sends the block it holds at `step` on to the next rank."""
-        rank = self.rank if rank is None else rank
-        return step < self.hops[(rank - step) % self.n]
-
-    def receives(self, step):
-        """Whether the previous rank passes its block of `step` on to this one (this rank holds it next step)."""
-        return self.passes_on(step, (self.rank - 1) % self.n)
-
-    def gradients_to(self, step):
-        """Where the dK/dV accumulators of the block held at `step` go once this rank's share is added: on with
-        the block to the next rank; from the furthest rank that needed it straight home (one message, not round
-        the rest of the ring; the ring's own last hop when that rank is the previous one); None if they never
-        left home."""
-        hops = self.hops[self.source(step)]
-        if step < hops:
-            return (self.rank + 1) % self.n
-        return self.source(step) if hops else None
-
-    def home_from(self, step):
-        """The rank this rank's own accumulators come home from at `step`, or None (not at this step)."""
-        hops = self.hops[self.rank]
-        return (self.rank + hops) % self.n if step == hops > 0 else None
-
-
-class _Ring:
-    """Point-to-point messages between the ranks of a group (by group rank), posted in batches and waited on
-    later."""
-
-    def __init__(self, group):
-        self.group = group
-        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
-        self.world = group or dist.group.WORLD
-
-    def post(self, sends=(), receives=()):
-        """Post sends [(tensors, to rank)], then receives [(tensors shaped like, from rank)], in one batch:
-        (works, the received tensors of each receive)."""
-        ops, received = [], []
-        for tensors, peer in sends:
-            tensors = [t.contiguous() for t in tensors]
-            ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(self.world, peer), self.group) for t in tensors]
-            comm_bytes["send_recv"] += sum(t.numel() * t.element_size() for t in tensors)
-        for like, peer in receives:
-            received.append([torch.empty_like(t, memory_format=torch.contiguous_format) for t in like])
-            ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(self.world, peer), self.group) for r in received[-1]]
-        return (dist.batch_isend_irecv(ops) if ops else []), received
-
-    def pass_block(self, plan, step, kv, like):
-        """Post this step's K/V exchange: the held block on to the next rank, the previous rank's from it."""
-        return self.post(sends=[(kv, self.next)] if plan.passes_on(step) else [],
-                         receives=[(like, self.prev)] if plan.receives(step) else [])
-
-
-def _wait(works):
-    for work in works:
-        work.wait()
-
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring, within
-    documents if `masks` says so (`attention_masks`).
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring. Two
+    seams: kernels, the block computation (forward, backward: `ring_attention` defaults to the written-out
+    EXPLICIT), and masks, which blocks are needed, with which mask, and how the ring runs (`ring_plan`:
+    under `CausalMasks` every block goes round the whole ring).
 
-    Mixed precision, FlashAttention's split (tensors in half precision, softmax statistics in float32):
-    what travels round the ring and what the block kernels take is in the inputs' dtype (in bfloat16 the
-    ring's traffic is half float32's); the online-softmax merge (output, log-sum-exp) and each rank's sums
-    of dQ, dK, dV are in float32 or better.
+    Grouped-query attention: the ring carries k and v with their own fewer heads; each block repeats them to
+    the query heads, and backward sums the repeated heads' dK, dV over each group before they travel on.
+    Mixed precision, FlashAttention's split: what travels and what the kernels take is in the inputs' dtype
+    (in bfloat16 the ring's traffic is half float32's); the merge (output, log-sum-exp) and each rank's sums
+    of dQ, dK, dV are in float32 or better (a bfloat16 sum of many blocks would lose their small terms).
     """
 
     @staticmethod
@@ -438,7 +187,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, group, kernels, masks):
         ring, heads_per_kv = _Ring(group), q.shape[1] // k.shape[1]  # query heads per key/value head
-        plan = _RingPlan(masks, ring.rank, ring.n, q.shape[2] // 2)
+        plan = masks.ring_plan(ring.rank, ring.n, q.shape[2] // 2)
         merged = torch.promote_types(q.dtype, torch.float32)  # the running output and log-sum-exp
         qh = q.chunk(2, dim=2)  # the two local chunks
         out = [torch.zeros(h.shape, dtype=merged, device=q.device) for h in qh]
@@ -479,7 +228,7 @@ class RingAttention(torch.autograd.Function):
                                                       heads_per_kv)
             _wait(pending)
             if from_prev is not None:  # the accumulators of this block, from the ranks it visited before
-                grad_acc = (from_prev if grad_acc is None  # a relay: it needed nothing of the block
+                grad_acc = (from_prev if grad_acc is None  # a relay (within documents): it needed nothing of the block
                             else tuple(a.to(summed) + c for a, c in zip(from_prev, grad_acc)))
             pending, from_prev, home = RingAttention._pass_gradients(ring, plan, step, grad_acc, (k, v), home)
             _wait(works)
@@ -527,15 +276,229 @@ class RingAttention(torch.autograd.Function):
         return works, from_prev, received[-1] if sender is not None else home
 
 
-def ring_attention(q, k, v, group, kernels=None, documents=None):
+def ring_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
     """Causal attention output for this rank's zigzag shard, in q's dtype (and its log-sum-exp, second, in
-    float32 or better). kernels: EXPLICIT, FUSED (CPU), CUDA_FLASH or CUDA_EFFICIENT (default:
-    default_kernels for q's device, dtype and head size). documents: None, or (batch, seq) the document id
+    float32 or better). kernels: the block computation, written out (EXPLICIT) unless given (FUSED on CPUs,
+    CUDA_FLASH, CUDA_EFFICIENT: `default_kernels` picks). documents: None, or (batch, seq) the document id
     of every token of the whole sequence (not sharded), non-decreasing along a row: attention stays within
-    each document."""
-    return RingAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]),
-                               attention_masks(documents))
+    each document (after the banner)."""
+    return RingAttention.apply(q, k, v, group, kernels, attention_masks(documents))
 
+
+class CausalMasks:
+    """Plain causal attention, query i sees keys 0..i: the blocks the ways cut (a run of queries against a
+    run of keys, slices of sequence indices) are queries against their own keys (mask True, the causal
+    mask), against keys all before them (False: every key seen) or all after them (None: skipped).
+    (`DocumentMasks`, after the banner, answers the same questions within packed documents.)"""
+
+    def sees(self, queries, keys):
+        """Whether any query of the block sees any of its keys: there are keys, and not all after the queries."""
+        return keys.start < min(keys.stop, queries.stop)
+
+    def mask(self, queries, keys):
+        if not self.sees(queries, keys):
+            return None
+        if keys == queries:
+            return True
+        if keys.stop - 1 <= queries.start:
+            return False
+        raise ValueError(f"keys {keys} are neither the queries' own ({queries}) nor all before them")
+
+    def ring_plan(self, rank, n_ranks, chunk):
+        return RingPlan(self, rank, n_ranks, chunk)
+
+
+class RingPlan:
+    """Which blocks this rank computes at each step of one call, and where the ring's messages go. Under
+    plain causal attention a rank's late chunk comes after every rank's early one, so every rank needs every
+    block: each K/V block goes the whole ring (N-1 hops, each rank passing on what it holds), and its dK/dV
+    accumulators follow it, picking up each rank's share, one hop more: home. (`_RingPlan`, after the
+    banner, sends a block only as far as a rank needs it.)"""
+
+    def __init__(self, masks, rank, n_ranks, chunk):
+        self.masks, self.rank, self.n, self.chunk = masks, rank, n_ranks, chunk
+
+    def source(self, step):
+        """Whose block this rank holds at `step`."""
+        return (self.rank - step) % self.n
+
+    def blocks(self, step):
+        """(query half, key half, mask) of every block this rank computes at `step`: the pairs of this rank's
+        chunks and the held block's that the masks do not skip."""
+        q_chunks, k_chunks = (chunk_slices(r, self.n, self.chunk) for r in (self.rank, self.source(step)))
+        masks = [(qi, ki, self.masks.mask(q_chunks[qi], k_chunks[ki])) for qi in range(2) for ki in range(2)]
+        return [(qi, ki, mask) for qi, ki, mask in masks if mask is not None]
+
+    def passes_on(self, step):
+        """Whether this rank sends the block it holds at `step` on to the next rank."""
+        return step < self.n - 1
+
+    def receives(self, step):
+        """Whether the previous rank passes its block of `step` on to this one."""
+        return step < self.n - 1
+
+    def gradients_to(self, step):
+        """Where the accumulators of the block held at `step` go once this rank's share is added: the next
+        rank (after the last step, the block's home); None on a ring of one (they are home)."""
+        return (self.rank + 1) % self.n if self.n > 1 else None
+
+    def home_from(self, step):
+        """The rank this rank's own accumulators come home from at `step` (the previous one, after the last
+        step), or None."""
+        return (self.rank - 1) % self.n if step == self.n - 1 > 0 else None
+
+
+class _Ring:
+    """Point-to-point messages between the ranks of a group (by group rank), posted in batches and waited on
+    later. Messages match by order alone, as NCCL requires (it ignores tags): every rank runs the same loop,
+    posting at each step one batch that passes a set of tensors to the next rank and receives a set of the
+    same shapes from the previous one, so the n-th message from a rank is the n-th receive its successor
+    posts from it, and step s completes once every rank has reached it (more in docs/design-cp.md)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        self.world = group or dist.group.WORLD
+
+    def post(self, sends=(), receives=()):
+        """Post sends [(tensors, to rank)], then receives [(tensors shaped like, from rank)], in one batch:
+        (works, the received tensors of each receive)."""
+        ops, received = [], []
+        for tensors, peer in sends:
+            tensors = [t.contiguous() for t in tensors]
+            ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(self.world, peer), self.group) for t in tensors]
+            comm_bytes["send_recv"] += sum(t.numel() * t.element_size() for t in tensors)
+        for like, peer in receives:
+            received.append([torch.empty_like(t, memory_format=torch.contiguous_format) for t in like])
+            ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(self.world, peer), self.group) for r in received[-1]]
+        return (dist.batch_isend_irecv(ops) if ops else []), received
+
+    def pass_block(self, plan, step, kv, like):
+        """Post this step's K/V exchange: the held block on to the next rank, the previous rank's from it."""
+        return self.post(sends=[(kv, self.next)] if plan.passes_on(step) else [],
+                         receives=[(like, self.prev)] if plan.receives(step) else [])
+
+
+def _wait(works):
+    for work in works:
+        work.wait()
+
+
+# ---- Beyond the article ----
+
+# ---------------------------------------------------------------------------
+# Packed documents: each block's mask from the document ids, and the ring skipping what no query needs
+# ---------------------------------------------------------------------------
+#
+# A sequence may hold several documents back to back: query i then sees the keys j <= i of its own
+# document. Every way takes the document ids of the whole sequence (every rank has all of them), so a rank
+# knows the mask of any pair of chunks without asking; ring attention plans from them, alike on every rank,
+# which blocks and messages no query needs (`_RingPlan`). What is not skipped: docs/design-cp.md.
+
+def attention_masks(documents):
+    """What mask each block of this call gets: plain causal attention (documents None), or within documents.
+    Every layer of a micro-batch asks with the same ids tensor: the last one's DocumentMasks is kept and
+    given again, so the ids go to the host once per micro-batch, not once per layer (on a GPU each copy
+    makes the host wait for the device)."""
+    return CausalMasks() if documents is None else _document_masks(documents)
+
+
+@functools.lru_cache(maxsize=1)  # (a tensor hashes by identity; the cache holds the last one, so none can alias it)
+def _document_masks(documents):
+    return DocumentMasks(documents)
+
+
+class DocumentMasks(CausalMasks):
+    """Causal attention within packed documents, query i sees the keys j <= i of its own document: a block's
+    mask is a boolean tensor (batch, 1, queries, keys), True where a query sees a key, or None (skipped).
+
+    documents (batch, seq): each token's document id over the whole sequence, non-decreasing along a row, so
+    a document is a run of tokens and query i sees keys first[i]..i, first[i] its document's first token.
+    Queries qs..qe-1 together see keys first[qs]..qe-1 (first does not decrease), so whether a block is
+    empty depends on first[:, qs] alone: decided on the host (the ring plans its messages there), from one
+    copy of the ids per call. The masks are made on the ids' device when asked for (again in backward: only
+    the caller's ids are kept).
+    """
+
+    def __init__(self, documents):
+        self.documents = documents
+        on_host = documents.cpu()
+        starts = torch.ones_like(on_host, dtype=torch.bool)
+        starts[:, 1:] = on_host[:, 1:] != on_host[:, :-1]
+        index = torch.arange(on_host.shape[1]).expand_as(on_host)
+        self.first_on_host = torch.where(starts, index, 0).cummax(dim=1).values  # (batch, seq)
+
+    def sees(self, queries, keys):
+        """Whether, in any row, a query of the block sees a key of it: keys first[qs]..qe-1 meet the block's."""
+        return super().sees(queries, keys) and bool((self.first_on_host[:, queries.start] < keys.stop).any())
+
+    def mask(self, queries, keys):
+        if not self.sees(queries, keys):
+            return None
+        device = self.documents.device
+        earlier = torch.arange(keys.start, keys.stop, device=device) <= torch.arange(
+            queries.start, queries.stop, device=device).unsqueeze(1)
+        same = self.documents[:, queries].unsqueeze(2) == self.documents[:, keys].unsqueeze(1)
+        return (earlier & same).unsqueeze(1)
+
+    def ring_plan(self, rank, n_ranks, chunk):
+        return _RingPlan(self, rank, n_ranks, chunk)
+
+
+def _without_keyless_rows(out, lse, mask):
+    """A block's (output, log-sum-exp) with the rows its mask lets see no key set to 0 and to the lowest finite
+    value, standing in for log 0 = -inf: merging two -inf would be inf - inf (NaN), and each kernel leaves its
+    own values there (the reference NaN; the CPU kernel a log-sum-exp of 0, which the merge would count as a
+    weight of 1). Blocks of plain causal attention (mask True or False) have no such rows."""
+    if not isinstance(mask, torch.Tensor):
+        return out, lse
+    keyless = ~mask.any(dim=-1)  # (batch or 1, 1, queries)
+    return out.masked_fill(keyless.unsqueeze(-1), 0), lse.masked_fill(keyless, torch.finfo(lse.dtype).min)
+
+
+class _RingPlan(RingPlan):
+    """RingPlan within documents: a pair of chunks whose mask sees nothing is not computed (`RingPlan.blocks`
+    asks the masks), and a K/V block goes only as far round the ring as it is needed: block j travels
+    hops[j] steps, to the furthest rank ahead of it that sees any of its keys (0: no other rank does, it
+    never leaves), through the ranks between whether they need it or not; its dK/dV accumulators come home
+    from there in one message instead of round the rest of the ring. Every rank computes hops from the same
+    ids, so the sender and the receiver of a message both post it or neither does (then a rank may post
+    nothing in a call: on NCCL create the process group bound to a device, as the self-check does).
+    """
+
+    def __init__(self, masks, rank, n_ranks, chunk):
+        super().__init__(masks, rank, n_ranks, chunk)
+        self.hops = [max(t for t in range(n_ranks) if self._sees((j + t) % n_ranks, j)) for j in range(n_ranks)]
+
+    def _sees(self, rank, source):
+        """Whether any query of `rank` sees any key of `source`'s block."""
+        return any(self.masks.sees(q, k) for q in chunk_slices(rank, self.n, self.chunk)
+                   for k in chunk_slices(source, self.n, self.chunk))
+
+    def blocks(self, step):
+        """RingPlan's blocks, none if the block of this step never came this far."""
+        return super().blocks(step) if step <= self.hops[self.source(step)] else []
+
+    def passes_on(self, step, rank=None):
+        """Whether `rank` (default this one) sends the block it holds at `step` on to the next rank."""
+        rank = self.rank if rank is None else rank
+        return step < self.hops[(rank - step) % self.n]
+
+    def receives(self, step):
+        return self.passes_on(step, (self.rank - 1) % self.n)
+
+    def gradients_to(self, step):
+        """On with the block to the next rank; from the furthest rank that needed it straight home (the ring's
+        own last hop when that rank is the previous one); None if they never left home."""
+        hops = self.hops[self.source(step)]
+        if step < hops:
+            return (self.rank + 1) % self.n
+        return self.source(step) if hops else None
+
+    def home_from(self, step):
+        hops = self.hops[self.rank]
+        return (self.rank + hops) % self.n if step == hops > 0 else None
 
 # ---------------------------------------------------------------------------
 # The second way: every rank gathers the whole sequence's keys and values (Llama 3's long-context stage)
@@ -631,10 +594,9 @@ class AllGatherAttention(torch.autograd.Function):
         return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None
 
 
-def all_gather_attention(q, k, v, group, kernels=None, documents=None):
+def all_gather_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
     """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
-    return AllGatherAttention.apply(q, k, v, group, kernels or default_kernels(q.device, q.dtype, q.shape[-1]),
-                                    attention_masks(documents))
+    return AllGatherAttention.apply(q, k, v, group, kernels, attention_masks(documents))
 
 
 # ---------------------------------------------------------------------------
@@ -719,7 +681,7 @@ class CausalAttention(torch.autograd.Function):
                 None, None)
 
 
-def all_to_all_attention(q, k, v, group, kernels=None, documents=None):
+def all_to_all_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
     """ring_attention's output by DeepSpeed-Ulysses: to head shards, attention, back to sequence shards
     (and the log-sum-exp of this rank's heads over the whole sequence, second). The head shards hold the
     sequence in natural order (sequence_to_heads puts it so), where documents' ids index it directly."""
@@ -727,7 +689,6 @@ def all_to_all_attention(q, k, v, group, kernels=None, documents=None):
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(f"all-to-all attention splits the heads over {n} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key/value heads do not divide")
-    kernels = kernels or default_kernels(q.device, q.dtype, q.shape[-1])
     on_heads = (Relayout.apply(t, group, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
     out, lse = CausalAttention.apply(*on_heads, kernels, attention_masks(documents))
     return Relayout.apply(out, group, heads_to_sequence, sequence_to_heads), lse
@@ -741,14 +702,16 @@ MODES = {"ring": ring_attention, "allgather": all_gather_attention, "alltoall": 
 
 
 class ContextParallelCore:
-    """A drop-in for model.causal_attention on zigzag-sharded sequences, by one of the three ways: called as
-    core(q, k, v, documents), documents the whole sequence's document ids or None."""
+    """A drop-in for model.causal_attention on zigzag-sharded sequences, by one of the three ways on the fused
+    block kernels (`default_kernels`: the production path; the ways' own default is the written-out blocks):
+    called as core(q, k, v, documents), documents the whole sequence's document ids or None."""
 
     def __init__(self, group, mode="ring"):
         self.group, self.attention = group, MODES[mode]
 
     def __call__(self, q, k, v, documents=None):
-        return self.attention(q, k, v, self.group, documents=documents)[0]
+        kernels = default_kernels(q.device, q.dtype, q.shape[-1])
+        return self.attention(q, k, v, self.group, kernels, documents)[0]
 
 
 def apply_context_parallel(model, group, mode="ring"):
@@ -905,9 +868,9 @@ def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, mask):
         unused, unused, 0.0, [True, True, True, False], causal)[:3]
 
 
-# How each block is computed: written out (the readable reference the self-check compares against), or
-# fused (memory linear in the sequence: the (s/2N)² scores of a block are never materialised).
-EXPLICIT = (block_attention, block_attention_backward)
+# How each block is computed: written out (EXPLICIT, before the banner: the readable reference the
+# self-check compares against), or fused (memory linear in the sequence: the (s/2N)² scores of a block are
+# never materialised).
 FUSED = (cpu_flash_block, cpu_flash_block_backward)  # on CPUs
 FUSED_IN_FLOAT32 = (cpu_flash_block_in_float32, cpu_flash_block_backward_in_float32)  # on CPUs, half precision
 CUDA_FLASH = (cuda_flash_block, cuda_flash_block_backward)
@@ -925,8 +888,9 @@ def default_kernels(device, dtype, head_dim):
 
     CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for
     float16/bfloat16 (Ampere or later, heads up to 256), the memory-efficient kernel for float32 and the
-    half-precision blocks flash cannot take; float64 (no fused CUDA kernel has it), head sizes not a multiple of 8 (the CUDA kernels'
-    alignment: SDPA pads them, this file does not) and other devices: the written-out blocks.
+    half-precision blocks flash cannot take; float64 (no fused CUDA kernel has it), head sizes not a
+    multiple of 8 (the CUDA kernels' alignment: SDPA pads them, this file does not) and other devices: the
+    written-out blocks.
     """
     if device.type == "cpu":
         if not _have(_CPU_FLASH):
