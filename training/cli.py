@@ -258,7 +258,7 @@ def check_numbers(args):
     for flag, value in [("--lr", args.lr), ("--min-lr-ratio", args.min_lr_ratio), ("--warmup", args.warmup),
                         ("--weight-decay", args.weight_decay), ("--grad-clip", args.grad_clip),
                         ("--aux-loss-coef", args.aux_loss_coef), ("--bias-update-rate", args.bias_update_rate),
-                        ("--bucket-mb", args.bucket_mb), ("--peak-tflops", args.peak_tflops or 0.0)]:  # None: a table's
+                        ("--bucket-mb", args.bucket_mb), ("--peak-tflops", args.peak_tflops or 0.0)]:  # (None: the GPUs')
         if not 0 <= value < math.inf:
             raise ConfigError(f"{flag} must be a finite number, at least 0, got {value}")
     if not 0 < args.timeout < math.inf:

@@ -17,6 +17,9 @@ configuration be compared token for token with the single device.
   or nanoGPT's, uint16 ids and optionally `meta.pkl` (its "vocab_size").
   The files are mapped, not read: only the windows of each batch are loaded,
   and one scan, shared by the ranks, checks the ids.
+- `DataInfo`: what is known of the data before any token is read (its
+  vocabulary, the ids' type, the EOS id, the tokenizer), from one reading of
+  its meta.json; `open_data` opens the data one describes.
 """
 import dataclasses
 import json
@@ -145,9 +148,9 @@ def tokenizer_of(path):
 
 @dataclasses.dataclass(frozen=True)
 class DataInfo:
-    """What is known of the data before any token is read: its meta.json (or meta.pkl), read once.
+    """What is known of the data before any token is read, from one reading of its meta.json (or meta.pkl).
 
-    Training's configuration reads it once (training/cli.py's describe_data) and passes it to everything
+    Training's configuration builds it once (training/cli.py's describe_data) and passes it to everything
     after: the checks, the model's vocabulary, the documents' EOS id, and the data opened (open_data).
     """
     path: str | None  # None: the synthetic language
