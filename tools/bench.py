@@ -888,14 +888,16 @@ def worker_checkpoint(settings):
     import torch.distributed as dist
     from training import checkpoint
     from training import cli
+    from training.data import open_data
     from tools import plan
     import train
     from mesh import Mesh
     world, device = dist.get_world_size(), torch.device("cpu")
     args = cli.parse_args([*CHECKPOINT_RUN, "--out", settings["out"]])
-    config, shape = cli.check_args(args, world)
+    described = cli.describe_data(args)
+    config, shape = cli.check_args(args, world, described)
     mesh = Mesh(shape)
-    data = train.load_training_data(args)
+    data = open_data(described, args.seed)
     trainer, startup_s, startup_peaks = _phase(lambda: train.Trainer(args, config, mesh, data, device))
     _, step_s, step_peaks = _phase(lambda: trainer.train_step(0))
     saver = checkpoint.Saver(dist.new_group(backend="gloo"))

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from training import cli
+from training.data import open_data
 from tools import plan
 import train
 from mesh import Mesh
@@ -97,9 +98,10 @@ def join_fake_world(rank, world):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def check_dry_run(args, rank, world):
-    """The run's (model config, mesh shape), or a ConfigError: train.py's checks, and what a dry run cannot do."""
-    checked = cli.check_args(args, world)
+def check_dry_run(args, rank, world, data=None):
+    """The run's (model config, mesh shape), or a ConfigError: train.py's checks, and what a dry run cannot do
+    (data: the data's DataInfo, as check_args takes it)."""
+    checked = cli.check_args(args, world, data)
     if not 0 <= rank < world:
         raise cli.ConfigError(f"--rank {rank}: a rank of --world {world} is between 0 and {world - 1}")
     if args.ep > 1:
@@ -117,11 +119,12 @@ def dry_run(args, rank, world, compute=False):
     first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
     predicted): {field: value} of this rank, the prediction's peak_resident_bytes being tools/plan.py's peak
     of start-up and step (a dry run saves nothing)."""
-    config, shape = check_dry_run(args, rank, world)
+    described = cli.describe_data(args)  # the data's meta.json, read once
+    config, shape = check_dry_run(args, rank, world, described)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
     try:
-        trainer = DryRunTrainer(args, config, Mesh(shape), train.load_training_data(args), device)
+        trainer = DryRunTrainer(args, config, Mesh(shape), open_data(described, args.seed), device)
         with nullcontext() if compute or TorchDispatchMode is None else SkipArithmetic():
             record = trainer.train_step(0)
     finally:

@@ -33,6 +33,7 @@ import model as model_lib
 import train
 from mesh import Mesh
 from training import cli, hf
+from training.data import open_data
 from training.local import run_on_ranks
 
 PROG = "python -m tools.parity"
@@ -57,7 +58,7 @@ def reference_steps(argv, skipped_steps=(), record=False):
     if args.init_from:  # a Hugging Face folder's weights (read whole, as one device can)
         model.load_state_dict(hf.load_state_dict(args.init_from, config))
     optimizer = train.make_optimizer(model.parameters(), args)
-    eos_id = cli.document_eos(args)  # packed documents, each ended by it (None: one sequence each)
+    eos_id = cli.document_eos(args, data=data.info)  # packed documents, each ended by it (None: one sequence each)
     result = dict(losses=[], grad_norms=[], gradients=[], weights=[])
     for step in range(args.steps):
         tokens = data.batch("train", step, args.batch_size, args.seq_len)
@@ -145,8 +146,9 @@ def layout_worker(argv, steps):
     """The layout of train.py's flags argv on this rank's process group, `steps` steps: on rank 0 {losses,
     gradients, weights (per step), splits, disagreements}, elsewhere None."""
     args = cli.parse_args([*argv, "--dtype", "float64"])
-    config, shape = cli.check_args(args, dist.get_world_size())
-    trainer = ParityTrainer(args, config, Mesh(shape), train.load_training_data(args), torch.device("cpu"))
+    described = cli.describe_data(args)  # the data's meta.json, read once
+    config, shape = cli.check_args(args, dist.get_world_size(), described)
+    trainer = ParityTrainer(args, config, Mesh(shape), open_data(described, args.seed), torch.device("cpu"))
     losses, weights = [], []
     for step in range(steps):
         every_rank = [None] * dist.get_world_size()  # each rank's share of the step's loss

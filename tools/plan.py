@@ -184,13 +184,14 @@ placement_of = functools.lru_cache(maxsize=None)(pp.Placement.of)  # (--search a
 
 def layout_of(args, world):
     """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
-    _, shape = cli.check_args(args, world)
+    described = cli.describe_data(args)  # the data's meta.json, read once for both
+    _, shape = cli.check_args(args, world, described)
     return Layout(world=world, dp=shape.dp, dp_shard=shape.dp_shard or shape.dp, tp=shape.tp, pp=shape.pp,
                   cp=shape.cp, ep=shape.ep, expert_tp=shape.expert_tp, zero=args.zero,
                   sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
-                  bucket_bytes=int(args.bucket_mb * 2**20), documents=cli.document_eos(args) is not None)
+                  bucket_bytes=int(args.bucket_mb * 2**20), documents=cli.document_eos(args, data=described) is not None)
 
 
 # ---------------------------------------------------------------------------
