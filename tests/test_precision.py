@@ -61,7 +61,9 @@ def test_float32_weights_with_a_float64_master_equal_one_device_under_the_same_p
     the losses. The final weights: AdamW moves every element by about lr m/sqrt(v), whatever its gradient's
     size, so an element whose gradient is nearly zero (q's biases: 1e-9, the difference of terms a
     million times larger) is moved by its summation-order noise: up to 1e-3 of lr (1e-5) seen over
-    every row. What it proves is the structure, which float64 alone does not exercise (there the master is
+    every row, and 1.05e-5 on one element of an expert's matrix where experts fold over tp (each tp rank
+    routes half the tokens, so an expert's gradient adds its rows in another order): the bound is 2e-3
+    of lr (2e-5), 500 times below a missing update. What it proves is the structure, which float64 alone does not exercise (there the master is
     the weights themselves): a master kept apart is filled, given every micro-batch's averaged gradient,
     stepped and copied back into the weights by every layout as by one device; a missing piece shows as a
     whole update (lr = 1e-2). Slips at rounding level are below float32's summation noise: the float64
@@ -73,7 +75,7 @@ def test_float32_weights_with_a_float64_master_equal_one_device_under_the_same_p
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=0)
     assert result["state_dict"]["lm_head.weight"].dtype == torch.float32
     for name, expected in reference["state_dict"].items():
-        torch.testing.assert_close(result["state_dict"][name], expected, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(result["state_dict"][name], expected, rtol=0, atol=2e-5, msg=name)
 
 
 # ---------------------------------------------------------------------------
