@@ -52,7 +52,7 @@ def tokenizer_folder(path, vocab_size=300):
 
 
 def run(module, *args, timeout=300):
-    """`python -m module args...` from the repository's folder, as the README types it."""
+    """`python -m module args...` from the repository's folder, as docs/own-text.md types it."""
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
