@@ -19,9 +19,11 @@ Routing is dropless unless a capacity factor is given. Balance: the Switch loss 
 whole micro-batch (`aux_loss`), and/or a bias on the choice moved towards balance after every step (`load`).
 
 Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -> (tokens, d)), its router
-(any attribute name: `router=`), `top_k`; optionally a shared expert (`shared=`) and a `route_bias` buffer
+(any attribute name: `router=`), `top_k`; optionally `norm_topk_prob` (False: gates not renormalised), a
+shared expert (`shared=`) and its sigmoid gate (`shared_gate=`, Qwen2-MoE's), and a `route_bias` buffer
 with `bias_update_rate`. Names stay the single device's, so checkpoints match. The glue, per MoE layer:
-    layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert")
+    layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert",
+                              shared_gate="shared_expert_gate")
 (stats_group: every rank that routes tokens of its own, for the balancing statistics.)
 Gradients: the router's (and all outside the experts) are averaged over the ranks holding different data;
 an expert's are summed over the ranks holding the same expert and divided by the ranks the loss averages.
@@ -51,13 +53,22 @@ comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
 # The router
 # ---------------------------------------------------------------------------
 
-def route(router_logits, top_k, bias=None):
+def route(router_logits, top_k, bias=None, renormalise=True):
     """(gates, experts, probs): top-k of the softmax (shifted by a balancing bias for the choice only),
-    gates renormalised to sum to one. (A deliberate copy of model.py's `route`: this file stands alone.)"""
+    gates renormalised to sum to one, or kept as the softmax gave them (renormalise False: Qwen2-MoE's
+    norm_topk_prob=False). (A deliberate copy of model.py's `route`: this file stands alone.)"""
     probs = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).softmax(-1)
     experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
     top_probs = probs.gather(-1, experts)
-    return top_probs / top_probs.sum(-1, keepdim=True), experts, probs
+    gates = top_probs / top_probs.sum(-1, keepdim=True) if renormalise else top_probs
+    return gates, experts, probs
+
+
+def gated_shared_expert(shared, gate, x):
+    """shared(x), or with a gate (Qwen2-MoE's d_model -> 1 shared_expert_gate) sigmoid(gate(x)) * shared(x).
+    (A deliberate copy of model.py's.)"""
+    out = shared(x)
+    return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
 # ---------------------------------------------------------------------------
@@ -130,18 +141,20 @@ class ExpertParallelMoE(nn.Module):
     """
 
     def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared",
-                 tokens=OwnTokens(), expert_tp=WholeExperts()):
+                 tokens=OwnTokens(), expert_tp=WholeExperts(), shared_gate="shared_gate"):
         super().__init__()
         self.n_experts, self.top_k = len(moe.experts), moe.top_k
+        self.norm_topk_prob = getattr(moe, "norm_topk_prob", True)
         n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if self.n_experts % n:
             raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
         self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
         self.tokens, self.expert_tp = tokens, expert_tp
         self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
-        self.router_name, self.shared_name = router, shared
-        setattr(self, router, getattr(moe, router))
-        setattr(self, shared, getattr(moe, shared, None))
+        self.router_name, self.shared_name, self.shared_gate_name = router, shared, shared_gate
+        setattr(self, router, getattr(moe, router))  # replicated, under the single device's names
+        for name in (shared, shared_gate):  # optional
+            setattr(self, name, getattr(moe, name, None))
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
         route_bias = getattr(moe, "route_bias", None)
         self.register_buffer("route_bias", route_bias)  # absent (None) if the layer has no balancing bias
@@ -159,12 +172,12 @@ class ExpertParallelMoE(nn.Module):
         router = getattr(self, self.router_name)
         refuse_unshared_tokens(router, self.tokens)  # tp.py summed it over ranks that share tokens: say how
         tokens = self.tokens.enter(arrived)  # those this rank routes: no other rank routes them
-        gates, experts, probs = route(router(tokens), self.top_k, self.route_bias)
+        gates, experts, probs = route(router(tokens), self.top_k, self.route_bias, self.norm_topk_prob)
         keep = within_capacity(experts, self.n_experts, self.capacity_factor)  # all (dropless) by default
         self.aux_loss = self._load_balancing_loss(probs, experts, keep)
         out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
         shared = getattr(self, self.shared_name)  # on x as it came (a sequence shard under sp: tp.py gathers it)
-        return out if shared is None else out + shared(x)
+        return out if shared is None else out + gated_shared_expert(shared, getattr(self, self.shared_gate_name), x)
 
     def _load_balancing_loss(self, probs, experts, keep):
         """This rank's share of the Switch loss E * sum_i f_i P_i over the whole micro-batch, f_i the fraction of

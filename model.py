@@ -4,8 +4,9 @@ Read top to bottom: config, attention, MLP, mixture of experts, block, GPT.
 The config describes both of today's families of decoder: GPT-2 (learned
 positions, LayerNorm, GELU MLP, biases) and Llama (rotary positions,
 grouped-query attention, RMSNorm, SwiGLU MLP, no biases); MoE layers may add
-a shared expert (DeepSeek-MoE) and balance their experts with a routing bias
-instead of, or beside, an auxiliary loss (DeepSeek-V3).
+a shared expert (DeepSeek-MoE; Qwen2-MoE's behind a sigmoid gate) and balance
+their experts with a routing bias instead of, or beside, an auxiliary loss
+(DeepSeek-V3).
 Everything is plain PyTorch on one device. The parallel files never change
 this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:
@@ -77,12 +78,18 @@ class GPTConfig:
     n_experts: int = 0           # 0: every MLP is dense; > 0: mixture of experts
     top_k: int = 2               # experts chosen per token
     moe_layers: tuple = field(default_factory=tuple)  # which blocks are MoE; empty: all of them
-    n_shared_experts: int = 0    # experts every token passes through besides its top-k (DeepSeek-MoE)
+    n_shared_experts: int = 0    # experts every token passes through besides its top-k (DeepSeek-MoE); 0: none
+    d_expert: int = 0            # a routed expert's hidden size (Qwen's moe_intermediate_size); 0 means d_ff
+    d_shared: int = 0            # the shared expert's hidden size (Qwen2-MoE's); 0 means n_shared_experts * d_expert
+    norm_topk_prob: bool = True  # the top-k gates renormalised to sum to 1 (Mixtral); False: their softmax as is
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x W), W: d_model -> 1 (Qwen2-MoE)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss (0: none)
     bias_update_rate: float = 0.0  # step of the routing bias towards balance per training step (0: none)
 
     def __post_init__(self):
         self.d_ff = self.d_ff or 4 * self.d_model
+        self.d_expert = self.d_expert or self.d_ff
+        self.d_shared = self.d_shared or self.n_shared_experts * self.d_expert
         self.n_kv_heads = self.n_kv_heads or self.n_head
         self.padded_vocab_size = self.padded_vocab_size or self.vocab_size
         self.max_seq_len = self.max_seq_len or self.seq_len
@@ -104,6 +111,8 @@ class GPTConfig:
             raise ValueError(f"seq_len={self.seq_len} is longer than max_seq_len={self.max_seq_len}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if (self.d_shared or self.shared_expert_gate) and not self.n_shared_experts:
+            raise ValueError("d_shared and shared_expert_gate shape the shared expert: they need n_shared_experts")
         bad = [i for i in self.moe_layers if not 0 <= i < self.n_layer]
         if bad:
             raise ValueError(f"moe_layers {bad} are not layers of a {self.n_layer}-layer model")
@@ -120,12 +129,13 @@ class GPTConfig:
         """Training FLOPs per token: forward and backward are 3 x the forward's 2 per multiply-add.
 
         Every matrix a token passes through counts (in an MoE layer: the router, its top-k
-        experts and the shared ones), plus causal attention's scores and weighted sum (about
-        seq_len/2 keys per query).
+        experts, the shared expert and its gate), plus causal attention's scores and weighted sum
+        (about seq_len/2 keys per query).
         """
         d = self.d_model
-        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_ff  # SwiGLU has a gate matrix besides the two
-        moe = (self.top_k + self.n_shared_experts) * mlp + d * self.n_experts
+        per_unit = (3 if self.mlp == "swiglu" else 2) * d  # an MLP's per hidden unit: SwiGLU has a gate matrix too
+        mlp = per_unit * self.d_ff
+        moe = per_unit * (self.top_k * self.d_expert + self.d_shared) + d * (self.n_experts + self.shared_expert_gate)
         attention = 2 * d * d + 2 * d * self.kv_dim + 2 * d * self.seq_len  # q, proj; k, v; the two products
         per_layer = [attention + (moe if self.is_moe(i) else mlp) for i in range(self.n_layer)]
         return 6 * (sum(per_layer) + d * self.padded_vocab_size)
@@ -298,11 +308,12 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
-def route(router_logits, top_k, bias=None):
+def route(router_logits, top_k, bias=None, renormalise=True):
     """Top-k routing: (gates, experts, probs) for (tokens, n_experts) logits.
 
     probs are the softmax over all experts; the k largest are kept and
-    renormalised to sum to one (the article's 0.60/0.35 -> 0.63/0.37).
+    renormalised to sum to one (the article's 0.60/0.35 -> 0.63/0.37), or with
+    renormalise False kept as they are (Qwen2-MoE's norm_topk_prob=False).
     A balancing bias (DeepSeek-V3) is added to the probabilities only to
     choose the k experts; the gates stay those of the unbiased probabilities.
     Computed in float32 or better, whatever the activations' dtype.
@@ -310,8 +321,15 @@ def route(router_logits, top_k, bias=None):
     probs = at_least_float32(router_logits).softmax(-1)
     experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
     top_probs = probs.gather(-1, experts)
-    gates = top_probs / top_probs.sum(-1, keepdim=True)
+    gates = top_probs / top_probs.sum(-1, keepdim=True) if renormalise else top_probs
     return gates, experts, probs
+
+
+def gated_shared_expert(shared, gate, x):
+    """The shared expert's output on x, shared(x), or with a gate (Qwen2-MoE's shared_expert_gate, a
+    d_model -> 1 linear) sigmoid(gate(x)) * shared(x): each token takes as much of it as its gate says."""
+    out = shared(x)
+    return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
 def load_balancing_loss(probs, experts, n_experts):
@@ -332,7 +350,10 @@ class MoE(nn.Module):
 
     y = sum over the token's top-k experts of gate_i(x) * expert_i(x),
     plus shared(x) when the layer has shared experts (DeepSeek-MoE: one MLP of
-    n_shared_experts times an expert's width that every token passes through).
+    n_shared_experts times an expert's width, or d_shared, that every token
+    passes through), with Qwen2-MoE's gate sigmoid(x W) * shared(x).
+    An expert's width is d_expert (Qwen's moe_intermediate_size), the dense
+    layers' d_ff; the gates renormalised over the top-k or not (norm_topk_prob).
 
     Two ways to balance the experts, either or both: the Switch auxiliary loss
     (`aux_loss`, added to the loss by GPT.forward with aux_loss_coef), and a
@@ -345,9 +366,11 @@ class MoE(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.top_k, self.bias_update_rate = config.top_k, config.bias_update_rate
+        self.norm_topk_prob = config.norm_topk_prob  # (Hugging Face's Qwen MoE blocks' attribute name)
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(config) for _ in range(config.n_experts))
-        self.shared = MLP(config, config.n_shared_experts * config.d_ff) if config.n_shared_experts else None
+        self.experts = nn.ModuleList(MLP(config, config.d_expert) for _ in range(config.n_experts))
+        self.shared = MLP(config, config.d_shared) if config.n_shared_experts else None
+        self.shared_gate = nn.Linear(config.d_model, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("route_bias", torch.zeros(config.n_experts))  # saved in checkpoints
         self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.long), persistent=False)  # step's tokens
         self.aux_loss = None  # set by every forward; GPT.forward adds it to the loss
@@ -355,11 +378,12 @@ class MoE(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias)
+        gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias, self.norm_topk_prob)
         self.aux_loss = load_balancing_loss(probs, experts, len(self.experts))
         if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += torch.bincount(experts.flatten(), minlength=len(self.experts))
-        out = torch.zeros_like(tokens) if self.shared is None else self.shared(tokens)
+        out = (torch.zeros_like(tokens) if self.shared is None
+               else gated_shared_expert(self.shared, self.shared_gate, tokens))
         for e, expert in enumerate(self.experts):
             token_idx, choice = torch.where(experts == e)
             if len(token_idx):  # an expert that got no token is simply not run: its gradient stays None

@@ -467,15 +467,24 @@ class ExpertTensorParallel(TensorParallel):
         return CopyToTensorParallel.apply(parameter, self.group) * first
 
 
-def split_moe(moe, plan, router="router", shared="shared", columns=("fc",), row="proj"):
+def split_moe(moe, plan, router="router", shared="shared", columns=("fc",), row="proj", shared_gate="shared_gate"):
     """A mixture of experts as ep.py runs it folded over the group: each rank routes tokens of its own (a
     sequence shard, or its part of tokens every rank holds), so the replicated router's gradient is summed
     over the group (`gradients_summed`); the shared expert, which every token passes through, is split like
-    a dense MLP (`split_mlp`'s columns and row). router, shared: their attribute names (as ep.py's layer
-    takes them). The routed experts are ep.py's to place (`split_experts` for expert tensor parallelism)."""
+    a dense MLP (`split_mlp`'s columns and row). router, shared, shared_gate: their attribute names (as
+    ep.py's layer takes them). The routed experts are ep.py's to place (`split_experts` for expert tensor
+    parallelism).
+
+    The shared expert's gate (Qwen2-MoE's sigmoid(x W) * shared(x), W: d_model -> 1) is replicated and
+    multiplies the shared expert's output after its row-parallel layer's g, where that output is whole, on
+    the tokens as they came: like a norm's, its gradient is whole on every rank without sequence parallelism
+    (each rank computes the same gate for the same tokens, with the same output gradient), and a partial
+    sum over its sequence shard with it, summed over the group (`plan.norm`)."""
     gradients_summed(getattr(moe, router), plan.group)
     if getattr(moe, shared, None) is not None:
         split_mlp(getattr(moe, shared), plan, columns, row)
+    if getattr(moe, shared_gate, None) is not None:
+        plan.norm(getattr(moe, shared_gate))
 
 
 def split_experts(moe, group, columns=("fc",), row="proj"):

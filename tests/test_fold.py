@@ -6,6 +6,7 @@ Inside an MoE layer every rank of a stage routes tokens of its own: under tp wit
 rank takes its part of the tokens they all hold (ep.py's ReplicatedTokens), with sp its own sequence shard.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import ep
 import tp
 from distributed import run_on_ranks
 from model import GPTConfig, MoE
+from training import cli
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 from planned import assert_matches_plan
 
@@ -51,6 +53,46 @@ def test_folded_layouts_match_single_device_and_the_plan(tmp_path, world, flags,
     argv = [*BASE, *model, *flags]
     for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
         assert_matches_oracle(result, oracle([*BASE, *model]))
+    assert_matches_plan(tmp_path, argv, world)
+
+
+# -- Qwen's mixtures of experts: an expert's own width, dense layers between, gates as the softmax gave them,
+# and Qwen2-MoE's shared expert of its own width behind a sigmoid gate --------------------------------------
+# No flag sets these (a Hugging Face folder does: test_hf.py), so the flags' model gets them here, in the
+# workers and in this process (the single device's run and the plan).
+
+QWEN_MOE = dict(moe_layers=(0, 2), d_expert=48, n_shared_experts=1, d_shared=40, shared_expert_gate=True,
+                norm_topk_prob=False)
+FLAGS_MODEL = cli.model_config
+
+
+def qwen_moe_config(args, vocab_size):
+    return dataclasses.replace(FLAGS_MODEL(args, vocab_size), **QWEN_MOE)
+
+
+def qwen_moe_train_worker(argv):
+    cli.model_config = qwen_moe_config
+    return train_worker(argv)
+
+
+# (ranks, flags, model flags): the gate's gradient whole on every tp rank without sp, summed over them with
+# it; experts split by --expert-tp at their own width; a pipeline whose stages hold an MoE and a dense layer
+# each, under ZeRO-3. Top-4 of 4 experts (balanced by construction) where the plan's counters are exact.
+QWEN_LAYOUTS = [
+    (2, ["--tp", "2", "--ep", "2"], ["--arch", "llama"]),
+    (2, ["--tp", "2", "--sp", "--ep", "2"], ["--arch", "llama", "--top-k", "4"]),
+    (2, ["--tp", "2", "--expert-tp", "2"], []),
+    (4, ["--pp", "2", "--ep", "2", "--zero", "3"], ["--arch", "llama", "--micro-batches", "4"]),
+]
+
+
+@pytest.mark.parametrize("world,flags,model", QWEN_LAYOUTS, ids=[layout_id(*layout) for layout in QWEN_LAYOUTS])
+def test_qwen_moe_layouts_match_single_device_and_the_plan(tmp_path, monkeypatch, world, flags, model):
+    argv = [*BASE, "--layers", "4", *model, *flags]
+    monkeypatch.setattr(cli, "model_config", qwen_moe_config)
+    expected = reference_run([*BASE, "--layers", "4", *model])
+    for result in run_on_ranks(world, qwen_moe_train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
+        assert_matches_oracle(result, expected)
     assert_matches_plan(tmp_path, argv, world)
 
 
@@ -134,3 +176,45 @@ def test_one_layer_routes_each_token_once_under_tp(capacity_factor, expert_tp):
         assert worst < 1e-12
         assert logged == dropped
     assert (dropped > 0) == (capacity_factor > 0)
+
+
+def gated_shared_expert_worker(sequence_parallel):
+    """2 ranks, tp = ep = 2, as train.py folds them: Qwen2-MoE's layer (experts of their own width, gates not
+    renormalised, a shared expert of its own width behind a sigmoid gate) against model.py's on one device.
+    The gate multiplies the shared expert's output after its row-parallel g: without sp every rank computes it
+    for the same tokens with the same output gradient (its gradient whole, not summed), with sp for its
+    sequence shard (a partial sum, summed over tp)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    config = GPTConfig(d_model=D, n_head=2, n_layer=1, d_ff=2 * D, vocab_size=16, seq_len=TOKENS, n_experts=E,
+                       top_k=2, d_expert=6, n_shared_experts=1, d_shared=10, shared_expert_gate=True,
+                       norm_topk_prob=False)
+    torch.manual_seed(0)
+    reference = MoE(config).to(torch.float64)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    tokens = ep.ShardedTokens(group) if sequence_parallel else ep.ReplicatedTokens(group)
+    layer = ep.ExpertParallelMoE(copy.deepcopy(reference), group, group, tokens=tokens)
+    tp.split_moe(layer, tp.SequenceParallel(group) if sequence_parallel else tp.TensorParallel(group))
+    g = torch.Generator().manual_seed(1)
+    data, weights = (torch.randn(1, TOKENS, D, generator=g, dtype=torch.float64) for _ in range(2))
+    mine = (lambda t: t.chunk(n, 1)[rank]) if sequence_parallel else (lambda t: t)  # this rank's tokens
+    x, whole = mine(data).clone().requires_grad_(), data.clone().requires_grad_()
+    out, expected = layer(x), reference(whole)
+    (out * mine(weights)).sum().backward()  # without sp every rank's loss is the whole one
+    (expected * weights).sum().backward()
+    errors = {"output": (out - mine(expected)).abs().max().item(),
+              "input's gradient": (x.grad - mine(whole.grad)).abs().max().item()}
+    layouts = tp.sharded_layouts(layer)
+    for name, p in layer.named_parameters():
+        full = reference.get_parameter(name).grad
+        dim, blocks = layouts.get(name, (None, None))
+        errors[name] = (p.grad - (full if dim is None else tp.shard(full, dim, rank, n, blocks))).abs().max().item()
+    return errors
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_shared_expert_gate_gradient_is_summed_over_tp_only_under_sp(sequence_parallel):
+    for errors in run_on_ranks(2, gated_shared_expert_worker, sequence_parallel):
+        assert "shared_gate.weight" in errors
+        assert max(errors.values()) < 1e-12, errors

@@ -260,6 +260,8 @@ def test_gpt_without_moe_layers_makes_every_block_moe():
     dict(n_experts=2, top_k=0),
     dict(n_experts=2, top_k=1, n_layer=2, moe_layers=(2,)),
     dict(n_experts=2, top_k=1, n_layer=2, moe_layers=(-1,)),
+    dict(n_experts=2, top_k=1, d_shared=8),  # a shared expert's width, without a shared expert
+    dict(n_experts=2, top_k=1, shared_expert_gate=True),
 ])
 def test_config_validation_raises(bad):
     with pytest.raises(ValueError):
@@ -303,8 +305,10 @@ def test_generate_with_top_k_one_is_greedy_decoding():
     assert torch.equal(out, idx)
 
 
-@pytest.mark.parametrize("experts,arch", [(0, {}), (4, {}), (0, LLAMA), (4, dict(LLAMA, n_shared_experts=2))],
-                         ids=["gpt", "gpt-moe", "llama", "llama-moe-shared"])
+@pytest.mark.parametrize("experts,arch", [(0, {}), (4, {}), (0, LLAMA), (4, dict(LLAMA, n_shared_experts=2)),
+                                          (4, dict(LLAMA, moe_layers=(1,), d_expert=24, n_shared_experts=1,
+                                                   d_shared=20, shared_expert_gate=True))],
+                         ids=["gpt", "gpt-moe", "llama", "llama-moe-shared", "qwen2-moe"])
 def test_flops_per_token_counts_every_matrix_and_attention(experts, arch):
     """6 x (multiply-adds per token): every Linear weight a token meets (for MoE: the router, the shared
     expert and top-k of the experts' weights), and attention's q k^T and p v over about seq_len/2 keys,
@@ -389,6 +393,42 @@ def test_shared_expert_is_added_to_every_token():
     assert moe.shared.proj.in_features == 2 * moe.experts[0].proj.in_features
     routed = moe_by_token_loop(moe, x)
     torch.testing.assert_close(moe(x), routed + moe.shared(x), rtol=1e-12, atol=1e-14)
+
+
+# Qwen's mixtures of experts: an expert's own width, dense layers between, gates as the softmax gave them, and
+# Qwen2-MoE's shared expert of its own width behind a sigmoid gate
+QWEN2_MOE = dict(LLAMA, n_layer=3, moe_layers=(0, 2), n_experts=4, top_k=2, d_expert=12, n_shared_experts=1,
+                 d_shared=20, shared_expert_gate=True, norm_topk_prob=False)
+
+
+def qwen2_moe_by_token_loop(moe, x):
+    """Hugging Face's Qwen2MoeSparseMoeBlock written out a token at a time: the top-k softmax probabilities as
+    they are (norm_topk_prob False) times their experts, plus sigmoid(x . w) times the shared expert."""
+    out = torch.zeros_like(x.reshape(-1, x.shape[-1]))
+    for t, token in enumerate(x.reshape(-1, x.shape[-1])):
+        top = (moe.router.weight @ token).softmax(-1).topk(moe.top_k)
+        for p, e in zip(top.values, top.indices):
+            out[t] += p * moe.experts[e](token[None])[0]
+        out[t] += torch.sigmoid(moe.shared_gate.weight[0] @ token) * moe.shared(token[None])[0]
+    return out.view_as(x)
+
+
+def test_qwen2_moe_widths_dense_layers_and_gated_shared_expert():
+    model = tiny_gpt(**QWEN2_MOE)
+    dense, moe = model.blocks[1].mlp, model.blocks[0].mlp
+    assert not isinstance(dense, MoE) and dense.proj.in_features == 40  # the dense layers keep d_ff
+    assert [e.proj.in_features for e in moe.experts] == [12] * 4 and moe.shared.proj.in_features == 20
+    assert moe.shared_gate.weight.shape == (1, TINY["d_model"]) and moe.shared_gate.bias is None
+    x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moe(x), qwen2_moe_by_token_loop(moe, x), rtol=1e-12, atol=1e-14)
+    gates, _, _ = route(moe.router(x.reshape(-1, 16)), 2, renormalise=False)
+    assert (gates.sum(-1) < 1).all()  # not renormalised: what the other experts had is left out
+
+
+def test_moe_widths_default_to_the_dense_mlps():
+    config = GPTConfig(**TINY, n_experts=4, n_shared_experts=2)
+    assert (config.d_expert, config.d_shared) == (config.d_ff, 2 * config.d_ff)
+    assert GPTConfig(**TINY, n_experts=4, d_expert=8, n_shared_experts=3).d_shared == 24
 
 
 def test_routing_bias_chooses_experts_but_leaves_the_gates_unbiased():

@@ -214,10 +214,10 @@ def model_parameters(config_fields):
 def tp_sharded(name):
     """Whether tensor parallelism splits this parameter N ways (tp.py): the column-parallel q|k|v, fc (and
     their biases), the row-parallel proj weights, the vocabulary-parallel embedding and head. Norms, the
-    position table, routers and row-parallel biases are replicated."""
+    position table, routers, a shared expert's gate and row-parallel biases are replicated."""
     if name.endswith(("qkv.bias", "fc.bias")):
         return True
-    return name.endswith(".weight") and not any(part in name for part in ("norm", "pos_emb", "router"))
+    return name.endswith(".weight") and not any(part in name for part in ("norm", "pos_emb", "router", "shared_gate"))
 
 
 def stage_of(name, layer_stage, placement):
@@ -472,8 +472,9 @@ def tp_traffic(config, layout, layers, first, last):
             region(enter, leave, again, 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
-        if layout.sp:  # the norms, and the row-parallel biases of attention and the MLP
-            summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1))
+        if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
+            gate = c.is_moe(layer) and c.shared_expert_gate
+            summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1) + gate * c.d_model)
     if last:
         if layout.sp:
             summed_gradients(norm_numel)
@@ -646,27 +647,31 @@ def mlp_activations(c, rows, t, a, d_ff=None):
 def moe_activations(c, layout, tokens):
     """An MoE layer as ep.py computes it, balanced, on a rank holding `tokens` of the micro-batch:
     - the router: its input, the arriving tokens (tp without sp keeps its part of them as a view, so their
-      whole storage), and per routed token (routed_tokens) the probabilities, choices and gates;
+      whole storage), and per routed token (routed_tokens) the probabilities and choices, and where the
+      gates are renormalised (norm_topk_prob) the top-k probabilities and their sum that divides them;
     - per (token, expert) assignment it sends: the indices that sort and return it, the mask that kept it,
       its gate, the output that came back and its weighted copy;
     - per row its experts compute (under expert tp the rows of every rank of the group, each having received
-      as many): the expert's input and its MLP, of hidden width d_ff / expert_tp;
+      as many): the expert's input and its MLP, of hidden width d_expert / expert_tp;
     - the shared expert's MLP on every arriving token, split by tp (under sp on the gathered sequence, its
-      input a tensor of its own)."""
+      input a tensor of its own), of hidden width d_shared; with a gate (Qwen2-MoE), the sigmoid and the
+      shared expert's output it multiplies, per arriving token."""
     t, a, wide, h = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4), c.d_model
     arriving = tokens // t if layout.sp else tokens
     routed = routed_tokens(c, layout)
     assignments = routed * c.top_k
     rows = assignments * layout.expert_tp
-    router = (arriving * h * a + routed * ((c.n_experts + c.top_k + 1) * wide + c.top_k * INT64)
+    renormalised = c.norm_topk_prob * (c.top_k + 1)
+    router = (arriving * h * a + routed * ((c.n_experts + renormalised) * wide + c.top_k * INT64)
               + balance_statistics(c, layout))
     # (the gates are cast to the tokens' dtype)
     sent = assignments * (2 * h * a + a + 2 * INT64 + BOOL)
-    experts = rows * h * a + mlp_activations(c, rows, layout.expert_tp, a)
+    experts = rows * h * a + mlp_activations(c, rows, layout.expert_tp, a, c.d_expert)
     shared = 0
     if c.n_shared_experts:
         gathered = tokens * h * a if layout.sp else 0
-        shared = gathered + mlp_activations(c, tokens, t, a, c.n_shared_experts * c.d_ff)
+        gate = c.shared_expert_gate * arriving * (1 + h) * a
+        shared = gathered + mlp_activations(c, tokens, t, a, c.d_shared) + gate
     return router + sent + experts + shared
 
 

@@ -243,9 +243,11 @@ def check_experts(args, config):
         raise ConfigError("--expert-tp splits the experts of MoE layers: it needs --experts")
     if experts and experts % args.ep:
         raise ConfigError(f"--experts {experts} do not divide over --ep {args.ep} ranks")
-    if experts and config.d_ff % args.expert_tp:
-        raise ConfigError(f"--expert-tp {args.expert_tp}: an expert's hidden size {config.d_ff} does not divide "
+    if experts and config.d_expert % args.expert_tp:
+        raise ConfigError(f"--expert-tp {args.expert_tp}: an expert's hidden size {config.d_expert} does not divide "
                           f"by it")
+    if experts and config.d_shared % args.tp:  # tp splits the shared expert as it splits a dense MLP
+        raise ConfigError(f"--tp {args.tp}: the shared expert's hidden size {config.d_shared} does not divide by it")
     if not 0 <= args.capacity_factor < math.inf or (args.capacity_factor and not experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
     if not experts and (args.shared_experts or args.balance != "aux"):
