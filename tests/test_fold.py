@@ -96,6 +96,28 @@ def test_qwen_moe_layouts_match_single_device_and_the_plan(tmp_path, monkeypatch
     assert_matches_plan(tmp_path, argv, world)
 
 
+def test_qwen_moe_recomputed_in_bfloat16_equals_the_plan(tmp_path, monkeypatch):
+    """Every counter, activations exactly (top-4 of 4): the gate's sigmoid and the output it scales, kept
+    again by the recomputed forward, in bfloat16 with the router in float32."""
+    argv = [*BASE, "--layers", "4", "--arch", "llama", "--top-k", "4", "--tp", "2", "--sp", "--ep", "2",
+            "--recompute", "full", "--dtype", "bfloat16"]
+    monkeypatch.setattr(cli, "model_config", qwen_moe_config)
+    run_on_ranks(2, qwen_moe_train_worker, [*argv, "--out", str(tmp_path)], timeout=300)
+    assert_matches_plan(tmp_path, argv, 2)
+
+
+@pytest.mark.parametrize("widths,flags,message", [
+    (dict(d_expert=47), ["--tp", "2", "--expert-tp", "2"], "--expert-tp 2: an expert's hidden size 47 does not"),
+    (dict(n_shared_experts=1, d_shared=41), ["--tp", "2", "--ep", "2"],
+     "--tp 2: the shared expert's hidden size 41 does not"),
+])
+def test_expert_widths_that_do_not_split_are_refused(monkeypatch, widths, flags, message):
+    """Checked against the experts' own widths, not the dense layers' d_ff (128 here, which would split)."""
+    monkeypatch.setattr(cli, "model_config", lambda args, vocab: dataclasses.replace(FLAGS_MODEL(args, vocab), **widths))
+    with pytest.raises(cli.ConfigError, match=message):
+        cli.check_args(cli.parse_args([*BASE, *flags]), 2)
+
+
 # -- a checkpoint from the unfolded layout, resumed folded -----------------------------------------------
 
 def test_checkpoint_from_the_unfolded_layout_resumes_exactly_folded(tmp_path):

@@ -468,8 +468,8 @@ def tp_traffic(config, layout, layers, first, last):
     for layer in layers:
         region(enter, leave, again, again)  # attention
         mlp = not c.is_moe(layer) or c.n_shared_experts  # a dense MLP, or the shared expert, split alike
-        if mlp:
-            region(enter, leave, again, 1)
+        if mlp:  # recomputed up to the last tensor backward needs: with a gate, the output its product keeps
+            region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
         if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
