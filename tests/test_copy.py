@@ -73,21 +73,22 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k of a softmax router with a bias, renormalised gates, plus a shared expert for every token."""
+    """Qwen2-MoE's block: top-k of a softmax router with a bias, the gates as the softmax gave them
+    (norm_topk_prob False), plus for every token a shared expert of its own width behind a sigmoid gate."""
 
     def __init__(self, n_experts=4, top_k=2):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.norm_topk_prob = top_k, False
         self.gate = nn.Linear(D, n_experts)
         self.experts = nn.ModuleList(SwiGLU(8) for _ in range(n_experts))
-        self.shared_expert = SwiGLU(8)
+        self.shared_expert = SwiGLU(12)
+        self.shared_expert_gate = nn.Linear(D, 1, bias=False)
 
     def forward(self, x):
         tokens = x.reshape(-1, D)
         probs = self.gate(tokens).softmax(-1)
-        top, chosen = probs.topk(self.top_k, -1)
-        gates = top / top.sum(-1, keepdim=True)
-        out = self.shared_expert(tokens)
+        gates, chosen = probs.topk(self.top_k, -1)
+        out = torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         for e, expert in enumerate(self.experts):
             token_idx, choice = torch.where(chosen == e)
             if len(token_idx):
@@ -179,7 +180,8 @@ def glue_tp(tp, model, group, sp):
         attention = layer.self_attn
         tp.split_attention(attention, plan, attention.head_dim, ("q_proj", "k_proj", "v_proj"), "o_proj")
         if hasattr(layer.mlp, "experts"):  # the MoE (ep.py's layer made from it, or the MoE itself)
-            tp.split_moe(layer.mlp, plan, router="gate", shared="shared_expert", **SWIGLU)
+            tp.split_moe(layer.mlp, plan, router="gate", shared="shared_expert", shared_gate="shared_expert_gate",
+                         **SWIGLU)
         else:
             tp.split_mlp(layer.mlp, plan, **SWIGLU)
     for norm in [m for m in model.modules() if isinstance(m, nn.RMSNorm)]:
@@ -334,7 +336,8 @@ def ep_worker(folder):
     g = torch.Generator().manual_seed(1)
     tokens, grad = (torch.randn(n, 6, D, generator=g, dtype=torch.float64) for _ in range(2))
     (moe(tokens.flatten(0, 1)) * grad.flatten(0, 1)).sum().backward()
-    layer = ep.ExpertParallelMoE(fresh_copy(moe), None, None, router="gate", shared="shared_expert")  # the glue
+    layer = ep.ExpertParallelMoE(fresh_copy(moe), None, None, router="gate", shared="shared_expert",  # the glue
+                                 shared_gate="shared_expert_gate")
     out = layer(tokens[rank])
     (out * grad[rank]).sum().backward()
     errors = [worst(out, moe(tokens[rank]))]
@@ -366,7 +369,7 @@ def glue_ep_over_tp(tp, ep, model, sp, expert_tp):
     alone = [dist.new_group([r]) for r in range(n)][rank]  # with expert tp, no expert parallelism
     for layer in model.layers:
         layer.mlp = ep.ExpertParallelMoE(layer.mlp, alone if expert_tp else None, None, router="gate",
-                                         shared="shared_expert",
+                                         shared="shared_expert", shared_gate="shared_expert_gate",
                                          tokens=ep.ShardedTokens(None) if sp else ep.ReplicatedTokens(None),
                                          expert_tp=ep.SplitExperts(None) if expert_tp else ep.WholeExperts())
         if expert_tp:
