@@ -55,6 +55,7 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_kv_heads: int = 0          # key/value heads (grouped-query attention); 0 means n_head
+    head_dim: int = 0            # features of a head; 0 means d_model // n_head (Qwen3, Mistral NeMo: wider)
     d_model: int = 128
     d_ff: int = 0                # MLP hidden size; 0 means 4 * d_model
     # positions
@@ -71,6 +72,7 @@ class GPTConfig:
     mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation) or "swiglu"
     bias: bool = True            # biases in the linear layers and LayerNorms
     qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
+    qk_norm: bool = False        # RMSNorm of each head's q and k before the rotation (Qwen3, OLMo 2, Gemma 3)
     # embedding and output tables
     padded_vocab_size: int = 0   # rows of the embedding and output tables (see cross_entropy); 0: vocab_size
     tie_embeddings: bool = False  # the output layer's weight is the embedding's (GPT-2, Llama 3.2 1B and 3B)
@@ -91,20 +93,23 @@ class GPTConfig:
         self.d_expert = self.d_expert or self.d_ff
         self.d_shared = self.d_shared or self.n_shared_experts * self.d_expert
         self.n_kv_heads = self.n_kv_heads or self.n_head
+        if not self.head_dim and self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: give head_dim")
+        self.head_dim = self.head_dim or self.d_model // self.n_head
         self.padded_vocab_size = self.padded_vocab_size or self.vocab_size
         self.max_seq_len = self.max_seq_len or self.seq_len
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
         self.moe_layers = tuple(self.moe_layers)
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim={self.head_dim} must be at least 1")
         if not 1 <= self.n_kv_heads <= self.n_head or self.n_head % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}")
         for name, value, allowed in [("position", self.position, ("learned", "rope")),
                                      ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, tuple(ACTIVATIONS))]:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
-        if self.position == "rope" and (self.d_model // self.n_head) % 2:
-            raise ValueError(f"rotary embeddings turn pairs of features: head size {self.d_model // self.n_head} is odd")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings turn pairs of features: head size {self.head_dim} is odd")
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
         if self.seq_len > self.max_seq_len:
@@ -121,9 +126,15 @@ class GPTConfig:
         return self.n_experts > 0 and (not self.moe_layers or layer in self.moe_layers)
 
     @property
+    def q_dim(self) -> int:
+        """Features of the queries (and of the heads' outputs, which proj maps back to d_model): n_head heads of
+        head_dim."""
+        return self.n_head * self.head_dim
+
+    @property
     def kv_dim(self) -> int:
         """Features of the keys (and of the values): n_kv_heads heads of head_dim."""
-        return self.n_kv_heads * (self.d_model // self.n_head)
+        return self.n_kv_heads * self.head_dim
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: forward and backward are 3 x the forward's 2 per multiply-add.
@@ -136,7 +147,8 @@ class GPTConfig:
         per_unit = (3 if self.mlp == "swiglu" else 2) * d  # an MLP's per hidden unit: SwiGLU has a gate matrix too
         mlp = per_unit * self.d_ff
         moe = per_unit * (self.top_k * self.d_expert + self.d_shared) + d * (self.n_experts + self.shared_expert_gate)
-        attention = 2 * d * d + 2 * d * self.kv_dim + 2 * d * self.seq_len  # q, proj; k, v; the two products
+        # q and proj, k and v, then the scores q kᵀ and the weighted sum of the values
+        attention = 2 * d * self.q_dim + 2 * d * self.kv_dim + 2 * self.q_dim * self.seq_len
         per_layer = [attention + (moe if self.is_moe(i) else mlp) for i in range(self.n_layer)]
         return 6 * (sum(per_layer) + d * self.padded_vocab_size)
 
@@ -257,15 +269,22 @@ def rotary(x, pos, frequencies):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def head_norm(config: GPTConfig):
+    """QK-norm (Qwen3, OLMo 2, Gemma 3): an RMSNorm over each head's features, one weight of head_dim shared by
+    every head, applied to q and k before the rotation; without it, nothing (an identity)."""
+    return nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.head_dim = config.d_model // config.n_head
+        self.head_dim = config.head_dim
         self.group = config.n_head // config.n_kv_heads  # query heads per key/value head
         # Output laid out as (q heads | k heads | v heads) x head_dim; with grouped-query attention
-        # the k and v parts are smaller than q's.
-        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * config.kv_dim, bias=config.qkv_bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        # the k and v parts are smaller than q's. The heads may be wider or narrower than d_model / n_head.
+        self.qkv = nn.Linear(config.d_model, config.q_dim + 2 * config.kv_dim, bias=config.qkv_bias)
+        self.q_norm, self.k_norm = head_norm(config), head_norm(config)
+        self.proj = nn.Linear(config.q_dim, config.d_model, bias=config.bias)
         self.frequencies = partial(rotary_frequencies, config, self.head_dim) if config.position == "rope" else None
         self.core = causal_attention  # the swappable seam (see the module docstring)
 
@@ -277,6 +296,7 @@ class CausalSelfAttention(nn.Module):
         heads = qkv.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (batch, heads, seq, head_dim)
         n_kv = heads.shape[1] // (self.group + 2)
         q, k, v = heads.split([self.group * n_kv, n_kv, n_kv], dim=1)
+        q, k = self.q_norm(q), self.k_norm(k)
         if self.frequencies:
             frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
             q, k = rotary(q, pos, frequencies), rotary(k, pos, frequencies)
@@ -520,7 +540,7 @@ def initial_values(name, positions, n_layer, seed):
     module, kind = name.split(".")[-2:]
     if kind == "bias":
         return torch.zeros(positions.shape, dtype=torch.float64, device=positions.device)
-    if module.startswith("norm"):
+    if "norm" in module:  # the blocks' norms, the final one, and QK-norm's q_norm and k_norm
         return torch.ones(positions.shape, dtype=torch.float64, device=positions.device)
     std = 0.02 / math.sqrt(2 * n_layer) if module == "proj" else 0.02
     return std * counter_normal(seed, name, positions)

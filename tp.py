@@ -25,14 +25,16 @@ Copying this file (the glue for a Llama-style model, as tests/test_copy.py's `gl
     plan.norm(norm) for each norm (a learned position table: plan.position_embedding(table)),
     VocabParallelEmbedding(embedding, plan), ColumnParallelLinear(head, plan), and as the loss
     vocab_parallel_cross_entropy(logits, targets, embedding.vocab_start, group) (targets IGNORE, -100, left out).
-The attention reads its heads off the shapes (view(..., -1, head_dim)); a split that would cut a head
-(fewer key/value heads than ranks) is refused. A mixture of experts folded over the group (ep.py): each
-rank routes tokens of its own, so the router's gradient must be summed over the group, or it is silently
-wrong: `split_moe(moe, plan, router="gate", shared="shared_expert", columns=..., row=...)` does it and
-splits the shared expert as an MLP (the router alone: `gradients_summed(moe.gate, group)`); ep.py's layer
-then needs its `tokens=` policy (it refuses without one). Expert tensor parallelism: `split_experts(moe,
-group, columns=..., row=...)` splits each expert with `ExpertTensorParallel` (no communication inside),
-beside ep.py's `expert_tp=SplitExperts(group)`.
+The attention reads its heads, of any width, off the shapes (view(..., -1, head_dim)); a split that would
+cut a head (fewer key/value heads than ranks) is refused. QK-norm (Qwen3's q_norm, k_norm: one weight shared
+by the heads) sees a rank's heads alone, so its gradient is a partial sum that must be summed over the group,
+with or without sp: split_attention does it (`norms=`); a module is summed once, however often it is asked.
+A mixture of experts folded over the group (ep.py): each rank routes tokens of its own, so the router's
+gradient must be summed over the group, or it is silently wrong: `split_moe(moe, plan, router="gate",
+shared="shared_expert", columns=..., row=...)` does it and splits the shared expert as an MLP (the router
+alone: `gradients_summed(moe.gate, group)`); ep.py's layer then needs its `tokens=` policy (it refuses
+without one). Expert tensor parallelism: `split_experts(moe, group, columns=..., row=...)` splits each expert
+with `ExpertTensorParallel` (no communication inside), beside ep.py's `expert_tp=SplitExperts(group)`.
 
 Self-check: torchrun --nproc_per_node 2 tp.py
 """
@@ -221,16 +223,21 @@ def split_region(module, plan, columns, row, fused_blocks=lambda layer: None, he
     setattr(module, row, RowParallelLinear(getattr(module, row), plan))
 
 
-def split_attention(attention, plan, head_dim, columns=("qkv",), row="proj"):
+def split_attention(attention, plan, head_dim, columns=("qkv",), row="proj", norms=("q_norm", "k_norm")):
     """q, k and v column-parallel by heads, the output projection row-parallel: a rank attends with its heads
     alone. Query and key/value heads are split each N ways (a fused layer holds q | k | v), so with
-    grouped-query attention a rank's query heads find their key/value heads on the same rank."""
+    grouped-query attention a rank's query heads find their key/value heads on the same rank. norms: QK-norm's
+    modules, where the attention has them (one weight normalising every head's q, one every head's k): a rank
+    applies each to its heads alone, so each one's gradient is summed over the group (`gradients_summed`)."""
     width = getattr(attention, row).in_features  # the query heads'
 
     def q_k_v(fused):  # the query heads' width, then the keys' and the values', equal
         kv_width = (fused.out_features - width) // 2
         return [width, kv_width, kv_width]
     split_region(attention, plan, columns, row, q_k_v, head_dim)
+    for name in norms:
+        if getattr(attention, name, None) is not None:
+            gradients_summed(getattr(attention, name), plan.group)
 
 
 def split_mlp(mlp, plan, columns=("fc",), row="proj"):
@@ -334,11 +341,14 @@ class SequenceParallel(TensorParallel):
 
 
 def gradients_summed(module, group):
-    """A replicated module that each rank applies to tokens of its own (a norm under sequence parallelism;
-    a router whose experts are folded over the group), in place: each of its parameters' gradients is
-    summed over the group (a hook on the gradient does what f applied to the parameter would). Names and
+    """A replicated module that each rank applies to tokens (or heads) of its own (a norm under sequence
+    parallelism; a router whose experts are folded over the group; QK-norm), in place: each of its parameters'
+    gradients is summed over the group (a hook on the gradient does what f applied to the parameter would),
+    once, however often it is asked (QK-norm is a norm that split_attention has summed already). Names and
     module type stay the same; `summed_over_ranks` says how many ranks share its tokens' loss (ep.py reads
     it on a router, to refuse a layer that would route every token N times)."""
+    if hasattr(module, "summed_over_ranks"):
+        return module
     for p in module.parameters():
         p.register_hook(partial(all_reduce, group=group))
     module.summed_over_ranks = dist.get_world_size(group)
@@ -503,7 +513,7 @@ def split_experts(moe, group, columns=("fc",), row="proj"):
 def split_block(block, config, plan):
     """One transformer block of model.py, in place: one all-reduce (under sequence parallelism,
     reduce-scatter) after attention and one after the MLP in forward, and their conjugates in backward."""
-    split_attention(block.attn, plan, config.d_model // config.n_head)
+    split_attention(block.attn, plan, config.head_dim)
     if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts ep.py's
         split_moe(block.mlp, plan)
     else:

@@ -3,7 +3,8 @@
 The model below is not model.py: it is written the way Llama-style models are
 (separate q, k, v projections, grouped-query attention, rotary positions,
 RMSNorm, SwiGLU MLPs with separate gate, up and down, no biases, an MoE layer
-whose router is called `gate` and which has a shared expert), keeping only
+whose router is called `gate` and which has a shared expert; optionally Qwen3's attention, heads wider
+than the width over the heads and QK-norm), keeping only
 what each file's docstring asks of a model. Each test copies one file into an
 empty folder, imports it from there (so it can lean on nothing else in this
 repository), glues it on with the few lines its docstring promises (the
@@ -42,14 +43,19 @@ def attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+QWEN3 = dict(head_dim=6, qk_norm=True)  # Qwen3's attention: 4 heads of 6 over D = 16, QK-norm
+
+
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, head_dim=D // HEADS, qk_norm=False):
         super().__init__()
-        self.head_dim = D // HEADS
-        self.q_proj = nn.Linear(D, D, bias=False)
-        self.k_proj = nn.Linear(D, KV_HEADS * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(D, KV_HEADS * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(D, D, bias=False)
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(D, HEADS * head_dim, bias=False)
+        self.k_proj = nn.Linear(D, KV_HEADS * head_dim, bias=False)
+        self.v_proj = nn.Linear(D, KV_HEADS * head_dim, bias=False)
+        self.o_proj = nn.Linear(HEADS * head_dim, D, bias=False)
+        # QK-norm (Qwen3): one RMSNorm of head_dim for every head's query, one for every head's key
+        self.q_norm, self.k_norm = (nn.RMSNorm(head_dim) if qk_norm else nn.Identity() for _ in range(2))
         self.core = attention
 
     def forward(self, x, pos):
@@ -57,6 +63,7 @@ class Attention(nn.Module):
         # Heads are read off the shapes (-1), as Llama's code does: a rank holding some of them runs this too.
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
         y = self.core(rope(q, pos), rope(k, pos), v)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -97,10 +104,10 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, moe):
+    def __init__(self, moe, **attention):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(D), nn.RMSNorm(D)
-        self.self_attn = Attention()
+        self.self_attn = Attention(**attention)
         self.mlp = MoE() if moe else SwiGLU()
 
     def forward(self, x, pos):
@@ -109,10 +116,10 @@ class Layer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, moe=False, n_layers=LAYERS):
+    def __init__(self, moe=False, n_layers=LAYERS, **attention):
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer(moe) for _ in range(n_layers))
+        self.layers = nn.ModuleList(Layer(moe, **attention) for _ in range(n_layers))
         self.norm = nn.RMSNorm(D)
         self.lm_head = nn.Linear(D, VOCAB, bias=False)
 
@@ -144,10 +151,14 @@ def import_copy(folder, filename):
     return module
 
 
-def reference(moe=False, n_layers=LAYERS):
+def reference(moe=False, n_layers=LAYERS, **attention):
     """The model, a batch and the single process's loss and gradients (float64)."""
     torch.manual_seed(0)
-    model = Llama(moe, n_layers).double()
+    model = Llama(moe, n_layers, **attention).double()
+    with torch.no_grad():  # QK-norm's weights of their own, so that each head's share of their gradient differs
+        for norm in [m for name, m in model.named_modules() if name.endswith(("q_norm", "k_norm")) and
+                     isinstance(m, nn.RMSNorm)]:
+            norm.weight.uniform_(0.5, 1.5)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     loss = cross_entropy(model(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:])
     loss.backward()
@@ -172,8 +183,9 @@ SWIGLU = dict(columns=("gate_proj", "up_proj"), row="down_proj")  # the Llama's 
 def glue_tp(tp, model, group, sp):
     """tp.py on the Llama: vocabulary-parallel embedding and head; in each layer q/k/v (by whole heads) and
     gate/up column-parallel behind one shared entry each, o and down row-parallel (in an MoE, the shared
-    expert's, and the router's gradient summed over the group); under sequence parallelism the norms'
-    gradients summed."""
+    expert's, and the router's gradient summed over the group; QK-norm's q_norm and k_norm summed by
+    split_attention, sp or not); under sequence parallelism the norms' gradients summed (each once: the loop
+    meets q_norm and k_norm again)."""
     plan = tp.SequenceParallel(group) if sp else tp.TensorParallel(group)
     model.embed_tokens = tp.VocabParallelEmbedding(model.embed_tokens, plan)
     for layer in model.layers:
@@ -191,9 +203,9 @@ def glue_tp(tp, model, group, sp):
                                                                    group)
 
 
-def tp_worker(folder, sequence_parallel):
+def tp_worker(folder, sequence_parallel, attention):
     tp = import_copy(folder, "tp.py")
-    ref, ids, ref_loss, ref_grads = reference()
+    ref, ids, ref_loss, ref_grads = reference(**attention)
     model = fresh_copy(ref)
     loss_fn = glue_tp(tp, model, None, sequence_parallel)
     loss = loss_fn(model(ids[:, :-1], torch.arange(SEQ)), ids[:, 1:])
@@ -206,23 +218,25 @@ def tp_worker(folder, sequence_parallel):
                 names=sorted(grads) == sorted(ref_grads), backward_bytes=dict(tp.comm_bytes))
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_tp_on_a_llama_with_separate_projections(tmp_path, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["sp-off", "sp"])
+@pytest.mark.parametrize("attention", [{}, QWEN3], ids=["tp2", "tp2-qwen3"])
+def test_tp_on_a_llama_with_separate_projections(tmp_path, sequence_parallel, attention):
     folder = copy_alone("tp.py", tmp_path)
     n, activation = 2, BATCH * SEQ * D * 8  # bytes of one (batch, seq, width) float64 tensor
-    for r in run_on_ranks(n, tp_worker, folder, sequence_parallel):
+    for r in run_on_ranks(n, tp_worker, folder, sequence_parallel, attention):
         assert r["loss"] < 1e-12 and r["grads"] < 1e-12 and r["names"]
         # Backward: q, k, v share one entry and gate, up another, so each layer costs two collectives of
         # b*s*d there (not five), and the LM head's entry one more. With sp those are reduce-scatters,
         # the row-parallel layers' and the embedding's all-gathers, and the 2L+1 RMSNorm weights of width
-        # D are summed over the group.
+        # D are summed over the group. QK-norm's two weights of head_dim a layer are summed, sp or not.
         ring = (n - 1) / n
+        head_norms = 2 * LAYERS * 2 * ring * attention.get("head_dim", 0) * 8
         if sequence_parallel:
             assert r["backward_bytes"] == {"reduce_scatter": (2 * LAYERS + 1) * ring * activation,
                                            "all_gather": (2 * LAYERS + 1) * ring * activation,
-                                           "all_reduce": (2 * LAYERS + 1) * 2 * ring * D * 8}
+                                           "all_reduce": (2 * LAYERS + 1) * 2 * ring * D * 8 + head_norms}
         else:
-            assert r["backward_bytes"] == {"all_reduce": (2 * LAYERS + 1) * 2 * ring * activation}
+            assert r["backward_bytes"] == {"all_reduce": (2 * LAYERS + 1) * 2 * ring * activation + head_norms}
 
 
 # -- cp.py -----------------------------------------------------------------------------------

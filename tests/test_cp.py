@@ -402,28 +402,33 @@ def test_ring_skips_the_blocks_and_messages_no_query_needs(n, kernels):
     assert sum(left["empty_blocks"] for left in sends) > 0 and sum(left["kv"] for left in sends) < n * (n - 1)
 
 ARGV = EQUIVALENCE
+# Heads of any width, with QK-norm (Qwen3's attention): 12 wide over d_model 32 (q is 48), or 4 (q is 16)
+WIDE_HEADS, NARROW_HEADS = ["--head-dim", "12", "--qk-norm"], ["--head-dim", "4", "--qk-norm"]
 
 
 @pytest.mark.parametrize("mode", ["ring", "allgather", "alltoall"])
-@pytest.mark.parametrize("world,flags", [(2, ["--cp", "2"]), (4, ["--cp", "4"]), (4, ["--cp", "2"])],
-                         ids=["cp2", "cp4", "cp2-dp2"])
-def test_context_parallel_matches_single_device(tmp_path, world, flags, mode):
-    argv = [*ARGV, *flags, "--cp-mode", mode]
+@pytest.mark.parametrize("world,flags,model", [(2, ["--cp", "2"], []), (4, ["--cp", "4"], []),
+                                               (4, ["--cp", "2"], ["--arch", "llama", *WIDE_HEADS])],
+                         ids=["cp2", "cp4", "cp2-dp2-wide-heads-qk-norm"])
+def test_context_parallel_matches_single_device(tmp_path, world, flags, model, mode):
+    argv = [*ARGV, *model, *flags, "--cp-mode", mode]
     for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)]):
-        assert_matches_oracle(result, oracle(ARGV))
+        assert_matches_oracle(result, oracle([*ARGV, *model]))
     assert_matches_plan(tmp_path, argv, world)
 
 
 @pytest.mark.parametrize("mode", ["allgather", "alltoall"])
 @pytest.mark.parametrize("flags,model", [
-    (["--tp", "2", "--sp"], ["--arch", "llama", "--kv-heads", "4"]),       # rotary, split heads, sequence shards
-    (["--pp", "2", "--recompute", "selective"], ["--layers", "4"]),         # the core run again in backward
+    # rotary, split heads (wide, with QK-norm: its weights' gradients summed over tp), sequence shards
+    (["--tp", "2", "--sp"], ["--arch", "llama", "--kv-heads", "4", *WIDE_HEADS]),
+    (["--pp", "2", "--recompute", "selective"], ["--layers", "4", *NARROW_HEADS]),  # the core run again in backward
     (["--ep", "2", "--zero", "1", "--recompute", "full"], ["--arch", "llama", "--kv-heads", "2", "--experts", "4"]),
-    (["--zero", "3"], ["--arch", "llama", "--kv-heads", "2"])], ids=["tp2-sp-llama", "pp2-selective",
-                                                                      "ep2-zero1-full-moe", "zero3-gqa"])
+    (["--zero", "3"], ["--arch", "llama", "--kv-heads", "2", *WIDE_HEADS])],
+    ids=["tp2-sp-llama-wide-heads", "pp2-selective-narrow-heads", "ep2-zero1-full-moe", "zero3-gqa-wide-heads"])
 def test_the_other_ways_compose_as_ring_attention_does(tmp_path, mode, flags, model):
-    """cp=2 with each other dimension, grouped-query attention, rotary positions and recomputation, on 4
-    ranks: the single device's training, and the memory and traffic tools/plan.py predicts."""
+    """cp=2 with each other dimension, grouped-query attention, rotary positions, recomputation, and heads of
+    another width than d_model / heads with QK-norm, on 4 ranks: the single device's training, and the memory
+    and traffic tools/plan.py predicts."""
     argv = [*ARGV, *model, "--cp", "2", "--cp-mode", mode, *flags]
     for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*ARGV, *model]))

@@ -17,6 +17,7 @@ from model import (GPT, IGNORE, MoE, GPTConfig, apply_recomputation, causal_atte
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
+QWEN3 = dict(LLAMA, head_dim=6, qk_norm=True)  # heads wider than d_model / n_head (4 of 6: q is 24 wide), QK-norm
 
 
 def tiny_gpt(seed=0, **overrides):
@@ -307,8 +308,8 @@ def test_generate_with_top_k_one_is_greedy_decoding():
 
 @pytest.mark.parametrize("experts,arch", [(0, {}), (4, {}), (0, LLAMA), (4, dict(LLAMA, n_shared_experts=2)),
                                           (4, dict(LLAMA, moe_layers=(1,), d_expert=24, n_shared_experts=1,
-                                                   d_shared=20, shared_expert_gate=True))],
-                         ids=["gpt", "gpt-moe", "llama", "llama-moe-shared", "qwen2-moe"])
+                                                   d_shared=20, shared_expert_gate=True)), (0, QWEN3)],
+                         ids=["gpt", "gpt-moe", "llama", "llama-moe-shared", "qwen2-moe", "qwen3"])
 def test_flops_per_token_counts_every_matrix_and_attention(experts, arch):
     """6 x (multiply-adds per token): every Linear weight a token meets (for MoE: the router, the shared
     expert and top-k of the experts' weights), and attention's q k^T and p v over about seq_len/2 keys,
@@ -319,7 +320,7 @@ def test_flops_per_token_counts_every_matrix_and_attention(experts, arch):
     expert_weights = sum(m.weight.numel() for m in linears if ".experts." in name_of(model, m))
     dense_weights = sum(m.weight.numel() for m in linears) - expert_weights
     per_token = dense_weights + expert_weights * config.top_k // max(experts, 1) + \
-        config.n_layer * 2 * config.d_model * config.seq_len
+        config.n_layer * 2 * config.q_dim * config.seq_len
     assert config.flops_per_token() == 6 * per_token
 
 
@@ -375,6 +376,36 @@ def test_llama_with_explicit_positions_matches_on_a_permuted_sequence():
         block.attn.core = attention_masked_by_positions(perm)
     logits, _ = model(idx[:, perm], pos=perm)
     torch.testing.assert_close(logits, expected[:, perm], rtol=1e-10, atol=1e-12)
+
+
+def test_wide_heads_with_qk_norm_equal_the_attention_written_out():
+    """Heads of head_dim, not d_model / n_head (Qwen3, Mistral NeMo): q is n_head x head_dim wide, k and v
+    n_kv_heads x head_dim, proj maps n_head x head_dim back to d_model; QK-norm normalises each head's q and k
+    (an RMSNorm over its head_dim features, one weight for every head) before the rotation, as Qwen3's
+    attention does (q_norm(q_proj(x).view(..., head_dim)), then apply_rotary_pos_emb)."""
+    config = GPTConfig(**{**TINY, **QWEN3})
+    model = tiny_gpt(**QWEN3)
+    attn = model.blocks[0].attn
+    assert (attn.qkv.out_features, attn.proj.in_features, attn.proj.out_features) == (24 + 2 * 12, 24, 16)
+    assert torch.equal(attn.q_norm.weight, torch.ones(6)) and torch.equal(attn.k_norm.weight, torch.ones(6))
+    with torch.no_grad():  # weights of their own, so that a norm applied to the wrong tensor shows
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.uniform_(0.5, 1.5)
+    x, pos = torch.randn(2, 16, 16, dtype=torch.float64), torch.arange(16)
+    q, k, v = (t.unflatten(-1, (-1, 6)).transpose(1, 2) for t in attn.qkv(x).split([24, 12, 12], -1))
+
+    def rms_norm(t, weight):
+        return t / (t.pow(2).mean(-1, keepdim=True) + config.norm_eps).sqrt() * weight
+
+    def rotate(t):  # Llama's rotate_half layout: pairs (i, i + 3) turned by pos * theta^(-i/3)
+        angles = pos[:, None].double() * config.rope_theta ** (-torch.arange(3, dtype=torch.float64) / 3)
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+        return t * cos + torch.cat([-t[..., 3:], t[..., :3]], -1) * sin
+
+    q, k = rotate(rms_norm(q, attn.q_norm.weight)), rotate(rms_norm(k, attn.k_norm.weight))
+    y = explicit_attention(q, k, v, torch.ones(16, 16, dtype=torch.bool).triu(1))
+    expected = attn.proj(y.transpose(1, 2).flatten(2))
+    torch.testing.assert_close(attn(x, pos), expected, rtol=1e-12, atol=1e-14)
 
 
 def test_swiglu_mlp_is_silu_gate_times_up():
@@ -472,10 +503,20 @@ def test_evaluation_forward_does_not_count_tokens():
 
 
 @pytest.mark.parametrize("bad", [dict(n_head=4, n_kv_heads=3), dict(n_head=4, n_kv_heads=8), dict(norm="batch"),
-                                 dict(mlp="relu"), dict(position="alibi"), dict(d_model=12, n_head=4, position="rope")])
+                                 dict(mlp="relu"), dict(position="alibi"), dict(d_model=12, n_head=4, position="rope"),
+                                 dict(head_dim=5, position="rope"), dict(head_dim=-8)])
 def test_llama_config_validation_raises(bad):
     with pytest.raises(ValueError):
         GPTConfig(**{**TINY, **bad})
+
+
+def test_head_dim_is_its_own_setting():
+    """0 means d_model / n_head; given, it need not divide d_model (18 wide, 4 heads of 4: q is 16 wide)."""
+    assert GPTConfig(**TINY).head_dim == 8
+    config = GPTConfig(**{**TINY, "d_model": 18, "n_head": 4, "head_dim": 4})
+    assert (config.q_dim, config.kv_dim) == (16, 16)
+    with pytest.raises(ValueError, match="d_model=18 is not divisible by n_head=4: give head_dim"):
+        GPTConfig(**{**TINY, "d_model": 18, "n_head": 4})
 
 
 # 10. Activation recomputation ------------------------------------------------------

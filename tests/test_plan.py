@@ -52,9 +52,11 @@ def sampled_layouts(n, seed=5):
     return layouts
 
 
-SAMPLE = sampled_layouts(6) + [(4, ["--tp=2", "--sp", "--dtype", "float32", "--arch", "llama"]),
+# (QK-norm in float32 with rotary positions and in bfloat16 without: what its norms keep, and their gradients' sums)
+SAMPLE = sampled_layouts(6) + [(4, ["--tp=2", "--sp", "--dtype", "float32", "--arch", "llama", "--head-dim", "12",
+                                    "--qk-norm"]),
                                (4, ["--ep=2", "--experts", "4", "--top-k", "4", "--zero", "3", "--micro-batches", "2"]),
-                               (4, ["--cp=2", "--pp=2", "--dtype", "bfloat16", "--micro-batches", "2"])]
+                               (4, ["--cp=2", "--pp=2", "--dtype", "bfloat16", "--micro-batches", "2", "--qk-norm"])]
 
 
 @pytest.mark.parametrize("world,flags", SAMPLE, ids=[f"{w}-{' '.join(f)}" for w, f in SAMPLE])

@@ -11,17 +11,23 @@ from distributed import run_on_ranks, self_check_alone
 from training.meter import ActivationMeter
 from model import Block, GPTConfig
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from planned import assert_matches_plan
 
 ARGV = EQUIVALENCE
+# Qwen3's attention on the tiny preset: 4 heads of 12 (q is 48 wide over d_model 32), 2 key/value heads, QK-norm
+QWEN3 = ["--arch", "llama", "--heads", "4", "--kv-heads", "2", "--head-dim", "12", "--qk-norm"]
 
 
-@pytest.mark.parametrize("world,flags", [
-    (2, ["--tp", "2"]), (2, ["--tp", "2", "--sp"]), (4, ["--tp", "4"]), (4, ["--tp", "4", "--sp"]),
-    (4, ["--tp", "2"]),  # tp=2 x dp=2
-], ids=lambda v: v if isinstance(v, int) else " ".join(v))
-def test_tensor_parallel_matches_single_device(tmp_path, world, flags):
-    for result in run_on_ranks(world, train_worker, [*ARGV, *flags, "--out", str(tmp_path)]):
-        assert_matches_oracle(result, oracle(ARGV))
+@pytest.mark.parametrize("world,flags,model", [
+    (2, ["--tp", "2"], []), (2, ["--tp", "2", "--sp"], []), (4, ["--tp", "4"], []), (4, ["--tp", "4", "--sp"], []),
+    (4, ["--tp", "2"], []),  # tp=2 x dp=2
+    (2, ["--tp", "2"], QWEN3),  # QK-norm's weights summed over the heads of both ranks (with sp: test_cp.py)
+], ids=lambda v: v if isinstance(v, int) else " ".join(v) or "tiny")
+def test_tensor_parallel_matches_single_device(tmp_path, world, flags, model):
+    argv = [*ARGV, *model, *flags]
+    for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)]):
+        assert_matches_oracle(result, oracle([*ARGV, *model]))
+    assert_matches_plan(tmp_path, argv, world)
 
 
 # -- each layer against its single-device counterpart -------------------------
@@ -166,6 +172,49 @@ def saved_by_one_norm(arch, shape):
     with meter:
         norm(torch.randn(shape, dtype=torch.float64, requires_grad=True))
     return meter.peak
+
+
+# -- QK-norm: one weight for every head, so a partial sum on each rank -----------------------------
+
+def qk_norm_block_worker():
+    """A block with QK-norm and heads wider than d_model / n_head, split over the group without and with
+    sequence parallelism: the largest difference of its output and of every gradient from the block on one
+    process (float64), per parameter."""
+    torch.manual_seed(0)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=16, head_dim=6, qk_norm=True, **LLAMA)
+    block = Block(config, 0).double()
+    with torch.no_grad():  # weights of their own, so that each head's share of their gradient differs
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            norm.weight.uniform_(0.5, 1.5)
+    x, grad_y = (torch.randn(2, 8, 16, dtype=torch.float64) for _ in range(2))
+    y = block(x, torch.arange(8))
+    (y * grad_y).sum().backward()
+    errors = {}
+    for sp in (False, True):
+        split = copy.deepcopy(block)
+        split.zero_grad(set_to_none=True)
+        tp.split_block(split, config, plan(sp))
+        mine = (lambda t: t.chunk(n, 1)[rank]) if sp else (lambda t: t)  # noqa: E731 (sp: this rank's shard)
+        y_local = split(mine(x), torch.arange(8))
+        (y_local * mine(grad_y)).sum().backward()
+        layouts = tp.sharded_layouts(split)
+        errors[f"output sp={sp}"] = max_diff(y_local, mine(y))
+        for name, p in split.named_parameters():
+            grad = tp.unshard(p.grad, layouts[name][0], None, layouts[name][1]) if name in layouts else p.grad
+            errors[f"{name} sp={sp}"] = max_diff(grad, dict(block.named_parameters())[name].grad)
+    return errors
+
+
+def test_qk_norm_gradients_are_summed_over_the_group_with_and_without_sp():
+    """Each rank normalises its own heads' q and k with the one weight every head shares: its gradient there is a
+    partial sum (Megatron Core #7452, finding 11: such a weight summed only under sequence parallelism), which
+    tp.split_attention sums over the group. Left out, q_norm's and k_norm's gradients are each rank's heads'
+    alone, and this fails."""
+    for errors in run_on_ranks(2, qk_norm_block_worker):
+        assert {name for name in errors if "q_norm" in name or "k_norm" in name} == \
+            {f"attn.{norm}.weight sp={sp}" for norm in ("q_norm", "k_norm") for sp in (False, True)}
+        assert max(errors.values()) < 1e-13, errors
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):

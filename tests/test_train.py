@@ -18,6 +18,7 @@ from tools import plan
 import train
 from training.checkpoint import Checkpoint
 from model import GPTConfig
+import hf_models
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
@@ -36,6 +37,18 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
     (1, ["--micro-batches", "0"], "--micro-batches must be at least 1"),
     (1, ["--kv-heads", "3"], "--model tiny --arch gpt: n_kv_heads=3 must divide n_head=4"),
     (4, ["--arch", "llama", "--tp", "4"], "--tp 4: key/value heads 2 does not divide by the tensor-parallel size 4"),
+    # The model's shape flags, over the preset's
+    (1, ["--d-model", "0"], "--d-model must be at least 1, got 0"),
+    (1, ["--d-ff", "-4"], "--d-ff must be at least 1, got -4"),
+    (1, ["--d-model", "30"], "--model tiny --arch gpt --d-model 30: d_model=30 is not divisible by n_head=4: give "
+                             "head_dim"),
+    (1, ["--arch", "llama", "--head-dim", "5", "--qk-norm"],
+     "--model tiny --arch llama --head-dim 5 --qk-norm: rotary embeddings turn pairs of features: head size 5 is odd"),
+    (1, ["--arch", "llama", "--heads", "6"], "--model tiny --arch llama --heads 6: d_model=32 is not divisible by "
+                                             "n_head=6"),
+    (2, ["--tp", "2", "--heads", "3", "--head-dim", "8"], "--tp 2: attention heads 3 does not divide by the "
+                                                          "tensor-parallel size 2"),
+    (2, ["--tp", "2", "--d-ff", "33"], "--tp 2: MLP hidden size 33 does not divide by the tensor-parallel size 2"),
     (1, ["--balance", "bias"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),
     # Real-valued flags: a NaN, an infinity or a negative rate is refused here, not by the optimizer mid-launch.
     (1, ["--lr", "nan"], "--lr must be a finite number, at least 0, got nan"),
@@ -176,6 +189,30 @@ def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
     measured = float(line.split()[-1]) * 2**30
     predicted = plan.predict_peaks(cli.parse_args(argv), 1)["peak_bytes"][0]
     assert abs(measured / predicted - 1) < 0.15, (measured, predicted)
+
+
+def test_torchtitan_llama3_debug_model_is_a_command_line():
+    """torchtitan's Llama 3 debug model (dim 256, 6 layers, 16 heads, FFN 768, vocabulary 2,048) from the flags
+    alone, over any preset: its shape, and its 6,163,712 parameters (embedding and output layer untied)."""
+    argv = ["--model", "tiny", "--arch", "llama", "--d-model", "256", "--layers", "6", "--heads", "16",
+            "--kv-heads", "16", "--d-ff", "768", "--vocab-size", "2048", "--seq-len", "2048"]
+    config, _ = cli.check_args(cli.parse_args(argv), 1)
+    shape = ("d_model", "n_layer", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "padded_vocab_size")
+    assert {field: getattr(config, field) for field in shape} == dict(
+        d_model=256, n_layer=6, n_head=16, n_kv_heads=16, head_dim=16, d_ff=768, vocab_size=2048,
+        padded_vocab_size=2048)
+    assert (config.position, config.norm, config.mlp, config.bias) == ("rope", "rms", "swiglu", False)
+    attention, mlp, norms = 4 * 256 * 256, 3 * 256 * 768, 2 * 256
+    assert sum(math.prod(shape) for _, shape in plan.model_parameters(plan.config_key(config))) == \
+        2 * 2048 * 256 + 6 * (attention + mlp + norms) + 256 == 6_163_712
+
+
+def test_shape_flags_are_refused_with_a_folder(tmp_path):
+    """A Hugging Face folder's config.json sets the model's shape (its weights have it): the flags that would
+    change it are refused by name, not ignored."""
+    hf_models.make_folder(str(tmp_path), "llama")
+    with pytest.raises(cli.ConfigError, match=r"--head-dim, --qk-norm: --init-from .* sets the model's shape"):
+        cli.check_args(cli.parse_args([*QUICK, "--init-from", str(tmp_path), "--head-dim", "16", "--qk-norm"]), 1)
 
 
 def test_vocabulary_flags(tmp_path):

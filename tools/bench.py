@@ -209,7 +209,7 @@ def attention_times(config, micro_batch, documents, rounds):
     causal attention, alternated `rounds` times in this process: {arm: per round}."""
     import torch
     from model import causal_attention
-    head_dim = config.d_model // config.n_head
+    head_dim = config.head_dim
     g = torch.Generator().manual_seed(0)
     q = torch.randn(micro_batch, config.n_head, config.seq_len, head_dim, generator=g, requires_grad=True)
     k, v = (torch.randn(micro_batch, config.n_kv_heads, config.seq_len, head_dim, generator=g, requires_grad=True)

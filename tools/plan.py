@@ -472,6 +472,8 @@ def tp_traffic(config, layout, layers, first, last):
             region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
+        for _ in range(2 * c.qk_norm):  # QK-norm: q_norm and k_norm met this rank's heads alone (sp or not), each
+            summed_gradients(c.head_dim)  # summed by tp.split_attention
         if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
             gate = c.is_moe(layer) and c.shared_expert_gate
             summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1) + gate * c.d_model)
@@ -505,7 +507,7 @@ def cp_traffic(config, layout, layers):
         return Counter()
     c, a = config, layout.activation_bytes
     kv = tokens_per_rank(c, layout) * c.kv_dim // layout.tp * a  # this rank's K (or V)
-    q = tokens_per_rank(c, layout) * c.d_model // layout.tp * a
+    q = tokens_per_rank(c, layout) * c.q_dim // layout.tp * a
     forward_passes = 1 if layout.recompute == "none" else 2  # both modes run the attention again
     if layout.cp_mode == "allgather":
         return Counter(all_gather=len(layers) * (forward_passes + 1) * (n - 1) * 2 * kv,
@@ -583,21 +585,41 @@ def block_activations(c, layout, layer):
     t, a = layout.tp, layout.activation_bytes
     tokens = tokens_per_rank(c, layout)
     sharded = tokens // t if layout.sp else tokens  # the residual stream: a sequence shard under sp
-    h, head_dim, wide = c.d_model, c.d_model // c.n_head, max(a, 4)
+    h, q, wide = c.d_model, c.q_dim, max(a, 4)
     norm = sharded * norm_activations(c, layout)
     attention = (tokens * h * a                            # qkv's input (gathered under sp)
-                 + tokens * (h + 2 * c.kv_dim) // t * a    # q | k | v, which the attention core keeps
-                 + tokens * h // t * a                     # the core's output
+                 + tokens * (q + 2 * c.kv_dim) // t * a    # q | k | v, which the attention core keeps
+                 + tokens * q // t * a                     # the core's output
                  + tokens * c.n_head // t * wide)          # and its log-sum-exp per head
     if c.position == "rope":  # rotated q and k, and the cos and sin tables of q's and k's rotations
-        attention += 2 * position_rows(layout) * (c.seq_len // layout.cp) * head_dim * wide
+        attention += 2 * position_rows(layout) * (c.seq_len // layout.cp) * c.head_dim * wide
         if rotated_kept(layout):
-            attention += tokens * (h + c.kv_dim) // t * a
+            attention += tokens * (q + c.kv_dim) // t * a
     if proj_copies_heads(c, layout):
-        attention += tokens * h // t * a
-    attention += document_mask_bytes(c, layout)
+        attention += tokens * q // t * a
+    attention += head_norm_activations(c, layout, tokens) + document_mask_bytes(c, layout)
     mlp = moe_activations(c, layout, tokens) if c.is_moe(layer) else tokens * h * a + mlp_activations(c, tokens, t, a)
     return 2 * norm + attention + mlp
+
+
+def head_norm_activations(c, layout, tokens):
+    """QK-norm's (c.qk_norm): q_norm and k_norm each keep what an RMSNorm keeps of this rank's heads, x/rms and
+    1/rms per head in float32 or wider, and their input: narrower than float32, a copy cast up; else a view of
+    q | k | v, whose storage is kept already where the attention core keeps its inputs (rotated_kept), but
+    not by Ulysses's (which keeps its own copies). Their outputs are new tensors: the rotation that follows
+    keeps only its cos and sin, but without one the core keeps them where it keeps its inputs."""
+    if not c.qk_norm:
+        return 0
+    t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
+    features, heads = tokens * (c.q_dim + c.kv_dim) // t, tokens * (c.n_head + c.n_kv_heads) // t
+    kept = features * wide + heads * wide
+    if a < wide:
+        kept += features * wide
+    elif not rotated_kept(layout):
+        kept += tokens * (c.q_dim + 2 * c.kv_dim) // t * a
+    if c.position != "rope" and rotated_kept(layout):
+        kept += features * a
+    return kept
 
 
 def position_rows(layout):
@@ -634,9 +656,10 @@ def norm_activations(c, layout):
 def proj_copies_heads(c, layout):
     """Whether the attention's output projection keeps its own contiguous copy of the heads' outputs: a
     linear without bias does; with bias it reads them in place when they come from PyTorch's fused kernel
-    (laid out token-major), but ring attention returns them head-major. A rank with one head has them
+    (laid out token-major, as the queries it reads off q | k | v), but ring attention returns them head-major,
+    and so does the kernel given QK-norm's queries (new tensors, head-major). A rank with one head has them
     contiguous either way."""
-    return c.n_head // layout.tp > 1 and (not c.bias or layout.cp > 1)
+    return c.n_head // layout.tp > 1 and (not c.bias or layout.cp > 1 or c.qk_norm)
 
 
 def mlp_activations(c, rows, t, a, d_ff=None):
@@ -690,7 +713,7 @@ def recomputed_block(c, layout, layer):
     if layout.recompute == "selective":  # the core's log-sum-exp goes (and a mask), and its output unless proj
         core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4) + document_mask_bytes(c, layout)
         if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
-            core += tokens * c.d_model // layout.tp * layout.activation_bytes
+            core += tokens * c.q_dim // layout.tp * layout.activation_bytes
         return full - core, core
     return full, 0
 

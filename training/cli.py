@@ -73,10 +73,21 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads of grouped-query attention (default: all heads with --arch gpt, the "
                         "preset's with --arch llama)")
+    # The model's shape over the preset's, e.g. torchtitan's Llama 3 debug model: --model tiny --arch llama
+    # --d-model 256 --layers 6 --heads 16 --kv-heads 16 --d-ff 768 --vocab-size 2048
+    p.add_argument("--d-model", type=int, default=None, help="the residual stream's width (default: the preset's)")
+    p.add_argument("--heads", type=int, default=None, help="attention (query) heads (default: the preset's)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="features of a head (default: --d-model / --heads; Qwen3 and Mistral NeMo have wider ones)")
+    p.add_argument("--d-ff", type=int, default=None,
+                   help="the MLP's hidden width (default: the preset's; with --arch gpt, 4 x --d-model)")
+    p.add_argument("--qk-norm", action="store_true",
+                   help="QK-norm: an RMSNorm of each head's queries and keys before the rotation (Qwen3, OLMo 2)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2): "
-                        "its config.json sets the model (not --model, --arch, --kv-heads; --layers N keeps its "
-                        "first N blocks, a smaller model to check a layout with); see training/hf.py")
+                        "its config.json sets the model (not --model, --arch, --kv-heads; --d-model, --heads, "
+                        "--head-dim, --d-ff and --qk-norm are refused; --layers N keeps its first N blocks, a smaller "
+                        "model to check a layout with); see training/hf.py")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -367,11 +378,30 @@ def hf_vocab_size(folder):
         raise ConfigError(f"--init-from {folder}: {e}") from None
 
 
+# The flags that shape the model over a preset: {flag: GPTConfig field}.
+SHAPE_FLAGS = {"--d-model": "d_model", "--heads": "n_head", "--head-dim": "head_dim", "--d-ff": "d_ff",
+               "--qk-norm": "qk_norm"}
+
+
+def shape_flags(args):
+    """{flag: value} of the shape flags given (SHAPE_FLAGS), each a positive size (or --qk-norm)."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in SHAPE_FLAGS}
+    given = {flag: value for flag, value in given.items() if value is not None and value is not False}
+    for flag, value in given.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    return given
+
+
 def model_config(args, vocab_size):
     """The model the flags describe (a ConfigError if they describe none); vocab_size: the data's."""
+    shape_given = shape_flags(args)
     # Mixtures of experts: how they are balanced is a training choice, with a model from anywhere.
     moe = dict(aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0,
                bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
+    if args.init_from and shape_given:
+        raise ConfigError(f"{', '.join(shape_given)}: --init-from {args.init_from} sets the model's shape from its "
+                          f"config.json (its weights have that shape)")
     if args.init_from:
         try:
             config = hf.config_from_hf(hf.read_config(args.init_from), args.seq_len, **moe)
@@ -389,10 +419,12 @@ def model_config(args, vocab_size):
         shape.update(LLAMA, **LLAMA_SHAPES[args.model])
     if args.kv_heads:
         shape.update(n_kv_heads=args.kv_heads)
+    shape.update({SHAPE_FLAGS[flag]: value for flag, value in shape_given.items()})
     if args.experts and not 1 <= args.top_k <= args.experts:
         raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
     try:
         return GPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
                          **moe)
     except ValueError as e:
-        raise ConfigError(f"--model {args.model} --arch {args.arch}: {e}") from None
+        flags = "".join(f" {flag}" if value is True else f" {flag} {value}" for flag, value in shape_given.items())
+        raise ConfigError(f"--model {args.model} --arch {args.arch}{flags}: {e}") from None
