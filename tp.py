@@ -566,7 +566,7 @@ def full_state_dict(model, group):
 
 class _ToyLM(nn.Module):
     """Embedding, a pre-norm grouped-query attention block (two query heads per key/value head, q | k | v
-    fused) and an MLP block with residuals, final norm, head: the pieces tp.py splits."""
+    fused, QK-norm) and an MLP block with residuals, final norm, head: the pieces tp.py splits."""
 
     def __init__(self, vocab, seq, kv_heads, head_dim=2):
         super().__init__()
@@ -574,6 +574,7 @@ class _ToyLM(nn.Module):
         self.qkv_sizes = [d, kv_heads * head_dim, kv_heads * head_dim]
         self.tok_emb, self.pos_emb = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.norm0, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, sum(self.qkv_sizes)), nn.Linear(d, d)
+        self.q_norm, self.k_norm = nn.RMSNorm(head_dim), nn.RMSNorm(head_dim)  # one weight for every head's q, k
         self.norm1, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         self.loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -582,7 +583,7 @@ class _ToyLM(nn.Module):
         heads = self.qkv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (batch, heads, seq, head_dim)
         n_kv = heads.shape[1] // 4  # per key/value head: two query heads, a key and a value
         q, k, v = heads.split([2 * n_kv, n_kv, n_kv], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True, enable_gqa=True)
         return self.out(y.transpose(1, 2).flatten(2))
 
     def forward(self, ids, targets):
@@ -597,6 +598,8 @@ def _split_toy(model, plan):
     model.pos_emb = plan.position_embedding(model.pos_emb)
     model.qkv = ColumnParallelLinear(model.qkv, plan, blocks=model.qkv_sizes, head_dim=model.head_dim)  # whole heads
     model.out = RowParallelLinear(model.out, plan)
+    for norm in (model.q_norm, model.k_norm):  # QK-norm: each rank normalises its own heads
+        gradients_summed(norm, plan.group)
     model.fc, model.proj = ColumnParallelLinear(model.fc, plan), RowParallelLinear(model.proj, plan)
     for norm in (model.norm0, model.norm1, model.norm):
         plan.norm(norm)
@@ -638,8 +641,8 @@ def _self_check():
             grad = unshard(p.grad, layouts[name][0], None, layouts[name][1]) if name in layouts else p.grad
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         if rank == 0:
-            print(f"tp.py self-check on {world} ranks ({backend}), grouped-query attention and an MLP, sequence "
-                  f"parallel {'on ' if sp else 'off'}: "
+            print(f"tp.py self-check on {world} ranks ({backend}), grouped-query attention with QK-norm and an MLP, "
+                  f"sequence parallel {'on ' if sp else 'off'}: "
                   f"largest difference from one device (loss and every gradient, float64) = {worst:.3g}")
         if worst > 1e-12:
             raise SystemExit(f"rank {rank}: tensor-parallel result differs from the single device by {worst:.3g}")
