@@ -2,9 +2,9 @@
 
 make_folder writes a folder laid out as transformers' save_pretrained writes it (config.json,
 model.safetensors or shards with model.safetensors.index.json, tensors under Hugging Face names)
-for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2 and Mixtral. reference_logits reads such a folder
-and computes its logits with a plain float64 functional forward following the semantics of
-transformers' modeling code. Nothing from the repository is imported here on purpose: these
+for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE and Qwen2-MoE.
+reference_logits reads such a folder and computes its logits with a plain float64 functional forward
+following the semantics of transformers' modeling code. Nothing from the repository is imported here on purpose: these
 functions check the repository's own name/layout mapping, so they must not share it.
 """
 import json
@@ -14,7 +14,8 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral")
+ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe",
+                 "qwen2_moe")
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
@@ -66,7 +67,35 @@ def tiny_config(arch: str, transformers: int = 4) -> dict:
                     use_sliding_window=False, sliding_window=None, max_window_layers=4)
         return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **qwen,
                     torch_dtype="float32", transformers_version="4.46.0")
+    if arch in _QWEN_MOE or arch == "qwen3":
+        return _qwen_config(arch)
     raise ValueError(f"unknown architecture {arch!r}")
+
+
+# Qwen3 (configuration_qwen3.py of 4.51 to 4.57): heads of 16 on a width of 32 (q is 64 wide, as Qwen3-0.6B's
+# 16 heads of 128 on 1024), tied embeddings (the small Qwen3s), QK-norm in every attention (no setting: always).
+_QWEN3 = dict(_LLAMA, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False,
+              use_sliding_window=False, sliding_window=None, max_window_layers=4)
+# The MoEs' own settings (configuration_qwen3_moe.py, configuration_qwen2_moe.py): 4 experts of 24, top 2;
+# Qwen3-MoE's first layer dense (mlp_only_layers) and its gates renormalised (Qwen3-30B-A3B's norm_topk_prob);
+# Qwen2-MoE sparse every second layer (decoder_sparse_step 2: layers 1 and 3), its gates left as softmax gave
+# them (Qwen1.5-MoE's norm_topk_prob false), and a shared expert of 48 behind its sigmoid gate.
+_QWEN_MOE = {
+    "qwen3_moe": dict(_QWEN3, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+                      router_aux_loss_coef=0.001, output_router_logits=False),
+    "qwen2_moe": dict(_LLAMA, rope_theta=1000000.0, use_sliding_window=False, sliding_window=4096,
+                      max_window_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2,
+                      mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False),
+}
+_QWEN_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+def _qwen_config(arch):
+    fields = _QWEN_MOE.get(arch, _QWEN3)
+    return dict(model_type=arch, architectures=[_QWEN_CLASSES[arch]], **fields, torch_dtype="float32",
+                transformers_version="4.57.0")
 
 
 def _as_transformers5(cfg: dict) -> dict:
@@ -74,15 +103,23 @@ def _as_transformers5(cfg: dict) -> dict:
     5.0 to 5.24). The rotary settings move into one dict, rope_parameters: RotaryEmbeddingConfigMixin's
     convert_rope_params_to_dict takes rope_scaling (or {}) as it, rope_theta into it, and
     standardize_rope_params adds rope_type; no top-level rope_theta or rope_scaling is left to save. The dtype
-    is saved as dtype, not torch_dtype; Qwen2's config saves its layer_types."""
+    is saved as dtype, not torch_dtype; Qwen2's, Qwen3's and Qwen2-MoE's configs save their layer_types
+    (configuration_qwen2/qwen3/qwen2_moe.py), Qwen3-MoE's none; Qwen3's and Qwen3-MoE's __post_init__ save
+    sliding_window None and Qwen2-MoE's 0 when use_sliding_window is false, and Qwen2-MoE's qkv_bias (True)."""
     out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
     if cfg["model_type"] != "gpt2":
         rope = dict(cfg.get("rope_scaling") or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA[cfg["model_type"]]))
         rope.setdefault("rope_type", rope.get("type", "default"))
         out["rope_parameters"] = rope
-    if cfg["model_type"] == "qwen2":
+    if cfg["model_type"] in ("qwen2", "qwen3", "qwen2_moe"):
         out["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    if cfg["model_type"] in ("qwen3", "qwen3_moe", "qwen2_moe"):
+        out["sliding_window"] = 0 if cfg["model_type"] == "qwen2_moe" else None
+    if cfg["model_type"] == "qwen3_moe":
+        out.pop("max_window_layers")
+    if cfg["model_type"] == "qwen2_moe":
+        out["qkv_bias"] = True
     return out | dict(dtype=cfg["torch_dtype"], transformers_version="5.0.0")
 
 
@@ -112,7 +149,8 @@ def _linear(name, n_out, n_in, bias):
 
 
 def _llama_shapes(cfg):
-    """(name, shape, kind) in *ForCausalLM's state_dict order (modeling_llama/qwen2/mixtral)."""
+    """(name, shape, kind) in *ForCausalLM's state_dict order (modeling_llama/qwen2/mixtral/qwen3/qwen3_moe/
+    qwen2_moe)."""
     h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     nq, nkv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
@@ -124,7 +162,11 @@ def _llama_shapes(cfg):
         out += _linear(p + "self_attn.k_proj", nkv, h, qkv_bias)
         out += _linear(p + "self_attn.v_proj", nkv, h, qkv_bias)
         out += _linear(p + "self_attn.o_proj", h, nq, o_bias)
-        if cfg["model_type"] == "mixtral":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+            out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
+        if _is_sparse(cfg, i):
+            out += _qwen_moe_shapes(cfg, p + "mlp.")
+        elif cfg["model_type"] == "mixtral":
             out.append((p + "block_sparse_moe.gate.weight", (cfg["num_local_experts"], h), "w"))
             for e in range(cfg["num_local_experts"]):
                 q = p + f"block_sparse_moe.experts.{e}."
@@ -142,11 +184,40 @@ def _llama_shapes(cfg):
     return out
 
 
+def _is_sparse(cfg, i):
+    """Layer i of a Qwen MoE is a SparseMoeBlock (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer): not listed in
+    mlp_only_layers, and i + 1 a multiple of decoder_sparse_step."""
+    return cfg["model_type"] in _QWEN_MOE and cfg["num_experts"] > 0 and i not in cfg.get("mlp_only_layers", []) \
+        and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+
+
+def _qwen_moe_shapes(cfg, p):
+    """Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock: gate, then the experts, then Qwen2-MoE's shared expert
+    and its gate (as transformers 4 writes them, and 5 writes them back: save_pretrained's
+    revert_weight_conversion splits its fused experts into these names again)."""
+    h, f = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    out = [(p + "gate.weight", (cfg["num_experts"], h), "w")]
+    for e in range(cfg["num_experts"]):
+        q = p + f"experts.{e}."
+        out += [(q + "gate_proj.weight", (f, h), "w"), (q + "up_proj.weight", (f, h), "w"),
+                (q + "down_proj.weight", (h, f), "w")]
+    if cfg["model_type"] == "qwen2_moe":
+        s = cfg["shared_expert_intermediate_size"]
+        out += [(p + "shared_expert.gate_proj.weight", (s, h), "w"), (p + "shared_expert.up_proj.weight", (s, h), "w"),
+                (p + "shared_expert.down_proj.weight", (h, s), "w"), (p + "shared_expert_gate.weight", (1, h), "w")]
+    return out
+
+
 def _attention_biases(cfg):
-    """(q/k/v have a bias, o_proj has one): Qwen2Attention always q/k/v only (modeling_qwen2);
-    LlamaAttention all four by config.attention_bias (modeling_llama); Mistral/Mixtral none."""
+    """(q/k/v have a bias, o_proj has one): Qwen2Attention always q/k/v only (modeling_qwen2), as
+    Qwen2MoeAttention (modeling_qwen2_moe: transformers 5's config.qkv_bias, True); LlamaAttention all four by
+    config.attention_bias (modeling_llama), Qwen3Attention too (modeling_qwen3, _moe); Mistral/Mixtral none."""
     if cfg["model_type"] == "qwen2":
         return True, False
+    if cfg["model_type"] == "qwen2_moe":
+        return cfg.get("qkv_bias", True), False
+    if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+        return (bool(cfg.get("attention_bias", False)),) * 2
     b = bool(cfg.get("attention_bias", False)) and cfg["model_type"] == "llama"
     return b, b
 
@@ -260,7 +331,8 @@ def _gpt2_logits(cfg, w, ids):
 
 # rope_theta where config.json states none: the config class's default, the same in transformers 4 and 5
 # (configuration_llama/mistral/qwen2.py: 10000.0; configuration_mixtral.py: 1e6, MixtralConfig.default_theta in 5)
-_DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+_DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
+                  "qwen3_moe": 10000.0, "qwen2_moe": 10000.0}  # (configuration_qwen3/qwen3_moe/qwen2_moe.py too)
 
 
 def _rope_parameters(cfg):
@@ -325,14 +397,35 @@ def _moe(cfg, w, x, p):
     return out
 
 
+def _qwen_moe(cfg, w, x, p):
+    """Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock: softmax over all experts, top-k, weights renormalised
+    only with norm_topk_prob; Qwen2-MoE adds sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    probs = torch.softmax(x @ w[p + "gate.weight"].T, dim=-1)
+    top, chosen = probs.topk(cfg["num_experts_per_tok"], dim=-1)
+    if cfg.get("norm_topk_prob", False):
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(cfg["num_experts"]):
+        out = out + _swiglu(w, x, p + f"experts.{e}.") * (top * (chosen == e)).sum(-1, keepdim=True)
+    if cfg["model_type"] == "qwen2_moe":
+        out = out + torch.sigmoid(_lin(w, x, p + "shared_expert_gate")) * _swiglu(w, x, p + "shared_expert.")
+    return out
+
+
+def _swiglu(w, x, p):
+    """Qwen2MoeMLP / Qwen3MoeMLP: down(silu(gate(x)) * up(x)), no biases."""
+    return _lin(w, torch.nn.functional.silu(_lin(w, x, p + "gate_proj")) * _lin(w, x, p + "up_proj"), p + "down_proj")
+
+
 def _llama_logits(cfg, w, ids):
-    """modeling_llama / modeling_mistral / modeling_qwen2 / modeling_mixtral *ForCausalLM."""
+    """modeling_llama / modeling_mistral / modeling_qwen2 / modeling_mixtral / modeling_qwen3 /
+    modeling_qwen3_moe / modeling_qwen2_moe *ForCausalLM."""
     h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d, eps = cfg.get("head_dim") or h // nh, cfg["rms_norm_eps"]
     qkv_bias, o_bias = _attention_biases(cfg)
     mlp_bias = cfg["model_type"] == "llama" and cfg.get("mlp_bias", False)
-    if cfg["model_type"] == "qwen2" and cfg.get("use_sliding_window"):
-        raise NotImplementedError("Qwen2 sliding window")
+    if cfg["model_type"] not in ("mistral", "mixtral") and cfg.get("use_sliding_window"):
+        raise NotImplementedError("Qwen's sliding window")
     window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "mixtral") else None
     angles = torch.arange(ids.shape[1], dtype=torch.float64)[:, None] * _rope_inv_freq(cfg, d)
     emb = torch.cat((angles, angles), dim=-1)
@@ -342,13 +435,18 @@ def _llama_logits(cfg, w, ids):
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         a = _rms(x, w[p + "input_layernorm.weight"], eps)
-        q = _rotate(_heads(_lin(w, a, p + "self_attn.q_proj", qkv_bias), nh), cos, sin)
-        k = _rotate(_heads(_lin(w, a, p + "self_attn.k_proj", qkv_bias), nkv), cos, sin)
+        q = _heads(_lin(w, a, p + "self_attn.q_proj", qkv_bias), nh)
+        k = _heads(_lin(w, a, p + "self_attn.k_proj", qkv_bias), nkv)
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):  # Qwen3Attention: q_norm, k_norm on each head, then rotary
+            q, k = _rms(q, w[p + "self_attn.q_norm.weight"], eps), _rms(k, w[p + "self_attn.k_norm.weight"], eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         v = _heads(_lin(w, a, p + "self_attn.v_proj", qkv_bias), nkv)
         o = _merge(_attend(q, k, v, d ** -0.5, window))
         x = x + _lin(w, o, p + "self_attn.o_proj", o_bias)
         m = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-        if cfg["model_type"] == "mixtral":
+        if _is_sparse(cfg, i):
+            x = x + _qwen_moe(cfg, w, m, p + "mlp.")
+        elif cfg["model_type"] == "mixtral":
             x = x + _moe(cfg, w, m, p + "block_sparse_moe.")
         else:
             g = act(_lin(w, m, p + "mlp.gate_proj", mlp_bias)) * _lin(w, m, p + "mlp.up_proj", mlp_bias)
@@ -365,6 +463,6 @@ def reference_logits(path, input_ids) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if cfg["model_type"] == "gpt2":
         return _gpt2_logits(cfg, w, ids)
-    if cfg["model_type"] in ("llama", "mistral", "qwen2", "mixtral"):
+    if cfg["model_type"] in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"):
         return _llama_logits(cfg, w, ids)
     raise NotImplementedError(f"model_type {cfg['model_type']!r}")

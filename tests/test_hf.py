@@ -6,12 +6,15 @@
   puts the new config fields through the dimensions they touch: a tied output layer through tp's
   vocabulary split, across pipeline stages and on rank 0 alone in ZB-V's V, the tanh GELU and the padded
   vocabulary through tp, each norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp,
-  Mixtral's experts under ep);
+  Mixtral's experts under ep; Qwen3's QK-norm and heads wider than hidden / heads through tp with and without
+  sp, cp and pipelines, Qwen3-MoE's dense and sparse layers and renormalised gates under ep folded over tp and
+  ZeRO-3, Qwen2-MoE's gated shared expert and unnormalised gates under expert-tp and cp's all-to-all);
 - a folder saved by transformers 4 (rope_theta, rope_scaling) or by 5 (rope_parameters) loads as the same model,
   rotary settings stated twice differently or of a kind model.py lacks are refused by name, and the config
   training/hf.py exports reads back as the model it was made of;
 - training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
 """
+import dataclasses
 import json
 import re
 import os
@@ -169,6 +172,12 @@ LAYOUTS = [
     ("qwen2", 4, ["--pp", "2", "--tp", "2"]),            # tied across stages and split by tp
     ("mixtral", 4, ["--ep", "2", "--tp", "2"]),          # experts over ep, each split by tp
     ("mixtral", 4, ["--ep", "2", "--pp", "2", "--zero", "1"]),
+    ("qwen3", 4, ["--tp", "2", "--sp", "--cp", "2"]),   # QK-norm's weights summed over tp under sp; heads of 16 on 32
+    ("qwen3", 4, ["--tp", "2", "--pp", "2"]),           # ... and without sp; tied across stages
+    ("qwen3_moe", 4, ["--tp", "2", "--ep", "2", "--cp", "2", "--cp-mode", "allgather"]),  # ep folded over tp
+    ("qwen3_moe", 2, ["--zero", "3", "--ep", "2"]),      # a dense first layer beside the sparse ones, sharded
+    ("qwen2_moe", 4, ["--tp", "2", "--sp", "--ep", "2", "--expert-tp", "2"]),  # the shared expert and its gate
+    ("qwen2_moe", 4, ["--pp", "2", "--cp", "2", "--cp-mode", "alltoall"]),     # sparse every second layer
 ]
 
 
@@ -184,7 +193,8 @@ def test_layouts_train_as_one_device_from_the_folder(tmp_path, folders, arch, wo
 
 EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.1", 1, []),
            ("mistral", 2, ["--zero", "3"]), ("qwen2", 2, ["--tp", "2"]), ("mixtral", 2, ["--ep", "2"]),
-           ("llama", 2, ["--pp", "2", "--zero", "1"])]
+           ("llama", 2, ["--pp", "2", "--zero", "1"]), ("qwen3", 2, ["--tp", "2"]),
+           ("qwen3_moe", 2, ["--tp", "2", "--ep", "2"]), ("qwen2_moe", 2, ["--tp", "2", "--expert-tp", "2"])]
 
 
 @pytest.mark.parametrize("arch,world,flags", EXPORTS,
@@ -218,7 +228,7 @@ def tensors_of(folder):
 def test_settings_model_py_cannot_represent_are_refused_by_name(tmp_path):
     for arch, setting, value in [("gpt2", "activation_function", "relu"),
                                  ("gpt2", "scale_attn_by_inverse_layer_idx", True),
-                                 ("llama", "hidden_act", "gelu"), ("llama", "head_dim", 16),
+                                 ("llama", "hidden_act", "gelu"),
                                  ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
                                  ("llama", "mlp_bias", True), ("mistral", "sliding_window", 8)]:
         config = hf_models.tiny_config(arch) | {setting: value}
@@ -243,6 +253,34 @@ def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(trained(ids)[0], hf_models.reference_logits(str(tmp_path / "exported"), ids),
                                rtol=1e-12, atol=1e-14)
+
+
+def test_qwen_settings_model_py_cannot_represent_are_refused_by_name():
+    """Qwen3's biases on q, k, v and o but none in its MLP, a sliding window on some layers, Qwen3's long-context
+    YaRN scaling (its model card's rope_scaling), and an exported model no family here computes."""
+    qwen3, qwen2_moe = hf_models.tiny_config("qwen3"), hf_models.tiny_config("qwen2_moe", transformers=5)
+    for config, pattern in [
+            (qwen3 | {"attention_bias": True}, "attention_bias"),
+            (qwen2_moe | {"use_sliding_window": True, "sliding_window": 8}, "sliding_window"),
+            (qwen3 | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+             "rope_scaling.*'yarn'")]:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.config_from_hf(config, seq_len=16)
+    mixtral_like = hf.config_from_hf(hf_models.tiny_config("qwen3_moe"), seq_len=12)
+    with pytest.raises(hf.UnsupportedModel, match="shared expert"):
+        hf.hf_from_config(dataclasses.replace(mixtral_like, qk_norm=False, n_shared_experts=1))
+
+
+def test_the_qwen_moe_layers_are_those_transformers_makes_sparse():
+    """mlp_only_layers and decoder_sparse_step (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer): Qwen3-MoE's first
+    layer dense, Qwen2-MoE's every second; their experts' own width, and the gates renormalised or not."""
+    qwen3_moe = hf.config_from_hf(hf_models.tiny_config("qwen3_moe", transformers=5), seq_len=12)
+    qwen2_moe = hf.config_from_hf(hf_models.tiny_config("qwen2_moe"), seq_len=12)
+    assert (qwen3_moe.moe_layers, qwen3_moe.norm_topk_prob, qwen3_moe.d_expert, qwen3_moe.d_ff) \
+        == ((1, 2, 3), True, 24, 96)
+    assert (qwen2_moe.moe_layers, qwen2_moe.norm_topk_prob, qwen2_moe.d_shared, qwen2_moe.shared_expert_gate) \
+        == ((1, 3), False, 48, True)
+    assert qwen3_moe.qk_norm and qwen3_moe.head_dim == 16 and not qwen2_moe.qk_norm
 
 
 def test_zero3_with_a_tied_output_layer_is_refused(folders):

@@ -166,10 +166,10 @@ def part_rows(name, shape, config, n_parts):
     vocabulary tables' padding rows in none)."""
     if name in ("tok_emb.weight", "lm_head.weight"):
         return [config.vocab_size]
-    if name.endswith(("qkv.weight", "qkv.bias")) and n_parts == 3:
-        return [config.d_model, config.kv_dim, config.kv_dim]
-    if ".fc." in name and n_parts == 2:  # SwiGLU's gate | up
-        return [config.d_ff, config.d_ff]
+    if name.endswith(("qkv.weight", "qkv.bias")) and n_parts == 3:  # q's heads | k's | v's
+        return [shape[0] - 2 * config.kv_dim, config.kv_dim, config.kv_dim]
+    if ".fc." in name and n_parts == 2:  # SwiGLU's gate | up, of any MLP's width (dense, expert, shared)
+        return [shape[0] // 2, shape[0] // 2]
     return [shape[0]]
 
 

@@ -6,8 +6,8 @@
 A Hugging Face model folder holds config.json (the architecture and its shape) and the weights in the
 safetensors format: one model.safetensors, or model-0000N-of-0000M.safetensors with
 model.safetensors.index.json naming the file of every tensor. This file reads GPT-2, Llama (2, 3, 3.1,
-3.2), Mistral, Mixtral and Qwen2 folders; tools/convert.py writes any run's checkpoint as one, with
-the same tables.
+3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Qwen2-MoE folders (docs/model-families.md: what each
+maps and what it refuses); tools/convert.py writes any run's checkpoint as one, with the same tables.
 
 Three things translate:
 - the config (config_from_hf): each setting mapped to model.py's GPTConfig, and one it cannot represent
@@ -79,7 +79,7 @@ GPT2 = {  # transformers' GPT2LMHeadModel
 
 LAYER = "model.layers.{i}."
 ATTENTION = LAYER + "self_attn."
-LLAMA = {  # transformers' LlamaForCausalLM, and Mistral's, Qwen2's and Mixtral's, which name alike
+LLAMA_BLOCK = {  # transformers' LlamaForCausalLM, and Mistral's, Qwen2's, Qwen3's and the MoEs', which name alike
     "tok_emb.weight": one("model.embed_tokens.weight"),
     "blocks.{i}.norm1.weight": one(LAYER + "input_layernorm.weight"),
     "blocks.{i}.attn.qkv.weight": Source(tuple(ATTENTION + f"{x}_proj.weight" for x in "qkv")),
@@ -91,18 +91,39 @@ LLAMA = {  # transformers' LlamaForCausalLM, and Mistral's, Qwen2's and Mixtral'
     "blocks.{i}.mlp.fc.bias": Source((LAYER + "mlp.gate_proj.bias", LAYER + "mlp.up_proj.bias")),  # mlp_bias
     "blocks.{i}.mlp.proj.weight": one(LAYER + "mlp.down_proj.weight"),
     "blocks.{i}.mlp.proj.bias": one(LAYER + "mlp.down_proj.bias"),
-    # Mixtral's sparse MLP: the router, and per expert w1 (gate), w3 (up) and w2 (down)
+    "norm.weight": one("model.norm.weight"),
+    "lm_head.weight": one("lm_head.weight"),
+}
+MIXTRAL_EXPERTS = {  # Mixtral's sparse MLP: the router, and per expert w1 (gate), w3 (up) and w2 (down)
     "blocks.{i}.mlp.router.weight": one(LAYER + "block_sparse_moe.gate.weight"),
     "blocks.{i}.mlp.experts.{e}.fc.weight": Source((LAYER + "block_sparse_moe.experts.{e}.w1.weight",
                                                     LAYER + "block_sparse_moe.experts.{e}.w3.weight")),
     "blocks.{i}.mlp.experts.{e}.proj.weight": one(LAYER + "block_sparse_moe.experts.{e}.w2.weight"),
-    "norm.weight": one("model.norm.weight"),
-    "lm_head.weight": one("lm_head.weight"),
+}
+LLAMA = LLAMA_BLOCK | MIXTRAL_EXPERTS
+QK_NORM = {  # Qwen3's RMSNorm of each head's q and k (modeling_qwen3's q_norm, k_norm: head_dim weights)
+    "blocks.{i}.attn.q_norm.weight": one(ATTENTION + "q_norm.weight"),
+    "blocks.{i}.attn.k_norm.weight": one(ATTENTION + "k_norm.weight"),
+}
+QWEN_EXPERTS = {  # Qwen2-MoE's and Qwen3-MoE's sparse MLP (their SparseMoeBlock): the router is `gate`
+    "blocks.{i}.mlp.router.weight": one(LAYER + "mlp.gate.weight"),
+    "blocks.{i}.mlp.experts.{e}.fc.weight": Source((LAYER + "mlp.experts.{e}.gate_proj.weight",
+                                                    LAYER + "mlp.experts.{e}.up_proj.weight")),
+    "blocks.{i}.mlp.experts.{e}.proj.weight": one(LAYER + "mlp.experts.{e}.down_proj.weight"),
+}
+QWEN_SHARED_EXPERT = {  # Qwen2-MoE's: one MLP every token passes through, scaled by sigmoid(shared_expert_gate(x))
+    "blocks.{i}.mlp.shared.fc.weight": Source((LAYER + "mlp.shared_expert.gate_proj.weight",
+                                               LAYER + "mlp.shared_expert.up_proj.weight")),
+    "blocks.{i}.mlp.shared.proj.weight": one(LAYER + "mlp.shared_expert.down_proj.weight"),
+    "blocks.{i}.mlp.shared_gate.weight": one(LAYER + "mlp.shared_expert_gate.weight"),
 }
 
-TABLES = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "mixtral": LLAMA}
+TABLES = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "mixtral": LLAMA,
+          "qwen3": LLAMA_BLOCK | QK_NORM, "qwen3_moe": LLAMA_BLOCK | QK_NORM | QWEN_EXPERTS,
+          "qwen2_moe": LLAMA_BLOCK | QWEN_EXPERTS | QWEN_SHARED_EXPERT}
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 INDEXED = re.compile(r"(blocks|experts)\.(\d+)")
 
 
@@ -176,8 +197,6 @@ def llama_fields(hf, seq_len):
     model_type, d, heads = hf["model_type"], hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("hidden_act", "silu") != "silu":
         refuse(hf, "hidden_act", "model.py's gated MLP is SwiGLU (silu)")
-    if hf.get("head_dim") not in (None, d // heads):
-        refuse(hf, "head_dim", f"model.py's heads are hidden_size / num_attention_heads = {d // heads} wide")
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
     if window is not None and window < seq_len:
         refuse(hf, "sliding_window", f"model.py attends to the whole sequence, longer ({seq_len}) than the window")
@@ -185,13 +204,51 @@ def llama_fields(hf, seq_len):
     if model_type == "llama" and hf.get("mlp_bias", False) != bias:
         refuse(hf, "mlp_bias", "model.py has biases in every linear layer or in none (besides q, k, v)")
     fields = dict(n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+                  head_dim=hf.get("head_dim") or d // heads,  # wider than hidden_size / heads in Mistral NeMo, Qwen3
                   d_model=d, d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
                   position="rope", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", bias=bias,
                   qkv_bias=True if model_type == "qwen2" else bias,
                   tie_embeddings=hf.get("tie_word_embeddings", False), **rope_fields(hf))
-    if model_type == "mixtral":
-        fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
-    return fields
+    return fields | FAMILY_FIELDS.get(model_type, lambda hf: {})(hf)
+
+
+def mixtral_fields(hf):
+    return dict(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+
+
+def qwen3_fields(hf):
+    """Qwen3 (modeling_qwen3): an RMSNorm of head_dim weights on each head's q and k before the rotation, and
+    attention_bias on q, k, v and o alike but never in the MLP."""
+    if hf.get("attention_bias", False):
+        refuse(hf, "attention_bias", "biases on q, k, v and o but not in the MLP: model.py has biases in every "
+                                     "linear layer or in none (besides q, k, v)")
+    return dict(qk_norm=True)
+
+
+def qwen_experts_fields(hf):
+    """The sparse MLP of Qwen2-MoE and Qwen3-MoE (their SparseMoeBlock): experts of moe_intermediate_size in the
+    layers that are not in mlp_only_layers and whose number + 1 is a multiple of decoder_sparse_step (their
+    DecoderLayer's test), dense MLPs of intermediate_size in the others; the top-k gates renormalised only
+    with norm_topk_prob (False by default in both config classes)."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0] if hf.get("num_experts") else []
+    if not sparse:
+        return {}  # every MLP dense: intermediate_size alone
+    return dict(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+                norm_topk_prob=hf.get("norm_topk_prob", False), moe_layers=() if len(sparse) == layers else sparse)
+
+
+def qwen2_moe_fields(hf):
+    """Qwen2-MoE: Qwen2's biases on q, k, v (transformers 5's qkv_bias, True; 4 always has them), and beside the
+    experts one shared expert of shared_expert_intermediate_size scaled by sigmoid(shared_expert_gate(x))."""
+    experts = qwen_experts_fields(hf)
+    shared = dict(n_shared_experts=1, d_shared=hf["shared_expert_intermediate_size"], shared_expert_gate=True)
+    return dict(qkv_bias=hf.get("qkv_bias", True), **experts, **(shared if experts else {}))
+
+
+FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": qwen2_moe_fields,
+                 "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf)}
 
 
 # The rotary settings, in the two forms transformers writes them:
@@ -214,10 +271,12 @@ ROPE_FORMS = ("rope_scaling", "rope_parameters")  # transformers 4's dict, trans
 LLAMA3 = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
           "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_context"}
 # A file that states no rope_theta at all rotates by its config class's default, the same in transformers 4
-# and 5: 10000.0 for Llama, Mistral and Qwen2 (their rope_theta argument in 4, RotaryEmbeddingConfigMixin's
-# default_theta in 5), 1e6 for Mixtral (rope_theta=1e6 in 4, MixtralConfig.default_theta in 5). Neither
-# version depends on which wrote the file, so the default is taken, not refused.
-DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+# and 5: 10000.0 for Llama, Mistral, Qwen2, Qwen3 and the Qwen MoEs (their rope_theta argument in 4,
+# RotaryEmbeddingConfigMixin's default_theta in 5), 1e6 for Mixtral (rope_theta=1e6 in 4,
+# MixtralConfig.default_theta in 5). Neither version depends on which wrote the file, so the default is taken,
+# not refused.
+DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
+                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0}
 
 
 def rope_fields(hf):
@@ -275,27 +334,23 @@ def disagree(hf, stated, shown=None):
 
 def hf_from_config(config):
     """A Hugging Face config (dict) for a model.py config that did not come from one (a run trained from
-    scratch): GPT-2 for the GPT-2 block, Llama, Qwen2 (biases on q, k, v alone) or Mixtral for the Llama one."""
+    scratch): GPT-2 for the GPT-2 block; for the Llama one Llama, Qwen2 (biases on q, k, v alone), Mixtral,
+    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts) or Qwen2-MoE (a gated shared expert)."""
     c, common = config, dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings)
     if c.position == "learned" and c.norm == "layer" and c.mlp in ("gelu", "gelu_tanh") and c.bias \
-            and c.n_kv_heads == c.n_head and not c.n_experts:
+            and c.n_kv_heads == c.n_head and not c.n_experts and not c.qk_norm and c.head_dim * c.n_head == c.d_model:
         activation = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
         return dict(model_type="gpt2", n_layer=c.n_layer, n_head=c.n_head, n_embd=c.d_model, n_inner=c.d_ff,
                     n_positions=c.max_seq_len, activation_function=activation, layer_norm_epsilon=c.norm_eps,
                     **common)
-    if not (c.position == "rope" and c.norm == "rms" and c.mlp == "swiglu") or c.n_shared_experts \
-            or (c.n_experts and c.moe_layers and len(c.moe_layers) != c.n_layer):
-        raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, or the "
-                               "Llama block (with Mixtral's experts in every layer, no shared expert)")
-    model_type = "mixtral" if c.n_experts else "qwen2" if c.qkv_bias and not c.bias else "llama"
+    if not (c.position == "rope" and c.norm == "rms" and c.mlp == "swiglu"):
+        raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, or the Llama block")
+    model_type = llama_family(c)
     fields = dict(model_type=model_type, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-                  num_key_value_heads=c.n_kv_heads, hidden_size=c.d_model, intermediate_size=c.d_ff,
-                  max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
-                  hidden_act="silu", **common)
-    if model_type == "llama":
-        fields.update(attention_bias=c.bias, mlp_bias=c.bias)
-    if model_type == "mixtral":
-        fields.update(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k)
+                  num_key_value_heads=c.n_kv_heads, hidden_size=c.d_model, head_dim=c.head_dim,
+                  intermediate_size=c.d_ff, max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta,
+                  rms_norm_eps=c.norm_eps, hidden_act="silu", **common)
+    fields.update(EXPORTED_FIELDS[model_type](c))
     # transformers 4's form alone (rope_theta, rope_scaling): transformers 4 reads nothing else, and 5 reads it
     # as its own (convert_rope_params_to_dict moves both into rope_parameters), so one form is written once.
     if c.rope_factor != 1:
@@ -304,6 +359,49 @@ def hf_from_config(config):
                                       high_freq_factor=c.rope_high_freq_factor,
                                       original_max_position_embeddings=c.rope_original_context)
     return fields
+
+
+def llama_family(c):
+    """The model_type of a Llama-block config: the family whose modeling code computes what model.py does, or
+    UnsupportedModel naming what none of them has."""
+    if c.qk_norm:
+        family = "qwen3_moe" if c.n_experts else "qwen3"
+    elif c.shared_expert_gate:
+        family = "qwen2_moe"
+    else:
+        family = "mixtral" if c.n_experts else "qwen2" if c.qkv_bias and not c.bias else "llama"
+    every_layer = not c.moe_layers or len(c.moe_layers) == c.n_layer
+    lacks = {  # (family: [(what model.py has, that the family's modeling code has not)])
+        "mixtral": [(c.n_shared_experts, "a shared expert"), (not every_layer, "dense layers beside the MoE ones"),
+                    (not c.norm_topk_prob, "top-k gates left unnormalised"),
+                    (c.d_expert != c.d_ff, "experts of another width than intermediate_size")],
+        "qwen3": [(c.bias or c.qkv_bias, "biases (Qwen3's attention_bias puts them on q, k, v and o alone)")],
+        "qwen3_moe": [(c.bias or c.qkv_bias, "biases"), (c.n_shared_experts, "a shared expert")],
+        "qwen2_moe": [(c.bias, "biases besides those of q, k, v")],
+    }
+    missing = [what for has, what in lacks.get(family, []) if has]
+    if missing:
+        raise UnsupportedModel(f"this model has no Hugging Face architecture here: {family} is the nearest, "
+                               f"but has not {', '.join(missing)}")
+    return family
+
+
+def qwen_experts_config(c):
+    """num_experts and the rest, as Qwen2MoeConfig and Qwen3MoeConfig name them: the dense layers listed."""
+    dense = [i for i in range(c.n_layer) if not c.is_moe(i)]
+    return dict(num_experts=c.n_experts, num_experts_per_tok=c.top_k, moe_intermediate_size=c.d_expert,
+                norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=dense)
+
+
+EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
+    "llama": lambda c: dict(attention_bias=c.bias, mlp_bias=c.bias),
+    "qwen2": lambda c: {},
+    "mixtral": lambda c: dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k),
+    "qwen3": lambda c: dict(attention_bias=False),
+    "qwen3_moe": lambda c: dict(attention_bias=False, **qwen_experts_config(c)),
+    "qwen2_moe": lambda c: dict(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=c.d_shared,
+                                **qwen_experts_config(c)),
+}
 
 
 # ---------------------------------------------------------------------------
