@@ -2,6 +2,7 @@
 
     python -m tools.parity --world 4 --model tiny --tp 2 --pp 2
     python -m tools.parity --world 8 --init-from Llama-3.2-1B --layers 2 --seq-len 64 --tp 2 --cp 2 --zero 1 --steps 2
+    python -m tools.parity --world 4 --init-from Qwen3-30B-A3B --layers 2 --seq-len 64 --tp 2 --ep 2 --hf-roundtrip
 
 Takes train.py's flags and --world, the number of ranks. Runs --steps steps (default 1) of that layout on
 --world processes of this machine (gloo, so no GPU is needed; point-to-point messages matched by their order
@@ -18,12 +19,22 @@ groups touch the worst parameter; 2 for flags train.py refuses; 3 when the layou
 some rank (its error printed). A piece of a gradient that two ranks hold (replicas of data parallelism, the
 copies of tensor parallelism) must be the same on both; where it is not, that is reported too.
 
+With --hf-roundtrip the layout also saves its checkpoint after the steps (each rank its pieces, as train.py
+does), tools/convert.py exports it as a Hugging Face folder, and training/hf.py reads it back: every tensor
+must equal one process's (the same tolerance), none missing and none extra, and config.json must be the
+folder's the run started from (or the one its model implies) and read back as the same model; each tensor
+off is named (model.py's name and the Hugging Face ones), and the exit status is 1. A converter that drops
+or misplaces experts under ep, expert-tp or folding, or writes a tied output layer twice, fails here.
+
 The dimension files are imported from the working tree, so an edit to one of them is what is checked. The
 one process is `reference_steps`, the single device's training written out (the tests' oracle is it too).
 """
 import argparse
+import dataclasses
 import math
+import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -32,7 +43,8 @@ import ep
 import model as model_lib
 import train
 from mesh import Mesh
-from training import cli, hf
+from tools import convert
+from training import checkpoint, cli, hf
 from training.data import open_data
 from training.local import run_on_ranks
 
@@ -142,9 +154,10 @@ class ParityTrainer(train.Trainer):
         return labels
 
 
-def layout_worker(argv, steps):
+def layout_worker(argv, steps, save_to=None):
     """The layout of train.py's flags argv on this rank's process group, `steps` steps: on rank 0 {losses,
-    gradients, weights (per step), splits, disagreements}, elsewhere None."""
+    gradients, weights (per step), splits, disagreements}, elsewhere None; with save_to (a folder), its
+    checkpoint after the steps saved there, as train.py saves one."""
     args = cli.parse_args([*argv, "--dtype", "float64"])
     described = cli.describe_data(args)  # the data's meta.json, read once
     config, shape = cli.check_args(args, dist.get_world_size(), described)
@@ -155,6 +168,10 @@ def layout_worker(argv, steps):
         dist.all_gather_object(every_rank, trainer.train_step(step)["loss"])
         losses.append(train.step_loss(args, every_rank))
         weights.append(trainer.state.full_state_dict())
+    if save_to:
+        saver = checkpoint.Saver(dist.new_group(backend="gloo"))
+        trainer.save_checkpoint(saver, checkpoint.path_for(save_to, steps), steps, keep=1)
+        saver.wait()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (trainer.gradient_pieces, trainer.splits()))
     if dist.get_rank():
@@ -249,25 +266,125 @@ def report(layout, reference, rows, steps):
     return not off and not layout["disagreements"]
 
 
+# ---------------------------------------------------------------------------
+# The round trip through a Hugging Face folder
+# ---------------------------------------------------------------------------
+
+def roundtrip(saved, folder, expected_state):
+    """Export checkpoint `saved` as a Hugging Face folder and read it back: ([(what, problem)] of every tensor or
+    config setting that did not come back as one process has it (expected_state: its final state dict), the
+    number of Hugging Face tensors read)."""
+    manifest = checkpoint.Checkpoint(saved).manifest
+    config, source = model_lib.GPTConfig(**manifest["model"]), manifest["args"].get("init_from")
+    try:
+        convert.export_hf(saved, folder)
+    except hf.UnsupportedModel as e:  # (a routing bias moved by --balance bias: no Hugging Face tensor holds it)
+        return [("the export", str(e))], 0
+    exported = hf.read_config(folder)
+    expected_config = hf.with_layers(hf.read_config(source), config.n_layer) if source else hf.hf_from_config(config)
+    problems = config_problems(exported, expected_config, config)
+    values, names = hf.HuggingFaceValues(folder, config), set()
+    with torch.device("meta"):
+        parameters = [name for name, _ in model_lib.GPT(config).named_parameters(remove_duplicate=False)]
+    for name in parameters:  # (the buffers, routing biases, have no Hugging Face tensor: export refuses nonzero ones)
+        try:
+            parts = hf.source(exported["model_type"], model_lib.tied_name(name, config))
+        except hf.UnsupportedModel as e:  # the exported model_type has no such tensor
+            problems.append((name, str(e)))
+            continue
+        names.update(parts.names)
+        problem = tensor_problem(values, name, expected_state[name][:real_rows(name, config)])
+        if problem:
+            problems.append((f"{name} ({', '.join(parts.names)})", problem))
+    problems += [(entry, "in the folder, but no tensor of the model is made of it (written twice, or stray)")
+                 for entry in sorted(set(values.folder.file_of) - names)]
+    return problems, len(names)
+
+
+def real_rows(name, config):
+    """The rows a folder holds of model.py's tensor: the vocabulary tables' without their padding rows."""
+    return config.vocab_size if name in ("tok_emb.weight", "lm_head.weight") else None
+
+
+def tensor_problem(values, name, expected):
+    """Why model.py's `name`, read back from the folder, is not `expected` (None: it is, to the tolerance)."""
+    try:
+        got = values.parameter(name, torch.arange(expected.numel())).view(expected.shape)
+    except hf.UnsupportedModel as e:  # a Hugging Face tensor it is made of is not in the folder
+        return f"missing: {e}"
+    except (RuntimeError, ValueError) as e:  # its parts are shaped otherwise than model.py's tensor
+        return f"unreadable as {list(expected.shape)}: {e}"
+    absolute, relative, off = difference(got, expected.to(torch.float64))
+    return f"differs by up to {absolute:.3e} ({relative:.1e} of its largest magnitude)" if off else None
+
+
+def config_problems(exported, expected, config):
+    """[(what, problem)] where the exported config.json is not `expected` (the folder's the run started from, or
+    the one its model implies), beside the architecture and the dtype, or does not read back as `config`."""
+    written_apart = ("architectures", "torch_dtype", "dtype")
+    problems = [(f"config.json's {key}", f"{exported.get(key)!r}, where {expected.get(key)!r} was expected")
+                for key in sorted(set(exported) | set(expected))
+                if key not in written_apart and exported.get(key) != expected.get(key)]
+    architecture = [hf.ARCHITECTURES.get(exported.get("model_type"))]
+    if exported.get("architectures") != architecture:
+        problems.append(("config.json's architectures", f"{exported.get('architectures')}, not {architecture}"))
+    training = {field: getattr(config, field) for field in ("aux_loss_coef", "bias_update_rate")}
+    try:
+        read_back = hf.config_from_hf(exported, config.seq_len, **training)
+    except (hf.UnsupportedModel, KeyError) as e:
+        return problems + [("config.json", f"does not read back: {e}")]
+    fields = dataclasses.asdict(read_back)
+    problems += [(f"config.json as model.py's {field}", f"{fields[field]!r}, where the run had {value!r}")
+                 for field, value in dataclasses.asdict(config).items() if fields[field] != value]
+    return problems
+
+
+def report_roundtrip(problems, read, steps):
+    """Print the round trip's outcome; returns whether every tensor and setting came back."""
+    print(f"\nHugging Face round trip: the layout's checkpoint after step {steps - 1}, exported (tools/convert.py "
+          f"to-hf) and read back (training/hf.py)")
+    for what, problem in problems:
+        print(f"  {what}: {problem}")
+    if problems:
+        print(f"{PROG}: the round trip lost or changed {len(problems)} tensors or settings; the first: "
+              f"{problems[0][0]}")
+    else:
+        print(f"{PROG}: every tensor came back within rtol {RTOL:g}, atol {ATOL:g} of one process ({read} Hugging "
+              f"Face tensors, none missing, none extra), and config.json as expected")
+    return not problems
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("--world", type=int, required=True, help="ranks of the layout, processes of this machine")
     p.add_argument("--steps", type=int, default=1, help="steps compared (each one's gradients and weights)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a hung layout is stopped")
+    p.add_argument("--hf-roundtrip", action="store_true",
+                   help="also export the layout's checkpoint after the steps as a Hugging Face folder, read it back "
+                        "and compare every tensor and config.json with one process's")
     own, rest = p.parse_known_args(argv)
     argv = [*rest, "--steps", str(own.steps)]
     try:
-        cli.check_args(cli.parse_args([*argv, "--dtype", "float64"]), own.world)
-    except cli.ConfigError as e:
+        config, _ = cli.check_args(cli.parse_args([*argv, "--dtype", "float64"]), own.world)
+        if own.hf_roundtrip and not cli.parse_args(argv).init_from:
+            hf.hf_from_config(config)  # a model no Hugging Face architecture here has: refused before the run
+    except (cli.ConfigError, hf.UnsupportedModel) as e:
         p.exit(2, f"{PROG}: error: {e}\n")
-    try:
-        layout = run_on_ranks(own.world, layout_worker, argv, own.steps, timeout=own.timeout)[0]
-    except (RuntimeError, TimeoutError) as e:  # a rank raised, died or hung: no comparison to make
-        print(f"{PROG}: the layout did not finish its steps:\n{e}", file=sys.stderr)
-        return 3
-    reference = reference_steps(argv, record=True)
-    return 0 if report(layout, reference, compare(layout, reference), own.steps) else 1
+    with tempfile.TemporaryDirectory(prefix="parity-") as scratch:
+        save_to = scratch if own.hf_roundtrip else None
+        try:
+            layout = run_on_ranks(own.world, layout_worker, argv, own.steps, save_to, timeout=own.timeout)[0]
+        except (RuntimeError, TimeoutError) as e:  # a rank raised, died or hung: no comparison to make
+            print(f"{PROG}: the layout did not finish its steps:\n{e}", file=sys.stderr)
+            return 3
+        reference = reference_steps(argv, record=True)
+        same = report(layout, reference, compare(layout, reference), own.steps)
+        if save_to:
+            problems, read = roundtrip(checkpoint.path_for(save_to, own.steps), os.path.join(scratch, "hf"),
+                                       reference["state_dict"])
+            same = report_roundtrip(problems, read, own.steps) and same
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
