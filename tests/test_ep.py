@@ -9,6 +9,7 @@ from training import cli
 import ep
 import train
 from distributed import run_on_ranks, self_check_alone
+from hf_models import make_folder
 from model import MoE, GPTConfig
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
@@ -185,6 +186,18 @@ def test_refused_expert_flags(flags, message):
     with pytest.raises(cli.ConfigError) as refusal:
         cli.check_args(cli.parse_args([*BASE, *flags]), 2)
     assert message in str(refusal.value)
+
+
+def test_the_first_blocks_of_a_qwen_moe_folder_keep_their_sparse_layers(tmp_path):
+    """--layers N with --init-from keeps a folder's first N blocks, each sparse or dense as it is there (Qwen2-MoE's
+    decoder_sparse_step 2: blocks 1 and 3 sparse); with none of them sparse the model has no experts (an empty
+    moe_layers would make every block an MoE)."""
+    make_folder(tmp_path, "qwen2_moe")
+    shapes = {}
+    for layers in ([], ["--layers", "3"], ["--layers", "1"]):
+        config, _ = cli.check_args(cli.parse_args([*EQUIVALENCE, "--init-from", str(tmp_path), *layers]), 1)
+        shapes[config.n_layer] = (config.moe_layers, config.n_experts)
+    assert shapes == {4: ((1, 3), 4), 3: ((1,), 4), 1: ((), 0)}
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):

@@ -393,6 +393,15 @@ def shape_flags(args):
     return given
 
 
+def first_blocks(config, n_layer):
+    """config cut to its first n_layer blocks (--layers with --init-from), each MoE layer among them still one (of
+    a Qwen-MoE's listed moe_layers; none left: no experts, since an empty moe_layers means every block)."""
+    moe_layers = tuple(layer for layer in config.moe_layers if layer < n_layer)
+    if config.moe_layers and not moe_layers:
+        return dataclasses.replace(config, n_layer=n_layer, moe_layers=(), n_experts=0)
+    return dataclasses.replace(config, n_layer=n_layer, moe_layers=moe_layers)
+
+
 def model_config(args, vocab_size):
     """The model the flags describe (a ConfigError if they describe none); vocab_size: the data's."""
     shape_given = shape_flags(args)
@@ -410,7 +419,7 @@ def model_config(args, vocab_size):
         if args.layers and not 1 <= args.layers <= config.n_layer:
             raise ConfigError(f"--layers {args.layers}: --init-from {args.init_from} has {config.n_layer} blocks "
                               f"(--layers keeps the first N of them)")
-        return dataclasses.replace(config, n_layer=args.layers or config.n_layer)
+        return first_blocks(config, args.layers or config.n_layer)
     if args.model in LLAMA_ONLY and args.arch != "llama":
         raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=vocab_size,
