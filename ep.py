@@ -155,6 +155,7 @@ class ExpertParallelMoE(nn.Module):
         setattr(self, router, getattr(moe, router))  # replicated, under the single device's names
         for name in (shared, shared_gate):  # optional
             setattr(self, name, getattr(moe, name, None))
+        refuse_unnamed_parts(moe, (router, shared, shared_gate, "experts"))
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
         route_bias = getattr(moe, "route_bias", None)
         self.register_buffer("route_bias", route_bias)  # absent (None) if the layer has no balancing bias
@@ -281,6 +282,15 @@ def refuse_unshared_tokens(router, tokens):
                          f"layer's token policy {type(tokens).__name__} shares its tokens with {tokens.size}: pass "
                          f"tokens=ShardedTokens(tp_group) under sequence parallelism, ReplicatedTokens(tp_group) "
                          f"without")
+
+
+def refuse_unnamed_parts(moe, named):
+    """Refuse a layer with a submodule the glue did not name (say Qwen2-MoE's `shared_expert_gate` without
+    `shared_gate=`): the parallel layer runs only what it is told of, and would silently leave it out."""
+    unnamed = [name for name, _ in moe.named_children() if name not in named]
+    if unnamed:
+        raise ValueError(f"the MoE layer's {', '.join(unnamed)} is none of router={named[0]!r}, shared={named[1]!r}, "
+                         f"shared_gate={named[2]!r}, 'experts': name it, or the parallel layer would not run it")
 
 
 # Row counts differ from rank to rank (the router decides them), which all-gather and reduce-scatter do not

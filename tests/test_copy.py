@@ -420,19 +420,24 @@ def test_ep_folded_over_tp_on_a_llama_moe(tmp_path, sequence_parallel, expert_tp
 def forgotten_token_policy_worker(folder):
     tp, ep = import_copy(folder, "tp.py"), import_copy(folder, "ep.py")
     model = fresh_copy(reference(moe=True)[0])
+    with pytest.raises(ValueError) as unnamed:  # the shared expert's gate not named: it would not run
+        ep.ExpertParallelMoE(model.layers[0].mlp, None, None, router="gate", shared="shared_expert")
     for layer in model.layers:
-        layer.mlp = ep.ExpertParallelMoE(layer.mlp, None, None, router="gate", shared="shared_expert")  # no tokens=
+        layer.mlp = ep.ExpertParallelMoE(layer.mlp, None, None, router="gate", shared="shared_expert",
+                                         shared_gate="shared_expert_gate")  # no tokens=
     glue_tp(tp, model, None, False)
     with pytest.raises(ValueError) as refusal:
         model(torch.zeros(BATCH, SEQ, dtype=torch.long), torch.arange(SEQ))
-    return str(refusal.value)
+    return str(unnamed.value), str(refusal.value)
 
 
-def test_ep_under_tp_without_a_token_policy_is_refused(tmp_path):
-    """Left out, each tp rank would route the same tokens (every token twice): the layer refuses instead."""
+def test_ep_under_tp_without_a_token_policy_or_a_part_unnamed_is_refused(tmp_path):
+    """Left out, each tp rank would route the same tokens (every token twice), and a shared expert's gate the
+    glue did not name would not run: the layer refuses both instead."""
     folder = copy_alone("tp.py", tmp_path)
     shutil.copy(os.path.join(REPO, "ep.py"), folder)
-    for message in run_on_ranks(2, forgotten_token_policy_worker, folder):
+    for unnamed, message in run_on_ranks(2, forgotten_token_policy_worker, folder):
+        assert "the MoE layer's shared_expert_gate is none of" in unnamed and "shared_gate='shared_gate'" in unnamed
         assert "summed over 2 tensor-parallel ranks" in message and "ReplicatedTokens(tp_group)" in message
 
 

@@ -23,12 +23,13 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
 @pytest.mark.parametrize("rank,flags", [
     (37, ["--tp", "2", "--zero", "3"]),
     (13, ["--tp", "2", "--sp", "--pp", "2", "--layers", "4", "--micro-batches", "2", "--zero", "1"]),
-    (62, ["--cp", "2", "--tp", "2", "--arch", "llama", "--recompute", "full", "--zero", "2"]),
+    (62, ["--cp", "2", "--tp", "2", "--arch", "llama", "--head-dim", "16", "--qk-norm", "--recompute", "full",
+           "--zero", "2"]),  # heads wider than d_model / n_head, with QK-norm (Qwen3's attention)
     (21, ["--pp", "2", "--layers", "4", "--micro-batches", "2", "--zero", "3", "--dp-shard", "4", "--batch-size", "64"]),
     # Experts under tp without ep: each tp rank routes its own part of the tokens (a split it knows alone) and
     # all-gathers the outputs, again in the recomputation (the shared expert's tensors come after).
     (45, ["--tp", "2", "--experts", "4", "--top-k", "2", "--shared-experts", "1", "--recompute", "full", "--zero", "1"]),
-], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "llama-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4",
+], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "qwen3-attention-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4",
         "tp2-experts-shared-recomputed-zero1"])
 def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, rank, flags):
     out = dry_run("--world", "64", "--rank", str(rank), "--json", *TINY, *flags, "--out", str(tmp_path))

@@ -240,3 +240,24 @@ def test_a_pipeline_checkpoint_of_a_tied_model_from_a_hugging_face_folder(made, 
     _, text = expected_text(made, checkpoint, tmp_path)
     sample.main(["--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--temperature", "0"])
     assert capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_qwen3_folder_samples_what_its_own_forward_predicts(made, tmp_path, capsys, arch):
+    """A Qwen3 folder (heads wider than width/heads, QK-norm, tied embeddings; the MoE's dense first layer and
+    experts of their own width) continues the prompt as tests/hf_models.py's functional forward, written from
+    Hugging Face's semantics and not from model.py, predicts greedily, token for token."""
+    folder = tmp_path / arch
+    hf_models.make_folder(str(folder), arch, config=dict(hf_models.tiny_config(arch), vocab_size=made["vocab"]))
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(os.path.join(made["tokenizer"], name), folder / name)
+    tokenizer = Tokenizer.from_folder(made["tokenizer"])
+    ids, new = tokenizer.encode(PROMPT), []
+    for _ in range(NEW):  # prompt and continuation within the folder's 64 positions: nothing cropped
+        token = hf_models.reference_logits(str(folder), [ids + new])[0, -1].argmax().item()
+        if token == tokenizer.eos_id:
+            break
+        new.append(token)
+    assert new, "a continuation of no token checks nothing"
+    sample.main(["--init-from", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--temperature", "0"])
+    assert capsys.readouterr().out == tokenizer.decode(new) + "\n"
