@@ -393,15 +393,6 @@ def shape_flags(args):
     return given
 
 
-def first_blocks(config, n_layer):
-    """config cut to its first n_layer blocks (--layers with --init-from), each MoE layer among them still one (of
-    a Qwen-MoE's listed moe_layers; none left: no experts, since an empty moe_layers means every block)."""
-    moe_layers = tuple(layer for layer in config.moe_layers if layer < n_layer)
-    if config.moe_layers and not moe_layers:
-        return dataclasses.replace(config, n_layer=n_layer, moe_layers=(), n_experts=0)
-    return dataclasses.replace(config, n_layer=n_layer, moe_layers=moe_layers)
-
-
 def model_config(args, vocab_size):
     """The model the flags describe (a ConfigError if they describe none); vocab_size: the data's."""
     shape_given = shape_flags(args)
@@ -413,13 +404,18 @@ def model_config(args, vocab_size):
                           f"config.json (its weights have that shape)")
     if args.init_from:
         try:
-            config = hf.config_from_hf(hf.read_config(args.init_from), args.seq_len, **moe)
+            hf_config = hf.read_config(args.init_from)
+            config = hf.config_from_hf(hf_config, args.seq_len, **moe)
+            if args.layers and not 1 <= args.layers <= config.n_layer:
+                raise ConfigError(f"--layers {args.layers}: --init-from {args.init_from} has {config.n_layer} blocks "
+                                  f"(--layers keeps the first N of them)")
+            # The first N blocks read as the folder's own mapping reads them (a Qwen-MoE's sparse blocks among
+            # them): the config train.py saves and exports (hf.with_layers) describes the same model.
+            if args.layers:
+                config = hf.config_from_hf(hf.with_layers(hf_config, args.layers), args.seq_len, **moe)
+            return config
         except (hf.UnsupportedModel, KeyError) as e:  # (KeyError: a config.json without a field it needs)
             raise ConfigError(f"--init-from {args.init_from}: {e}") from None
-        if args.layers and not 1 <= args.layers <= config.n_layer:
-            raise ConfigError(f"--layers {args.layers}: --init-from {args.init_from} has {config.n_layer} blocks "
-                              f"(--layers keeps the first N of them)")
-        return first_blocks(config, args.layers or config.n_layer)
     if args.model in LLAMA_ONLY and args.arch != "llama":
         raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=vocab_size,
