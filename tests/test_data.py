@@ -7,6 +7,7 @@ errors from counts or from independent sequences), never from hard-coded figures
 import builtins
 import dataclasses
 import json
+import os
 import pickle
 import re
 
@@ -248,6 +249,30 @@ def test_meta_pkl_sets_the_vocabulary_over_the_one_given(tmp_path):
     path = write_token_dir(tmp_path, np.arange(40), np.arange(40), meta_vocab_size=65)
     assert vocab_size_of(path, 1000) == TokenFile(path, vocab_size=1000).vocab_size == 65
     assert load_data(path, vocab_size=1000).vocab_size == 65
+
+
+class CallsAFunction:
+    """Pickled, it tells the unpickler to call os.system: what a downloaded meta.pkl could do to every rank."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_meta_pkl_that_would_call_a_function_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    path = write_token_dir(tmp_path, np.arange(40), np.arange(40))
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "x": CallsAFunction(marker)}))
+    with pytest.raises(ValueError, match=r"meta.pkl: refused \(it names posix.system"):
+        vocab_size_of(path)
+    assert not marker.exists()
+    # nanoGPT's own meta.pkl (shakespeare_char's: its vocabulary and the two character tables) is read
+    chars = sorted(set("hello world"))
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "itos": dict(enumerate(chars)),
+                                                      "stoi": {c: i for i, c in enumerate(chars)}}))
+    assert vocab_size_of(path) == 65
 
 
 def test_the_vocabulary_given_is_used_without_meta_pkl(tmp_path):

@@ -191,12 +191,33 @@ class DataInfo:
         return {"train": int(size * 0.9), "val": size - int(size * 0.9)}  # the last tenth held out, as TokenFile does
 
 
+class PlainValues(pickle.Unpickler):
+    """An unpickler of plain values only (dict, list, tuple, str, int, float, bool, None, bytes): a pickle is
+    a program, and one naming anything else (a function, a class: `os.system`, say) is refused before it
+    runs. nanoGPT's meta.pkl is a dict of strings, ints and dicts of them."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and a data folder's meta.pkl may hold plain "
+                                     f"values only (a pickle that names a function would run it)")
+
+
+def read_plain_pickle(path):
+    """The plain values pickled in the file at path; anything else is a ValueError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            return PlainValues(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"--data {path}: refused ({e})") from None
+
+
 def nanogpt_vocab_size(path, vocab_size=None):
     """The vocabulary of nanoGPT's token directory at path: its meta.pkl's, else vocab_size, else GPT-2's."""
     pickled = os.path.join(path, "meta.pkl")
     if os.path.exists(pickled):
-        with open(pickled, "rb") as f:
-            return int(pickle.load(f)["vocab_size"])
+        meta = read_plain_pickle(pickled)
+        if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
+            raise ValueError(f"--data {pickled}: no integer vocab_size in it")
+        return meta["vocab_size"]
     return GPT2_VOCAB_SIZE if vocab_size is None else vocab_size
 
 
