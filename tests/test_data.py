@@ -265,7 +265,7 @@ def test_a_meta_pkl_that_would_call_a_function_is_refused_without_running_it(tmp
     marker = tmp_path / "ran"
     path = write_token_dir(tmp_path, np.arange(40), np.arange(40))
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "x": CallsAFunction(marker)}))
-    with pytest.raises(ValueError, match=r"meta.pkl: refused \(it names posix.system"):
+    with pytest.raises(ValueError, match=r"meta.pkl: refused \(it names \w+\.system"):
         vocab_size_of(path)
     assert not marker.exists()
     # nanoGPT's own meta.pkl (shakespeare_char's: its vocabulary and the two character tables) is read
