@@ -41,7 +41,7 @@ import tp
 from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_units, ring_bytes_sent,
                 unallocated)
 from mesh import Mesh
-from model import (GPT, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
+from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
 from training import checkpoint, hf
 from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, describe_data, document_eos, parse_args
@@ -260,14 +260,17 @@ class Trainer:
         """This rank's micro-batches of the global batch `index` of `split` (a pure function of them, so every
         layout reads the same tokens), and what each shard divides its summed loss by: counted on the CPU,
         before the tokens go to the device, so the step waits for no copy back."""
-        tokens = self.data.batch(split, index, self.args.batch_size, self.args.seq_len)
-        return self.local_micro_batches(tokens.to(self.device)), self.packing.loss_tokens(tokens, self.n_shards)
+        shape = (split, index, self.args.batch_size, self.args.seq_len)
+        tokens = self.data.batch(*shape)
+        targets = counted_targets(tokens, self.data.loss_mask(*shape))
+        return (self.local_micro_batches(tokens.to(self.device), targets.to(self.device)),
+                self.packing.loss_tokens(tokens, targets, self.n_shards))
 
-    def local_micro_batches(self, tokens):
+    def local_micro_batches(self, tokens, targets):
         """This rank's (inputs, targets, documents) per micro-batch: its data slice, and its sequence shard
         under cp (documents, the whole sequence's, are not sharded: attention asks about any token's)."""
         mesh = self.mesh
-        batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("dp"), mesh.index("dp"))
+        batches = local_micro_batches(tokens, self.args.micro_batches, mesh.size("dp"), mesh.index("dp"), targets)
         batches = [self.packing.split(inputs, targets) for inputs, targets in batches]
         if mesh.size("cp") == 1:
             return batches
@@ -1039,15 +1042,22 @@ def load_training_data(args):
     return open_data(describe_data(args), seed=args.seed)
 
 
-def local_micro_batches(tokens, n_micro, n_data, data_rank):
-    """This rank's (inputs, targets) for each micro-batch of the global batch.
+def counted_targets(tokens, loss_mask=None):
+    """The targets of the global batch `tokens` (each token's next): IGNORE where the data's loss mask says
+    the loss does not count it (a chat's system and user turns), so every layout leaves out the same ones."""
+    targets = tokens[:, 1:]
+    return targets if loss_mask is None else targets.masked_fill(~loss_mask[:, 1:], IGNORE)
+
+
+def local_micro_batches(tokens, n_micro, n_data, data_rank, targets=None):
+    """This rank's (inputs, targets) for each micro-batch of the global batch (targets: counted_targets').
 
     Micro-batch m is sequences [m*B/M, (m+1)*B/M) of the global batch, exactly as
     the single device accumulates them; data rank r reads the r-th slice of it.
     """
-    for micro in tokens.chunk(n_micro):
-        mine = micro.chunk(n_data)[data_rank]
-        yield mine[:, :-1], mine[:, 1:]
+    targets = tokens[:, 1:] if targets is None else targets
+    for micro, micro_targets in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
+        yield micro.chunk(n_data)[data_rank][:, :-1], micro_targets.chunk(n_data)[data_rank]
 
 
 class OneSequence:
@@ -1057,10 +1067,10 @@ class OneSequence:
         """(inputs, targets, documents) of a micro-batch: no documents."""
         return inputs, targets, None
 
-    def loss_tokens(self, tokens, n_shards):
-        """What each of the n_shards pieces of the global batch `tokens` divides its summed loss by: its
-        targets, every one of which counts (their mean)."""
-        return tokens[:, 1:].numel() / n_shards
+    def loss_tokens(self, tokens, targets, n_shards):
+        """What each of the n_shards pieces of the global batch `tokens` divides its summed loss by: the
+        batch's counted targets (every one, the mean, where the data has no loss mask) over n_shards."""
+        return max(1, (targets != IGNORE).sum().item()) / n_shards
 
 
 class PackedDocuments:
@@ -1074,12 +1084,12 @@ class PackedDocuments:
     def split(self, inputs, targets):
         return inputs, document_targets(inputs, targets, self.eos_id), document_ids(inputs, self.eos_id)
 
-    def loss_tokens(self, tokens, n_shards):
+    def loss_tokens(self, tokens, targets, n_shards):
         """What each of the n_shards pieces of the global batch `tokens` divides its summed loss by: the batch's
-        counted targets (those not predicted at an EOS) over n_shards. Shards count different numbers, and
-        their losses average (over micro-batches, data and sequence shards) to the mean over the whole batch's
-        counted targets, on every layout alike."""
-        return max(1, (tokens[:, :-1] != self.eos_id).sum().item()) / n_shards
+        counted targets (those not predicted at an EOS, nor left out by the data's loss mask) over n_shards.
+        Shards count different numbers, and their losses average (over micro-batches, data and sequence
+        shards) to the mean over the whole batch's counted targets, on every layout alike."""
+        return max(1, ((tokens[:, :-1] != self.eos_id) & (targets != IGNORE)).sum().item()) / n_shards
 
 
 def packing_of(eos_id):
@@ -1178,6 +1188,7 @@ def log_entry(args, step, record, wall, trainer):
                  tokens_seen=(step + 1) * args.batch_size * args.seq_len,  # every step reads one global batch
                  **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
     entry.update(trainer.routing.log())
+    entry.update(trainer.data.log(step, args.batch_size, args.seq_len))  # a mixture's tokens_seen_by_source
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
         entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages, args.schedule)
     return entry

@@ -74,9 +74,12 @@ def reference_steps(argv, skipped_steps=(), record=False):
     result = dict(losses=[], grad_norms=[], gradients=[], weights=[])
     for step in range(args.steps):
         tokens = data.batch("train", step, args.batch_size, args.seq_len)
+        counted = data.loss_mask("train", step, args.batch_size, args.seq_len)  # None: every target counts
+        if counted is None:
+            counted = torch.ones_like(tokens, dtype=torch.bool)
         step_loss = 0.0
-        for micro in tokens.chunk(args.micro_batches):  # gradient accumulation
-            loss = micro_batch_loss(model, micro[:, :-1], micro[:, 1:], eos_id, tokens) / args.micro_batches
+        for micro, micro_counted in zip(tokens.chunk(args.micro_batches), counted.chunk(args.micro_batches)):
+            loss = micro_batch_loss(model, micro, micro_counted, eos_id, tokens, counted) / args.micro_batches
             loss.backward()
             step_loss += loss.item()
         for group in optimizer.param_groups:
@@ -96,16 +99,22 @@ def reference_steps(argv, skipped_steps=(), record=False):
     return result
 
 
-def micro_batch_loss(model, inputs, targets, eos_id, batch):
-    """The loss of one micro-batch, times the micro-batches: the mean over its targets, or with packed
-    documents its summed loss over the targets that count, divided by those of the whole `batch` over the
-    micro-batches (so the step's loss is the mean over every counted target of the batch)."""
-    if eos_id is None:
-        return model(inputs, targets)[1]
-    counted_in_batch = (batch[:, :-1] != eos_id).sum()
+def micro_batch_loss(model, micro, counted, eos_id, batch, batch_counted):
+    """The loss of one micro-batch of tokens `micro`, times the micro-batches: its summed loss over the targets
+    that count (those the data's loss mask `counted` keeps and, with packed documents, not predicted at an
+    EOS), divided by those of the whole `batch` over the micro-batches (so the step's loss is the mean over
+    every counted target of the batch; without a mask or documents, the mean over its targets)."""
+    if eos_id is None and batch_counted.all():
+        return model(micro[:, :-1], micro[:, 1:])[1]
+    inputs, targets = micro[:, :-1], micro[:, 1:].masked_fill(~counted[:, 1:], model_lib.IGNORE)
+    counts = batch_counted[:, 1:]
+    documents = None
+    if eos_id is not None:
+        targets = targets.masked_fill(inputs == eos_id, model_lib.IGNORE)
+        counts = counts & (batch[:, :-1] != eos_id)
+        documents = model_lib.document_ids(inputs, eos_id)
     micro_batches = len(batch) // len(inputs)
-    return model(inputs, model_lib.document_targets(inputs, targets, eos_id), documents=model_lib.document_ids(
-        inputs, eos_id), loss_tokens=counted_in_batch / micro_batches)[1]
+    return model(inputs, targets, documents=documents, loss_tokens=max(1, counts.sum().item()) / micro_batches)[1]
 
 
 # ---------------------------------------------------------------------------

@@ -111,8 +111,9 @@ def parse_args(argv=None):
                    help="the gradients' accumulation over micro-batches and reduction over data ranks "
                         "(default: --master-dtype; bfloat16 halves the reduction's traffic)")
     p.add_argument("--data", default=None, help="a token directory (python -m tools.prepare's, or nanoGPT's "
-                                                "train.bin/val.bin), or a text file read as bytes (default: "
-                                                "the synthetic Markov language)")
+                                                "train.bin/val.bin), a text file read as bytes, or a weighted "
+                                                "mixture of token directories: A:0.7,B:0.3 or a JSON file "
+                                                "{\"A\": 0.7, \"B\": 0.3} (default: the synthetic Markov language)")
     p.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
                    help="packed documents: attention and positions stop at each EOS and the prediction across it "
                         "is not trained (default: on when the data declares its EOS id, as tools.prepare's does, "
@@ -310,13 +311,15 @@ def check_tokenizer(args, data):
     if args.init_from is None or args.data is None:
         return
     prepare = f"python -m tools.prepare --tokenizer {args.init_from} --out DIR YOUR_TEXT"
-    if not os.path.isdir(args.data):
-        raise ConfigError(f"--data {args.data} is a text file, read as bytes (ids 0 to 255), but --init-from "
-                          f"{args.init_from} reads its tokenizer's ids: make a token directory with {prepare}")
-    made_by, model_tokenizer = data.tokenizer, fingerprint(args.init_from)
-    if made_by and model_tokenizer and made_by[1] != model_tokenizer:
-        raise ConfigError(f"--data {args.data} was tokenized by {made_by[0]}'s tokenizer.json, not by --init-from "
-                          f"{args.init_from}'s: its ids mean other tokens; prepare it again with {prepare}")
+    for source in [info for info, _ in data.sources] or [data]:  # a mixture's sources, each
+        if not os.path.isdir(source.path):
+            raise ConfigError(f"--data {source.path} is a text file, read as bytes (ids 0 to 255), but --init-from "
+                              f"{args.init_from} reads its tokenizer's ids: make a token directory with {prepare}")
+        made_by, model_tokenizer = source.tokenizer, fingerprint(args.init_from)
+        if made_by and model_tokenizer and made_by[1] != model_tokenizer:
+            raise ConfigError(f"--data {source.path} was tokenized by {made_by[0]}'s tokenizer.json, not by "
+                              f"--init-from {args.init_from}'s: its ids mean other tokens; prepare it again with "
+                              f"{prepare}")
 
 
 def document_eos(args, vocab_size=None, data=None):

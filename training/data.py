@@ -32,6 +32,7 @@ import torch
 SPLITS = {"train": 0, "val": 1}
 GPT2_VOCAB_SIZE = 50257  # a token directory without meta.json or meta.pkl: nanoGPT's default
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}  # meta.json's "dtype"; nanoGPT's directories: uint16
+MIXTURE_STREAM = 1  # a mixture draws its sources from a random stream apart from the windows' (batch_rng)
 
 
 def batch_rng(seed, split, step):
@@ -64,7 +65,20 @@ def stationary_distribution(successors, probs, tol=1e-15, max_iters=100_000):
                        f"(vocabulary {vocab_size}): the chain mixes too slowly")
 
 
-class MarkovLanguage:
+class Data:
+    """What training asks of its data, beyond batch(split, step, n_seqs, length): these defaults say every
+    target counts and there is nothing more to log."""
+
+    def loss_mask(self, split, step, n_seqs, length):
+        """Beside batch(): True where the token is a target the loss counts; None where every target counts."""
+        return None
+
+    def log(self, step, n_seqs, length):
+        """What a step's log record carries of the data, beyond tokens_seen."""
+        return {}
+
+
+class MarkovLanguage(Data):
     """Each token is followed by one of `branching` successors, with fixed probabilities."""
 
     def __init__(self, vocab_size=256, branching=4, seed=0):
@@ -142,8 +156,12 @@ def tokenizer_in(meta):
 def tokenizer_of(path):
     """(folder, SHA-256 of its tokenizer.json) of the tokenizer that made the data at path, from its
     meta.json; None where unknown (no path: the synthetic language; a text file; nanoGPT's directory).
-    training/tokenizer.py's fingerprint(folder) gives the same SHA-256 for a model folder, to compare."""
-    return tokenizer_in(read_meta(path) if path is not None else None)
+    training/tokenizer.py's fingerprint(folder) gives the same SHA-256 for a model folder, to compare. A
+    mixture's sources share one tokenizer (DataInfo.mixture checks it): its first source's."""
+    if path is None:
+        return None
+    weights = mixture_weights(path)
+    return tokenizer_of(weights[0][0]) if weights else tokenizer_in(read_meta(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +176,8 @@ class DataInfo:
     dtype: np.dtype | None = None  # the ids' type in the files: meta.json's, nanoGPT's uint16, a text's bytes
     eos_id: int | None = None  # the id that ends each document, where meta.json declares one
     tokenizer: tuple | None = None  # (folder, SHA-256) of the tokenizer that made the ids: meta.json's
+    loss_mask: bool = False  # train.mask and val.mask beside the ids: which tokens the loss counts (meta.json's)
+    sources: tuple = ()  # a weighted mixture's ((DataInfo, weight), ...): --data A:0.7,B:0.3 or a JSON file
 
     @classmethod
     def read(cls, path=None, vocab_size=None):
@@ -172,6 +192,9 @@ class DataInfo:
             if vocab_size is None:
                 raise ValueError("the synthetic language needs a vocab_size")
             return cls(None, vocab_size)
+        weights = mixture_weights(path)
+        if weights:
+            return cls.mixture(path, [(cls.read(source, vocab_size), weight) for source, weight in weights])
         if not os.path.exists(path):
             raise FileNotFoundError(f"--data {path}: no such file or directory")
         if not os.path.isdir(path):
@@ -180,10 +203,30 @@ class DataInfo:
         if meta is None:  # nanoGPT's directory: uint16 ids
             return cls(path, nanogpt_vocab_size(path, vocab_size), np.dtype(np.uint16))
         return cls(path, meta["vocab_size"], np.dtype(TOKEN_DTYPES[meta["dtype"]]), meta.get("eos_id"),
-                   tokenizer_in(meta))
+                   tokenizer_in(meta), bool(meta.get("loss_mask")))
+
+    @classmethod
+    def mixture(cls, spec, sources):
+        """The mixture of sources [(DataInfo, weight)]: they must read as one vocabulary (the same size, the
+        same tokenizer where known, the same EOS), or a sequence's ids would mean different tokens."""
+        first = sources[0][0]
+        for info, _ in sources[1:]:
+            for what, mine, theirs in [("vocabulary", info.vocab_size, first.vocab_size),
+                                       ("EOS id", info.eos_id, first.eos_id),
+                                       ("tokenizer", info.tokenizer and info.tokenizer[1],
+                                        first.tokenizer and first.tokenizer[1])]:
+                if mine != theirs:
+                    raise ValueError(f"--data {spec}: {info.path}'s {what} ({mine}) is not {first.path}'s "
+                                     f"({theirs}): a mixture's sources must be made by the same tokenizer")
+        return cls(spec, first.vocab_size, None, first.eos_id, first.tokenizer,
+                   any(info.loss_mask for info, _ in sources), tuple(sources))
 
     def split_lengths(self):
-        """Tokens in each split, from the files' sizes alone (nothing is read)."""
+        """Tokens in each split, from the files' sizes alone (nothing is read); of a mixture, its smallest
+        source's (each source must hold a sequence)."""
+        if self.sources:
+            lengths = [info.split_lengths() for info, _ in self.sources]
+            return {split: min(length[split] for length in lengths) for split in SPLITS}
         if os.path.isdir(self.path):
             return {split: os.path.getsize(os.path.join(self.path, f"{split}.bin")) // self.dtype.itemsize
                     for split in SPLITS}
@@ -231,7 +274,18 @@ def split_lengths(path):
     return DataInfo.read(path).split_lengths()
 
 
-class TokenFile:
+def read_mask(path, split, n_tokens):
+    """The loss mask of a split (`split`.mask: one uint8 a token, 1 where the loss counts it), mapped."""
+    file = os.path.join(path, f"{split}.mask")
+    if not os.path.isfile(file):
+        raise ValueError(f"--data {path}: its meta.json says it has a loss mask, and {split}.mask is missing")
+    mask = np.memmap(file, dtype=np.uint8, mode="r")
+    if len(mask) != n_tokens:
+        raise ValueError(f"--data {file}: {len(mask):,} flags for {n_tokens:,} tokens in {split}.bin")
+    return mask
+
+
+class TokenFile(Data):
     """Random windows of a token stream; a window never crosses into the other split."""
 
     entropy_rate = None  # unknown for real data
@@ -242,21 +296,38 @@ class TokenFile:
         self.path = path
         self.seed = seed
         self.vocab_size = self.info.vocab_size
+        self.masks = None  # per split, where the data has a loss mask: which tokens the loss counts as targets
         if os.path.isdir(path):
             # Mapped, not read: only the windows of each batch are ever loaded.
             self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=self.info.dtype, mode="r")
                            for split in SPLITS}
+            if self.info.loss_mask:
+                self.masks = {split: read_mask(path, split, len(self.tokens[split])) for split in SPLITS}
         else:
             data = np.fromfile(path, dtype=np.uint8)
             cut = int(len(data) * 0.9)
             self.tokens = {"train": data[:cut], "val": data[cut:]}
 
+    def window_starts(self, split, step, n_seqs, length):
+        """Where the n_seqs windows of length + 1 tokens of batch `step` start: a pure function of them."""
+        n_tokens = len(self.tokens[split])
+        if n_tokens < length + 1:
+            raise ValueError(f"the {split} split has {n_tokens} tokens, too few for windows of {length + 1}")
+        return batch_rng(self.seed, split, step).integers(0, n_tokens - length, n_seqs)  # last start included
+
     def batch(self, split, step, n_seqs, length):
         tokens = self.tokens[split]
-        if len(tokens) < length + 1:
-            raise ValueError(f"the {split} split has {len(tokens)} tokens, too few for windows of {length + 1}")
-        starts = batch_rng(self.seed, split, step).integers(0, len(tokens) - length, n_seqs)  # last start included
+        starts = self.window_starts(split, step, n_seqs, length)
         return torch.from_numpy(np.stack([tokens[s:s + length + 1].astype(np.int64) for s in starts]))
+
+    def loss_mask(self, split, step, n_seqs, length):
+        """Beside batch(): True where the token is a target the loss counts (tools/prepare.py --chat's mask:
+        an assistant's tokens); None where every target counts."""
+        if self.masks is None:
+            return None
+        mask = self.masks[split]
+        starts = self.window_starts(split, step, n_seqs, length)
+        return torch.from_numpy(np.stack([mask[s:s + length + 1] != 0 for s in starts]))
 
     def largest_id(self, part=0, n_parts=1, chunk=1 << 24):
         """The largest token id in the part-th of n_parts equal slices of each split (ranks share the scan;
@@ -269,11 +340,102 @@ class TokenFile:
         return largest
 
 
+def mixture_weights(spec):
+    """[(source, weight)] where --data names a weighted mixture, else None (one source: the path itself).
+
+    A mixture is written `A:0.7,B:0.3` (weights need not sum to 1: they are normalised), or is a JSON file
+    {"A": 0.7, "B": 0.3} whose relative paths are read from the file's folder."""
+    if spec.endswith(".json") and os.path.isfile(spec):
+        try:
+            with open(spec) as f:
+                named = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--data {spec}: cannot be read as JSON ({e})") from None
+        if not isinstance(named, dict) or not named:
+            raise ValueError(f"--data {spec}: not a JSON object of data folders and their weights")
+        folder = os.path.dirname(spec)
+        pairs = [(os.path.join(folder, source), weight) for source, weight in named.items()]
+    elif os.path.exists(spec) or ":" not in spec:
+        return None
+    else:
+        pairs = [part.rpartition(":")[::2] for part in spec.split(",")]
+    weights = []
+    for source, weight in pairs:
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            weight = -1.0
+        if not source or not 0 < weight < float("inf"):
+            raise ValueError(f"--data {spec}: {source or '(no folder)'}'s weight {weight} is not a positive "
+                             f"number (a mixture is FOLDER:WEIGHT,FOLDER:WEIGHT or a JSON file of them)")
+        weights.append((source, weight))
+    return weights
+
+
+class Mixture(Data):
+    """Sources drawn by weight: each sequence of a batch comes from the source its draw picks, a pure function
+    of (seed, split, step, the sequence's index), so every layout and every resume reads the same tokens.
+    Each source gives its sequences as it would alone (its own windows of its own splits)."""
+
+    entropy_rate = None
+
+    def __init__(self, info, seed=0):
+        self.info, self.seed, self.vocab_size, self.path = info, seed, info.vocab_size, info.path
+        self.sources = [TokenFile(source.path, seed, info=source) for source, _ in info.sources]
+        self.names = [source.path for source, _ in info.sources]
+        weights = np.array([weight for _, weight in info.sources])
+        self.weights = weights / weights.sum()
+        self.seen = (-1, np.zeros(len(self.sources), dtype=np.int64))  # (through step, sequences per source)
+
+    def picks(self, split, step, n_seqs):
+        """The source of each of the batch's n_seqs sequences (a stream of its own, apart from the windows')."""
+        rng = np.random.default_rng([self.seed, SPLITS[split], step, MIXTURE_STREAM])
+        return rng.choice(len(self.sources), n_seqs, p=self.weights)
+
+    def gathered(self, read, split, step, n_seqs, length):
+        """Each source's rows of the batch, read by read(source, n) for the n sequences it gives, in place."""
+        picks, out = self.picks(split, step, n_seqs), None
+        for k, source in enumerate(self.sources):
+            mine = torch.from_numpy(picks == k)
+            if mine.any():
+                rows = read(source, int(mine.sum()))
+                out = torch.empty((n_seqs, length + 1), dtype=rows.dtype) if out is None else out
+                out[mine] = rows
+        return out
+
+    def batch(self, split, step, n_seqs, length):
+        return self.gathered(lambda source, n: source.batch(split, step, n, length), split, step, n_seqs, length)
+
+    def loss_mask(self, split, step, n_seqs, length):
+        if not self.info.loss_mask:
+            return None
+        def read(source, n):  # a source without a mask counts every target
+            mask = source.loss_mask(split, step, n, length)
+            return torch.ones((n, length + 1), dtype=torch.bool) if mask is None else mask
+        return self.gathered(read, split, step, n_seqs, length)
+
+    def log(self, step, n_seqs, length):
+        """tokens_seen_by_source: {source: tokens read from it} through `step`, a pure function of it (as
+        tokens_seen is), kept as a running sum and counted again from step 0 only after a jump (a resume)."""
+        last, counts = self.seen
+        if step <= last:
+            last, counts = -1, np.zeros_like(counts)
+        for s in range(last + 1, step + 1):
+            counts = counts + np.bincount(self.picks("train", s, n_seqs), minlength=len(self.sources))
+        self.seen = (step, counts)
+        return {"tokens_seen_by_source": {name: int(n) * length for name, n in zip(self.names, counts)}}
+
+    def largest_id(self, part=0, n_parts=1):
+        return max(source.largest_id(part, n_parts) for source in self.sources)
+
+
 def open_data(info, seed=0):
-    """The data a DataInfo describes: the synthetic language when its path is None, else the text file or
-    token directory at its path (its meta.json is not read again)."""
+    """The data a DataInfo describes: the synthetic language when its path is None, a weighted mixture of
+    sources, or the text file or token directory at its path (its meta.json is not read again)."""
     if info.path is None:
         return MarkovLanguage(info.vocab_size, seed=seed)
+    if info.sources:
+        return Mixture(info, seed)
     return TokenFile(info.path, seed, info=info)
 
 
