@@ -8,6 +8,8 @@ layouts of released models: a byte-level BPE as GPT-2's, the same with 66,000 to
 decoded, exactly as written, in its split, in order.
 """
 import errno
+import gzip
+import hashlib
 import json
 import multiprocessing
 import os
@@ -17,6 +19,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow
+import pyarrow.parquet
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -138,6 +142,32 @@ def write_inputs(root, documents, field="text"):
         lines.insert(2, json.dumps({field: ""}))
         (records / name).write_text("\n".join(lines) + "\n")
     return [str(root / "texts"), str(records)]
+
+
+def write_records(path, texts, field="text"):
+    """texts as the records of path's kind, by its suffix: a .jsonl line each (compressed with gzip for .gz,
+    zstd for .zst), or a Parquet row each, in row groups of 7 rows. A None is a blank line, or a null."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        table = pyarrow.table({"id": list(range(len(texts))), field: texts})
+        pyarrow.parquet.write_table(table, path, row_group_size=7)
+        assert pyarrow.parquet.ParquetFile(path).num_row_groups == -(-len(texts) // 7)
+        return path
+    lines = "".join("\n" if text is None else json.dumps({field: text}) + "\n" for text in texts).encode()
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(lines))
+    elif path.suffix == ".zst":
+        with pyarrow.CompressedOutputStream(str(path), "zstd") as f:
+            f.write(lines)
+    else:
+        path.write_bytes(lines)
+    return path
+
+
+def zstd(data):
+    with pyarrow.BufferOutputStream() as buffer, pyarrow.CompressedOutputStream(buffer, "zstd") as f:
+        f.write(data)
+    return buffer.getvalue().to_pybytes()
 
 
 def read_splits(out):
@@ -287,6 +317,63 @@ def test_the_inputs_hash_covers_the_contents_and_the_field(folders, tmp_path):
     assert changed["inputs_sha256"] != first["inputs_sha256"]
 
 
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+
+
+def test_every_kind_of_records_file_prepares_the_same_bytes(folders, tmp_path):
+    """The same texts as .jsonl, .jsonl.gz, .jsonl.zst and .parquet (seven row groups) give the same train.bin,
+    val.bin and meta.json, but for inputs_sha256: the hash of each file's bytes as stored. The Parquet file
+    is tokenized by two workers, the others by one: the same bytes whatever the number."""
+    documents = make_documents(45)
+    records = documents[:1] + [None, ""] + documents[1:]  # a blank line (or a null), an empty text: skipped
+    outputs = {}
+    for suffix in RECORD_SUFFIXES:
+        path = write_records(tmp_path / f"records{suffix}", records)
+        out = tmp_path / f"out{suffix}"
+        meta = prepare.prepare([str(path)], folders["gpt2"], str(out), val=5, chunk_docs=4,
+                               workers=2 if suffix == ".parquet" else 1)
+        stored = hashlib.sha256(b"text\0" + hashlib.sha256(path.read_bytes()).digest())
+        assert meta.pop("inputs_sha256") == stored.hexdigest()
+        outputs[suffix] = meta, (out / "train.bin").read_bytes(), (out / "val.bin").read_bytes()
+    assert all(output == outputs[".jsonl"] for output in outputs.values())
+    assert outputs[".jsonl"][0]["documents"] == {"train": 40, "val": 5}
+    splits = read_splits(str(tmp_path / "out.parquet"))
+    assert splits["train"] == [d for d in documents if d not in splits["val"]]
+
+
+def test_a_folder_is_searched_for_every_kind_of_input(folders, tmp_path):
+    documents = make_documents(24)
+    folder = tmp_path / "corpus"
+    (folder / "c").mkdir(parents=True)
+    (folder / "a.txt").write_text(documents[0])
+    write_records(folder / "b.jsonl.gz", documents[1:6])
+    write_records(folder / "c" / "d.jsonl.zst", documents[6:12])
+    write_records(folder / "e.parquet", documents[12:])
+    (folder / "f.gz").write_bytes(gzip.compress(b"not an input"))
+    (folder / "g.json").write_text(json.dumps({"text": "not an input"}))
+    prepare.prepare([str(folder)], folders["gpt2"], str(tmp_path / "out"), val=4)
+    splits = read_splits(str(tmp_path / "out"))
+    assert splits["train"] == [d for d in documents if d not in splits["val"]] and len(splits["val"]) == 4
+
+
+def test_a_records_value_reaches_the_caller_as_the_value_it_is(tmp_path):
+    """file_records gives a field's value as JSON or Parquet holds it (a chat's messages: a list of dicts),
+    with where it was; the text check is apart, in file_documents."""
+    chats = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+             for i in range(9)]
+    parquet = tmp_path / "chats.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"messages": chats[:4] + [None] + chats[4:]}), parquet,
+                                row_group_size=4)
+    lines = tmp_path / "chats.jsonl.gz"
+    lines.write_bytes(gzip.compress("".join(json.dumps({"messages": chat}) + "\n\n" for chat in chats).encode()))
+    assert list(prepare.file_records(str(parquet), "messages")) == [
+        (f"{parquet}: row {row}", chat) for row, chat in zip([1, 2, 3, 4, 6, 7, 8, 9, 10], chats)]
+    assert list(prepare.file_records(str(lines), "messages")) == [
+        (f"{lines}:{2 * i + 1}", chat) for i, chat in enumerate(chats)]
+    with pytest.raises(PrepareError, match="chats.parquet: row 1: 'messages' is a list, not a string"):
+        next(prepare.file_documents(str(parquet), "messages"))
+
+
 # 3. Chunks, processes, memory ---------------------------------------------------------------------------------
 
 def run_prepare(*args, timeout=120):
@@ -411,25 +498,48 @@ def bad_inputs(tmp_path, one_document):
         path = tmp_path / name
         path.write_bytes(content)
         return str(path)
+    def parquet(name, **columns):
+        path = tmp_path / name
+        pyarrow.parquet.write_table(pyarrow.table(columns), path, row_group_size=5)
+        return str(path)
     (tmp_path / "nothing").mkdir()
     (tmp_path / "nothing" / "readme.md").write_text("no inputs here")
+    lines = b'{"text": "ok"}\n' * 40
     return {
         "missing": ([one_document, str(tmp_path / "gone.txt")], "gone.txt: no such file or folder"),
         "not utf-8": ([file("latin1.txt", "café".encode("latin-1")), one_document], "latin1.txt: not UTF-8 text"),
         "not json": ([file("bad.jsonl", b'{"text": "ok"}\n{"text": "ok"}\n{"text": \n')], "bad.jsonl:3: not JSON"),
         "not a string": ([file("list.jsonl", b'{"text": ["a"]}\n')], "list.jsonl:1: 'text' is a list, not a string"),
-        "other kind": ([file("notes.md", b"text")], "notes.md: neither a .txt file"),
-        "no inputs in the folder": ([str(tmp_path / "nothing")], "a folder with no .txt or .jsonl files"),
+        "other kind": ([file("notes.md", b"text")], "notes.md: not an input: .txt files"),
+        "no inputs in the folder": ([str(tmp_path / "nothing")],
+                                    "a folder with no .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files"),
+        "no column": ([parquet("body.parquet", body=["a", "b"])],
+                      "body.parquet: no 'text' column \\(--field names the column holding the text; its "
+                      "columns are body\\)"),
+        "not a string in a row": ([parquet("ids.parquet", text=[None] * 16 + [17, 18])],  # rows in 4 groups
+                                  "ids.parquet: row 17: 'text' is a int, not a string"),
+        "not parquet": ([file("fake.parquet", b"PAR1 a text file")],
+                        "fake.parquet: not a valid Parquet file \\(Parquet magic bytes not found"),
+        "not gzip": ([file("plain.jsonl.gz", lines)], "plain.jsonl.gz: not a valid gzip file \\(Not a gzipped"),
+        "cut gzip": ([file("cut.jsonl.gz", gzip.compress(lines)[:-12])],
+                     "cut.jsonl.gz: not a valid gzip file \\(Compressed file ended"),
+        "cut zstd": ([file("cut.jsonl.zst", zstd(lines)[:-6])], "cut.jsonl.zst: not a valid zstd file"),
+        "not zstd": ([file("plain.jsonl.zst", lines)], "plain.jsonl.zst: not a valid zstd file"),
+        "not json, compressed": ([file("bad.jsonl.zst", zstd(lines + b'{"text": \n'))], "bad.jsonl.zst:41: not JSON"),
         "empty": ([file("empty.txt", b""), file("blank.jsonl", b'\n{"text": ""}\n')], "no documents in"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing", "not utf-8", "not json", "not a string", "other kind",
-                                  "no inputs in the folder", "empty"])
-def test_bad_inputs_are_named(folders, tmp_path, one_document, case):
+                                  "no inputs in the folder", "empty", "no column", "not a string in a row",
+                                  "not parquet", "not gzip", "cut gzip", "cut zstd", "not zstd",
+                                  "not json, compressed"])
+def test_bad_inputs_are_named(folders, tmp_path, one_document, case, monkeypatch):
+    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 3)  # rows counted across batches and row groups
     inputs, message = bad_inputs(tmp_path, one_document)[case]
-    with pytest.raises(PrepareError, match=message):
+    with pytest.raises(PrepareError, match=message) as error:
         prepare.prepare(inputs, folders["gpt2"], str(tmp_path / "out"))
+    assert "\n" not in str(error.value)  # one line
     assert not (tmp_path / "out").exists()
 
 

@@ -3,18 +3,21 @@
     python -m tools.prepare --tokenizer Llama-3.2-1B --out data/notes notes/ letters.jsonl
     torchrun --nproc_per_node 2 train.py --init-from Llama-3.2-1B --data data/notes
 
-Inputs are .txt files (a document each), .jsonl files (a document a line: its "text" field, or --field's)
-and folders of them, searched recursively in sorted order (other files ignored; blank lines and empty
-documents skipped). Each document becomes its ids (training/tokenizer.py: BOS first if the model expects
-one) and then the tokenizer's EOS, which tells the model where a text ends and generation stops. The
-documents go one after another, in input order, into DIR/train.bin and DIR/val.bin: uint16 ids where the
-vocabulary fits in 16 bits, else uint32. DIR/meta.json describes them (training/data.py reads it):
+Inputs are .txt files (a document each), .jsonl files (a document a line: its "text" field, or --field's),
+the same compressed (.jsonl.gz: gzip, .jsonl.zst: zstd), .parquet files (a document a row: its "text"
+column, or --field's, read a row group at a time) and folders of them, searched recursively in sorted order
+(other files ignored; blank lines, null values and empty documents skipped). Each document becomes its
+ids (training/tokenizer.py: BOS first if the model expects one) and then the tokenizer's EOS, which tells
+the model where a text ends and generation stops. The documents go one after another, in input order, into
+DIR/train.bin and DIR/val.bin: uint16 ids where the vocabulary fits in 16 bits, else uint32. DIR/meta.json
+describes them (training/data.py reads it):
 
     dtype, vocab_size                   the ids' type, and how many ids the tokenizer has
     eos_id, bos_id, add_bos             its special ids (bos_id null if it has none)
     tokenizer, tokenizer_sha256         its folder, and its tokenizer.json's SHA-256
     documents, tokens                   per split: {"train": ..., "val": ...}
-    field, val, seed, inputs_sha256     how the inputs were read and split, and their contents' SHA-256
+    field, val, seed, inputs_sha256     how the inputs were read and split, and their files' SHA-256 (the
+                                        bytes as stored: compressed ones compressed)
 
 The validation split takes whole documents, never part of one: --val is a fraction of them (rounded to the
 nearest count) or a count, picked by a shuffle seeded by --seed.
@@ -28,20 +31,26 @@ of workers writes the same bytes.
 """
 import argparse
 import collections
+import gzip
 import hashlib
+import io
 import json
 import math
 import multiprocessing
 import os
 import sys
 import time
+import zlib
 
 import numpy as np
 
 from training.tokenizer import Tokenizer, TokenizerError
 
 PROG = "python -m tools.prepare"
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+INPUT_KINDS = (".txt files (a document each), .jsonl files (a document a line; compressed: .jsonl.gz, .jsonl.zst) "
+               "or .parquet files (a document a row), or folders of them")
+PARQUET_BATCH_ROWS = 1024  # rows made Python values at a time: memory holds these and a row group's column
 SPLITS = ("train", "val")
 CHUNKS_A_WORKER = 2  # one being tokenized, one waiting: a worker never idles while the writer catches up
 
@@ -55,66 +64,151 @@ class PrepareError(Exception):
 # ---------------------------------------------------------------------------
 
 def input_files(inputs):
-    """The files to read, in order: each input file as given, each folder's .txt and .jsonl files sorted."""
+    """The files to read, in order: each input file as given, each folder's input files (by SUFFIXES) sorted."""
     files = []
     for path in inputs:
         if os.path.isdir(path):
             found = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
                            for name in names if name.endswith(SUFFIXES))
             if not found:
-                raise PrepareError(f"{path}: a folder with no .txt or .jsonl files in it")
+                raise PrepareError(f"{path}: a folder with no {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]} "
+                                   f"files in it")
             files += found
         elif not os.path.exists(path):
             raise PrepareError(f"{path}: no such file or folder")
         elif not path.endswith(SUFFIXES):
-            raise PrepareError(f"{path}: neither a .txt file (a document) nor a .jsonl file (a document a line)")
+            raise PrepareError(f"{path}: not an input: {INPUT_KINDS}")
         else:
             files.append(path)
     return files
 
 
-def jsonl_document(line, field, path, number):
-    """The text of one .jsonl line (line `number` of path): its `field`, a string; "" for a blank line."""
-    if not line.strip():
-        return ""
+def file_records(path, field, digest=None):
+    """(where, value) for each record of one input file, in order, read as they are asked for. A .txt file is
+    one record, its text; each line of a .jsonl file (blank lines skipped) or row of a Parquet file (nulls
+    skipped) is one, its `field` as JSON or Parquet gives it: a str, list, dict or number. `where` names the
+    file, and the line (path:17) or row (path: row 17), for messages. digest, if given, is fed the file's
+    bytes as stored (compressed, for .jsonl.gz and .jsonl.zst)."""
+    try:
+        with open(path, "rb", buffering=0) as raw:
+            if path.endswith(".parquet"):
+                if digest:  # a Parquet file is read from its footer, a column at a time: hashed beforehand
+                    hash_rest(raw, digest)
+                    raw.seek(0)
+                yield from parquet_records(path, raw, field)
+                return
+            stream = io.BufferedReader(Hashing(raw, digest) if digest else raw)
+            if path.endswith(".txt"):
+                yield path, utf8_text(path, stream.read())
+                return
+            for number, line in jsonl_lines(path, stream):
+                if line.strip():
+                    where = f"{path}:{number}"
+                    yield where, jsonl_field(line, field, where)
+            if digest:  # bytes a decompressor left after its end (gzip and zstd read to the end: a safeguard)
+                hash_rest(raw, digest)
+    except OSError as e:
+        raise PrepareError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def hash_rest(file, digest):
+    """Feed digest the bytes of file from where it is to its end."""
+    for block in iter(lambda: file.read(1 << 20), b""):
+        digest.update(block)
+
+
+class Hashing(io.RawIOBase):
+    """A binary file that feeds digest each byte read from it: the bytes as stored, whatever decodes them."""
+
+    def __init__(self, file, digest):
+        self.file, self.digest = file, digest
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        count = self.file.readinto(buffer)
+        self.digest.update(memoryview(buffer)[:count])
+        return count
+
+
+def utf8_text(path, data):
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def jsonl_lines(path, stream):
+    """(line number, line) of a .jsonl file's stream, decompressed as its suffix says: gzip for .gz, zstd
+    for .zst."""
+    kind = "gzip" if path.endswith(".gz") else "zstd" if path.endswith(".zst") else "text"
+    if kind == "gzip":
+        stream = gzip.GzipFile(fileobj=stream, mode="rb")
+    elif kind == "zstd":
+        import pyarrow  # here, not above: only .zst and .parquet inputs need it (and the spawned workers never)
+        stream = io.BufferedReader(pyarrow.CompressedInputStream(stream, "zstd"))
+    try:
+        yield from enumerate(stream, 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise_invalid(path, kind, e)
+
+
+def jsonl_field(line, field, where):
+    """The value of `field` in one .jsonl line, as JSON gives it."""
     try:
         record = json.loads(line)
     except UnicodeDecodeError:
-        raise PrepareError(f"{path}:{number}: not UTF-8 text") from None
+        raise PrepareError(f"{where}: not UTF-8 text") from None
     except ValueError as e:
-        raise PrepareError(f"{path}:{number}: not JSON ({e})") from None
+        raise PrepareError(f"{where}: not JSON ({e})") from None
     if not isinstance(record, dict) or field not in record:
-        raise PrepareError(f"{path}:{number}: no {field!r} field (--field names the field holding the text)")
-    text = record[field]
-    if not isinstance(text, str):
-        raise PrepareError(f"{path}:{number}: {field!r} is a {type(text).__name__}, not a string")
-    return text
+        raise PrepareError(f"{where}: no {field!r} field (--field names the field holding the text)")
+    return record[field]
+
+
+def parquet_records(path, file, field):
+    """(where, value) for each row of a Parquet file whose `field` is not null, PARQUET_BATCH_ROWS rows at a
+    time: memory holds a row group's column, never the file."""
+    import pyarrow.parquet  # here, not above: only .zst and .parquet inputs need it (and the spawned workers never)
+    try:
+        parquet = pyarrow.parquet.ParquetFile(file)
+        columns = parquet.schema_arrow.names
+        if field not in columns:  # pyarrow would read no rows at all, silently
+            raise PrepareError(f"{path}: no {field!r} column (--field names the column holding the text; its "
+                               f"columns are {', '.join(columns)})")
+        row = 0
+        for batch in parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[field]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if value is not None:
+                    yield f"{path}: row {row}", value
+    except (OSError, pyarrow.ArrowException) as e:
+        raise_invalid(path, "Parquet", e)
+
+
+def raise_invalid(path, kind, error):
+    """Raise what gzip, zlib or pyarrow raised reading path as `kind` as one line; but an OSError with an errno
+    as it is: the system's (permissions, a failing disk), which file_records reports as such."""
+    if isinstance(error, OSError) and error.errno is not None:
+        raise error
+    reason = str(error).strip().splitlines() or [type(error).__name__]
+    raise PrepareError(f"{path}: not a valid {kind} file ({reason[0]})") from None
+
+
+def document_text(where, value, field):
+    """The text of a record's value: a string (empty ones are skipped by the caller)."""
+    if not isinstance(value, str):
+        raise PrepareError(f"{where}: {field!r} is a {type(value).__name__}, not a string")
+    return value
 
 
 def file_documents(path, field, digest=None):
-    """The non-empty documents of one input file, read as they are asked for (a .jsonl a line at a time);
-    digest, if given, is fed the file's bytes."""
-    try:
-        with open(path, "rb") as f:
-            if path.endswith(".txt"):
-                data = f.read()
-                if digest:
-                    digest.update(data)
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise PrepareError(f"{path}: not UTF-8 text (byte {e.start})") from None
-                if text:
-                    yield text
-                return
-            for number, line in enumerate(f, 1):
-                if digest:
-                    digest.update(line)
-                text = jsonl_document(line, field, path, number)
-                if text:
-                    yield text
-    except OSError as e:
-        raise PrepareError(f"{path}: cannot be read ({e.strerror})") from None
+    """The non-empty documents of one input file, read as they are asked for (see file_records)."""
+    for where, value in file_records(path, field, digest):
+        text = document_text(where, value, field)
+        if text:
+            yield text
 
 
 def documents(files, field):
@@ -349,7 +443,7 @@ def positive(kind):
 
 def parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, or folders of them")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUT_KINDS)
     p.add_argument("--tokenizer", required=True, metavar="FOLDER",
                    help="a Hugging Face model folder holding tokenizer.json (the --init-from folder)")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="where train.bin, val.bin, meta.json go")
@@ -358,7 +452,8 @@ def parser():
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the choice of the validation documents (default %(default)s)")
     p.add_argument("--field", default="text",
-                   help="the field of each .jsonl line holding its text (default %(default)s)")
+                   help="the field of each .jsonl line, or the column of each .parquet file, holding its text "
+                        "(default %(default)s)")
     p.add_argument("--workers", type=positive(int), default=min(os.cpu_count() or 1, 8),
                    help="tokenizing processes (default: the CPUs, at most 8: %(default)s)")
     p.add_argument("--chunk-docs", type=positive(int), default=1024,
