@@ -27,7 +27,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 import hf_models
 from tools import convert, prepare
-from tools.prepare import CHUNKS_A_WORKER, PrepareError, encode_chunk, encoded_chunks
+from tools.prepare import CHUNKS_A_WORKER, PrepareError, Texts, encode_chunk, encoded_chunks
 from training import cli
 from training.data import TokenFile, load_data, read_meta, split_lengths, tokenizer_of, vocab_size_of
 from training.tokenizer import TOKENIZER_FILES, Tokenizer, TokenizerError, fingerprint
@@ -404,7 +404,7 @@ def test_one_and_two_workers_write_the_same_bytes(folders, tmp_path):
 def test_workers_draw_chunks_only_as_results_are_taken(folders):
     """However long the corpus, at most CHUNKS_A_WORKER chunks a worker are read ahead of the writer: the
     documents are drawn from the reader lazily, so memory holds a few chunks, never the corpus."""
-    tokenizer = Tokenizer.from_folder(folders["gpt2"])
+    kind = Texts(Tokenizer.from_folder(folders["gpt2"]))
     documents = make_documents(60)
     tasks = [(documents[i:i + 3], np.arange(i, i + 3) % 4 == 0) for i in range(0, 60, 3)]
     drawn = []
@@ -413,9 +413,9 @@ def test_workers_draw_chunks_only_as_results_are_taken(folders):
             drawn.append(task)
             yield task
     workers = 2
-    for taken, result in enumerate(encoded_chunks(lazily(), tokenizer, workers, deadline=120)):
+    for taken, result in enumerate(encoded_chunks(lazily(), kind, workers, deadline=120)):
         assert len(drawn) <= taken + CHUNKS_A_WORKER * workers
-        expected = encode_chunk(tokenizer, *tasks[taken])
+        expected = encode_chunk(kind, *tasks[taken])
         assert all(np.array_equal(a, b) for a, b in zip(result[:2], expected[:2])) and result[2] == 3
     assert taken == len(tasks) - 1
 
@@ -423,10 +423,10 @@ def test_workers_draw_chunks_only_as_results_are_taken(folders):
 def test_a_worker_past_the_deadline_stops_everything(folders):
     """A result not ready in time (a worker killed or stuck; here, one still starting) ends the run with an
     error, and the pool's processes with it."""
-    tokenizer = Tokenizer.from_folder(folders["gpt2"])
+    kind = Texts(Tokenizer.from_folder(folders["gpt2"]))
     tasks = [(["a document"], np.array([False]))] * 8
     with pytest.raises(PrepareError, match="more than --timeout 0.001 s"):
-        list(encoded_chunks(iter(tasks), tokenizer, workers=2, deadline=0.001))
+        list(encoded_chunks(iter(tasks), kind, workers=2, deadline=0.001))
     assert multiprocessing.active_children() == []
 
 

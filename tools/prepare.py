@@ -31,6 +31,7 @@ of workers writes the same bytes.
 """
 import argparse
 import collections
+import contextlib
 import gzip
 import hashlib
 import io
@@ -44,6 +45,7 @@ import zlib
 
 import numpy as np
 
+from training.chat import ChatError, ChatTemplate, end_ids
 from training.tokenizer import Tokenizer, TokenizerError
 
 PROG = "python -m tools.prepare"
@@ -203,32 +205,96 @@ def document_text(where, value, field):
     return value
 
 
-def file_documents(path, field, digest=None):
-    """The non-empty documents of one input file, read as they are asked for (see file_records)."""
+def file_documents(path, field, digest=None, kind=None):
+    """The non-empty documents of one input file, read as they are asked for (see file_records), each
+    checked by kind (Texts: a string; Conversations: a list of messages its template renders)."""
+    kind = kind or Texts()
     for where, value in file_records(path, field, digest):
-        text = document_text(where, value, field)
-        if text:
-            yield text
+        document = kind.document(where, value, field)
+        if document:
+            yield document
 
 
-def documents(files, field):
+def documents(files, field, kind=None):
     """Every document of the files, in order, each read when it is asked for."""
     for path in files:
-        yield from file_documents(path, field)
+        yield from file_documents(path, field, kind=kind)
 
 
-def survey(files, field, progress):
+def survey(files, field, progress, kind=None):
     """The first pass: every document read and checked. Returns (documents, the inputs' SHA-256): the
     field's name, then each file's SHA-256 in order, hashed."""
     inputs = hashlib.sha256(field.encode() + b"\0")
     count = 0
     for path in files:
         digest = hashlib.sha256()
-        for _ in file_documents(path, field, digest):
+        for _ in file_documents(path, field, digest, kind):
             count += 1
             progress.show(lambda: f"read {count:,} documents")
         inputs.update(digest.digest())
     return count, inputs.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# What a document is: a text, or a conversation (--chat) with the tokens its loss counts
+# ---------------------------------------------------------------------------
+
+class Texts:
+    """Documents of text: each a string, its ids (BOS first if the model expects one) and then EOS."""
+    loss_mask = False
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.separator = tokenizer and tokenizer.eos_id  # ends each document in the token files
+
+    def document(self, where, value, field):
+        return document_text(where, value, field)
+
+    def size(self, text):
+        return len(text)
+
+    def encode(self, text):
+        """(ids, None: every token counts)."""
+        return self.tokenizer.encode(text), None
+
+
+class Conversations(Texts):
+    """Documents that are conversations (a list of {role, content}), rendered by the model folder's chat
+    template (training/chat.py, in Jinja2's sandbox): their ids as the template writes them, and a loss
+    mask that counts the assistant's turns. Each ends with a separator: the first of the tokenizer's ends
+    (EOS, the other ids that end a generation, the padding token) that the template never writes, so that
+    document masking splits the token files between conversations, never inside one."""
+    loss_mask = True
+
+    def __init__(self, tokenizer, folder):
+        super().__init__(tokenizer)
+        try:
+            self.chat = ChatTemplate.from_folder(folder, tokenizer)
+            self.separator = self.chat.document_end(end_ids(folder, tokenizer))
+        except ChatError as e:
+            raise PrepareError(f"--tokenizer {e}") from None
+        self.separator_text = tokenizer.backend.id_to_token(self.separator)
+
+    def document(self, where, messages, field):
+        try:
+            text, _ = self.chat.assistant_spans(messages)
+        except ChatError as e:
+            raise PrepareError(f"{where}: {e}") from None
+        if self.separator_text in text:
+            raise PrepareError(f"{where}: the conversation writes {self.separator_text!r}, the token that ends "
+                               f"each conversation in the token files")
+        return messages
+
+    def size(self, messages):
+        return sum(len(message["content"]) for message in messages)
+
+    def encode(self, messages):
+        return self.chat.encode(messages)
+
+
+def document_kind(tokenizer, chat):
+    """Texts, or with --chat Conversations rendered by the tokenizer folder's template."""
+    return Conversations(tokenizer, tokenizer.source) if chat else Texts(tokenizer)
 
 
 def validation_documents(val, n_documents, seed):
@@ -245,13 +311,13 @@ def validation_documents(val, n_documents, seed):
     return in_val
 
 
-def chunks(texts, in_val, chunk_docs, chunk_bytes):
+def chunks(texts, in_val, chunk_docs, chunk_bytes, size_of=len):
     """(documents, their in_val flags): consecutive runs of at most chunk_docs documents, each closed once it
-    holds chunk_bytes characters (a long document closes the chunk it joins)."""
+    holds chunk_bytes characters (size_of(document); a long document closes the chunk it joins)."""
     chunk, size, start = [], 0, 0
     for text in texts:
         chunk.append(text)
-        size += len(text)
+        size += size_of(text)
         if len(chunk) == chunk_docs or size >= chunk_bytes:
             yield chunk, in_val[start:start + len(chunk)]
             chunk, size, start = [], 0, start + len(chunk)
@@ -268,39 +334,44 @@ def token_dtype(vocab_size):
     return "uint16" if vocab_size - 1 <= np.iinfo(np.uint16).max else "uint32"
 
 
-def encode_chunk(tokenizer, texts, in_val):
-    """(train tokens, val tokens, documents): each document's ids and then EOS, in order, in its split."""
-    splits = ([], [])
+def encode_chunk(kind, texts, in_val):
+    """(train tokens, val tokens, documents, train mask, val mask): each document's ids and then the
+    separator (EOS), in order, in its split; with a loss mask (kind.loss_mask: conversations), a uint8 a
+    token, 1 where the loss counts it (never the separator), else the masks are None."""
+    splits, masks = ([], []), ([], [])
     for text, val in zip(texts, in_val):
-        splits[int(val)].extend(tokenizer.encode(text))
-        splits[int(val)].append(tokenizer.eos_id)
-    dtype = token_dtype(tokenizer.vocab_size)
-    return np.array(splits[0], dtype=dtype), np.array(splits[1], dtype=dtype), len(texts)
+        ids, counted = kind.encode(text)
+        splits[int(val)].extend([*ids, kind.separator])
+        masks[int(val)].extend([*(counted or ()), False])
+    dtype = token_dtype(kind.tokenizer.vocab_size)
+    train_mask, val_mask = (np.array(m, dtype=np.uint8) if kind.loss_mask else None for m in masks)
+    return np.array(splits[0], dtype=dtype), np.array(splits[1], dtype=dtype), len(texts), train_mask, val_mask
 
 
-worker_tokenizer = None  # a worker process's own, loaded once by start_worker
+worker_kind = None  # a worker process's own, loaded once by start_worker
 
 
-def start_worker(folder):
-    global worker_tokenizer
-    worker_tokenizer = Tokenizer.from_folder(folder)
+def start_worker(folder, chat):
+    global worker_kind
+    worker_kind = document_kind(Tokenizer.from_folder(folder), chat)
 
 
 def encode_chunk_in_worker(texts, in_val):
-    return encode_chunk(worker_tokenizer, texts, in_val)
+    return encode_chunk(worker_kind, texts, in_val)
 
 
-def encoded_chunks(tasks, tokenizer, workers, deadline):
+def encoded_chunks(tasks, kind, workers, deadline):
     """encode_chunk of each (texts, in_val) of tasks, in order. With more than one worker, tasks are drawn
     only as results are taken (at most CHUNKS_A_WORKER a worker in flight: bounded memory) and a result not
     ready within `deadline` seconds (a worker killed, or stuck) stops everything."""
     if workers == 1:
         for texts, in_val in tasks:
-            yield encode_chunk(tokenizer, texts, in_val)
+            yield encode_chunk(kind, texts, in_val)
         return
     # Spawned, not forked: a fork would copy this process's tokenizer threads' locks in whatever state.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=start_worker, initargs=(tokenizer.source,)) as pool:  # exit: terminate
+    initargs = (kind.tokenizer.source, kind.loss_mask)
+    with context.Pool(workers, initializer=start_worker, initargs=initargs) as pool:  # exit: terminate
         pending = collections.deque()
         for task in tasks:
             pending.append(pool.apply_async(encode_chunk_in_worker, task))
@@ -345,15 +416,21 @@ class Progress:
         self.stream.flush()
 
 
-def write_splits(out, encoded, n_documents, progress):
-    """Append each chunk's tokens to out's train.bin and val.bin, under .partial names until prepare has
-    them all. Returns the tokens in each split."""
+def written_files(loss_mask):
+    """The files prepare writes per split: the ids, and with a loss mask the mask beside them."""
+    return [f"{split}.{suffix}" for suffix in ("bin", "mask")[:1 + loss_mask] for split in SPLITS]
+
+
+def write_splits(out, encoded, n_documents, progress, loss_mask=False):
+    """Append each chunk's tokens to out's train.bin and val.bin (and their masks to train.mask and val.mask),
+    under .partial names until prepare has them all. Returns the tokens in each split."""
     tokens, done, start = {split: 0 for split in SPLITS}, 0, time.monotonic()
-    with open(os.path.join(out, "train.bin.partial"), "wb") as train, \
-            open(os.path.join(out, "val.bin.partial"), "wb") as val:
-        for train_tokens, val_tokens, n_docs in encoded:
-            train_tokens.tofile(train)
-            val_tokens.tofile(val)
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(os.path.join(out, name + ".partial"), "wb"))
+                 for name in written_files(loss_mask)]
+        for train_tokens, val_tokens, n_docs, *masks in encoded:
+            for file, values in zip(files, [train_tokens, val_tokens, *masks]):
+                values.tofile(file)
             tokens["train"] += len(train_tokens)
             tokens["val"] += len(val_tokens)
             done += n_docs
@@ -378,7 +455,7 @@ def check_out(out, force):
 
 
 def prepare(inputs, tokenizer_folder, out, val=0.1, seed=0, field="text", workers=1, chunk_docs=1024,
-            chunk_bytes=4 << 20, deadline=600.0, force=False, progress=None):
+            chunk_bytes=4 << 20, deadline=600.0, force=False, progress=None, chat=False):
     """Tokenize the documents of inputs into out/{train,val}.bin and out/meta.json (see the module's
     docstring). Returns meta.json's contents; raises PrepareError on bad input, before writing anything."""
     progress = progress or Progress(enabled=False)
@@ -391,25 +468,26 @@ def prepare(inputs, tokenizer_folder, out, val=0.1, seed=0, field="text", worker
         raise PrepareError(f"--tokenizer {tokenizer_folder}: no file names an EOS token (eos_token_id in "
                            f"generation_config.json or config.json, or tokenizer_config.json's eos_token), "
                            f"and every document ends with one")
+    kind = document_kind(tokenizer, chat)
     files = input_files(inputs)
-    n_documents, inputs_sha256 = survey(files, field, progress)
+    n_documents, inputs_sha256 = survey(files, field, progress, kind)
     if n_documents == 0:
         raise PrepareError(f"no documents in {', '.join(inputs)}: only empty files, lines or fields")
     in_val = validation_documents(val, n_documents, seed)
 
     os.makedirs(out, exist_ok=True)
-    encoded = encoded_chunks(chunks(documents(files, field), in_val, chunk_docs, chunk_bytes),
-                             tokenizer, workers, deadline)
-    tokens = write_splits(out, encoded, n_documents, progress)
+    encoded = encoded_chunks(chunks(documents(files, field, kind), in_val, chunk_docs, chunk_bytes, kind.size),
+                             kind, workers, deadline)
+    tokens = write_splits(out, encoded, n_documents, progress, kind.loss_mask)
     n_val = int(in_val.sum())
     meta = dict(dtype=token_dtype(tokenizer.vocab_size), vocab_size=tokenizer.vocab_size,
-                eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id, add_bos=tokenizer.add_bos,
+                eos_id=kind.separator, bos_id=tokenizer.bos_id, add_bos=tokenizer.add_bos,
                 tokenizer=tokenizer.source, tokenizer_sha256=tokenizer.fingerprint,
                 documents={"train": n_documents - n_val, "val": n_val}, tokens=tokens,
-                field=field, val=val, seed=seed, inputs_sha256=inputs_sha256)
+                field=field, val=val, seed=seed, inputs_sha256=inputs_sha256, chat=chat, loss_mask=kind.loss_mask)
     # Until here everything went under .partial names: an interrupted run leaves the directory as it was.
-    for split in SPLITS:
-        os.replace(os.path.join(out, f"{split}.bin.partial"), os.path.join(out, f"{split}.bin"))
+    for name in written_files(kind.loss_mask):
+        os.replace(os.path.join(out, name + ".partial"), os.path.join(out, name))
     write_json(os.path.join(out, "meta.json"), meta)
     return meta
 
@@ -451,9 +529,13 @@ def parser():
                    help="the validation split: a fraction of the documents, or a count (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the choice of the validation documents (default %(default)s)")
-    p.add_argument("--field", default="text",
-                   help="the field of each .jsonl line, or the column of each .parquet file, holding its text "
-                        "(default %(default)s)")
+    p.add_argument("--field", default=None,
+                   help="the field of each .jsonl line, or the column of each .parquet file, holding its text, or "
+                        "with --chat its messages (default: text; with --chat, messages)")
+    p.add_argument("--chat", action="store_true",
+                   help="each record is a conversation (a list of {role, content}), rendered with the --tokenizer "
+                        "folder's chat template; train.mask and val.mask mark the assistant's tokens, which alone "
+                        "the loss counts")
     p.add_argument("--workers", type=positive(int), default=min(os.cpu_count() or 1, 8),
                    help="tokenizing processes (default: the CPUs, at most 8: %(default)s)")
     p.add_argument("--chunk-docs", type=positive(int), default=1024,
@@ -469,15 +551,17 @@ def parser():
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
-        meta = prepare(args.inputs, args.tokenizer, args.out, val=args.val, seed=args.seed, field=args.field,
+        field = args.field or ("messages" if args.chat else "text")
+        meta = prepare(args.inputs, args.tokenizer, args.out, val=args.val, seed=args.seed, field=field,
                        workers=args.workers, chunk_docs=args.chunk_docs, chunk_bytes=args.chunk_bytes,
-                       deadline=args.timeout, force=args.force, progress=Progress())
+                       deadline=args.timeout, force=args.force, progress=Progress(), chat=args.chat)
     except PrepareError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
     for split in SPLITS:
         print(f"{split}: {meta['documents'][split]:,} documents, {meta['tokens'][split]:,} tokens")
-    print(f"wrote {os.path.join(args.out, 'train.bin')} and val.bin ({meta['dtype']}), and meta.json")
+    masks = " and their loss masks (train.mask, val.mask)" if meta["loss_mask"] else ""
+    print(f"wrote {os.path.join(args.out, 'train.bin')} and val.bin ({meta['dtype']}){masks}, and meta.json")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,16 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id] + ids if self.add_bos else ids
 
+    def encode_rendered(self, text):
+        """(ids, [(first, end) character offsets of each]) of a chat template's text: special tokens' names
+        are those tokens, and nothing is added (the template writes its own BOS where the model has one)."""
+        self.backend.encode_special_tokens = False
+        try:
+            encoding = self.backend.encode(text, add_special_tokens=False)
+        finally:
+            self.backend.encode_special_tokens = True
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids):
         """The text of ids (any sequence of ints, a numpy array too), special tokens skipped."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)

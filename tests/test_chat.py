@@ -1,0 +1,213 @@
+"""Chat fine-tuning: conversations rendered by a model folder's own chat template (training/chat.py, in
+Jinja2's sandbox), prepared with a loss mask on the assistant's tokens (tools/prepare.py --chat), trained
+under any layout as one device, and answered with the template (tools/sample.py --chat).
+
+The tokenizer and the template are made here, nothing downloaded: a byte-level BPE with ChatML's special
+tokens and a template written as Qwen3's is (an empty reasoning block before the last answer, none before
+earlier ones: earlier turns render differently once later ones follow), so the assistant's turns are found
+in the whole conversation, not by rendering prefixes.
+"""
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+import train
+from distributed import run_on_ranks
+from model import document_ids
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from test_prepare import WORDS, model_folder, training_text
+from tools import prepare, sample
+from training import chat as chat_lib
+from training import cli
+from training.chat import ChatError, ChatTemplate
+from training.tokenizer import Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and loop.index0 > ns.last_query %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role in ['system', 'user', 'assistant'] %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- raise_exception('unknown role ' + message.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "good bye"}]
+
+
+def chat_folder(path, template=QWEN3_LIKE):
+    """A model folder's tokenizer files as a Qwen3 chat model has them: <|im_end|> ends a generation (the
+    EOS), <|endoftext|> pads, and tokenizer_config.json holds the template."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.train_from_iterator(training_text(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    end, pad = backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")
+    return str(model_folder(path, backend, generation_config=dict(eos_token_id=[end, pad]),
+                            tokenizer_config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                                  chat_template=template)))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return chat_folder(tmp_path_factory.mktemp("chat") / "model")
+
+
+def test_a_conversation_renders_and_counts_the_assistants_turns_alone(folder):
+    """The text is the template's; the tokens the loss counts are the two answers, each with its end-of-turn
+    token (the last with its empty reasoning block, as Qwen3 trains its answers); nothing else."""
+    template = ChatTemplate.from_folder(folder, Tokenizer.from_folder(folder))
+    pieces = [("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n"
+               "<|im_start|>assistant\n", False),
+              ("hello<|im_end|>", True),
+              ("\n<|im_start|>user\nbye<|im_end|>\n<|im_start|>assistant\n", False),
+              ("<think>\n\n</think>\n\ngood bye<|im_end|>", True),
+              ("\n", False)]
+    text, _ = template.assistant_spans(CONVERSATION)
+    assert text == "".join(piece for piece, _ in pieces)
+    ids, counted = template.encode(CONVERSATION)
+    _, offsets = template.tokenizer.encode_rendered(text)
+    runs = []  # the text of each run of tokens counted alike
+    for (first, end), count in zip(offsets, counted):
+        if runs and runs[-1][1] == count:
+            runs[-1][0] += text[first:end]
+        else:
+            runs.append([text[first:end], count])
+    assert [tuple(run) for run in runs] == pieces
+    backend = template.tokenizer.backend
+    assert [ids[i] for i, c in enumerate(counted) if c and text[offsets[i][0]:offsets[i][1]] == "<|im_end|>"] \
+        == [backend.token_to_id("<|im_end|>")] * 2  # special tokens' names are those tokens
+    assert template.prompt_ids(CONVERSATION[:2]) == template.tokenizer.encode_rendered(pieces[0][0])[0]
+    # Conversations are separated by the first end the template never writes: <|endoftext|>, not <|im_end|>
+    assert template.document_end(chat_lib.end_ids(folder, template.tokenizer)) == backend.token_to_id("<|endoftext|>")
+
+
+def test_a_template_reaching_for_python_is_refused_without_running_anything(tmp_path):
+    marker = tmp_path / "ran"
+    tokenizer = Tokenizer.from_folder(chat_folder(tmp_path / "plain"))
+    for template in ["{{ ''.__class__.__mro__ }}",
+                     "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}",
+                     "{{ messages.__class__.__base__.__subclasses__() }}"]:
+        with pytest.raises(ChatError, match="is refused: the template reaches for"):
+            ChatTemplate(template + QWEN3_LIKE, tokenizer)
+    assert not marker.exists()
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def conversations(n, seed=0):
+    """n conversations of words: a system prompt in some, one to three exchanges each."""
+    rng = np.random.default_rng(seed)
+    say = lambda: " ".join(rng.choice(WORDS, rng.integers(2, 12)))  # noqa: E731
+    found = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": say()}] if rng.random() < 0.5 else []
+        for _ in range(rng.integers(1, 4)):
+            messages += [{"role": "user", "content": say()}, {"role": "assistant", "content": say()}]
+        found.append({"messages": messages})
+    return found
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}, r"chats.jsonl:2: message 1 has no role"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, r"chats.jsonl:2: the conversation has no assistant turn"),
+    ({"messages": [{"role": "tool", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+     r"chats.jsonl:2: .* cannot render the conversation: unknown role tool"),
+    ({"messages": [{"role": "user", "content": "<|endoftext|>"}, {"role": "assistant", "content": "x"}]},
+     r"chats.jsonl:2: the conversation writes '<\|endoftext\|>'"),
+    ({"messages": "hello"}, r"chats.jsonl:2: the conversation is a str"),
+], ids=["no-role", "no-assistant", "unrenderable", "writes-the-separator", "not-a-list"])
+def test_bad_conversations_are_named_by_file_and_line(folder, tmp_path, record, message):
+    path = write_jsonl(tmp_path / "chats.jsonl", [conversations(1)[0], record])
+    with pytest.raises(prepare.PrepareError, match=message) as raised:
+        prepare.prepare([path], folder, str(tmp_path / "out"), val=1, chat=True, field="messages")
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "out" / "train.bin").exists()
+
+
+def test_a_folder_without_a_template_is_named(tmp_path):
+    folder = chat_folder(tmp_path / "model", template=None)
+    path = write_jsonl(tmp_path / "chats.jsonl", conversations(3))
+    with pytest.raises(prepare.PrepareError, match="no chat template"):
+        prepare.prepare([path], folder, str(tmp_path / "out"), val=1, chat=True, field="messages")
+
+
+@pytest.fixture(scope="module")
+def chats(folder, tmp_path_factory):
+    """A chat dataset prepared from .jsonl, with its masks."""
+    root = tmp_path_factory.mktemp("chats")
+    path = write_jsonl(root / "chats.jsonl", conversations(120))
+    prepare.prepare([path], folder, str(root / "data"), val=10, chat=True, field="messages", workers=2)
+    return str(root / "data")
+
+
+def test_prepared_conversations_and_their_masks(folder, chats, tmp_path):
+    """Each conversation is its ids and the separator, its mask the assistant's tokens; Parquet (a list of
+    {role, content} a row) prepares the same bytes as JSONL."""
+    meta = json.loads(open(f"{chats}/meta.json").read())
+    tokenizer = Tokenizer.from_folder(folder)
+    assert meta["loss_mask"] and meta["eos_id"] == tokenizer.backend.token_to_id("<|endoftext|>")
+    template = ChatTemplate.from_folder(folder, tokenizer)
+    tokens, mask = (np.fromfile(f"{chats}/train.{s}", dtype=d) for s, d in (("bin", np.uint16), ("mask", np.uint8)))
+    ends = np.flatnonzero(tokens == meta["eos_id"])
+    assert len(ends) == meta["documents"]["train"] == 110 and ends[-1] == len(tokens) - 1
+    first = tokens[:ends[0]].tolist()
+    for record in conversations(120):  # the first conversation of the train split
+        ids, counted = template.encode(record["messages"])
+        if ids == first:
+            assert mask[:ends[0] + 1].tolist() == [*map(int, counted), 0]
+            break
+    else:
+        raise AssertionError("the train split's first conversation is none of the inputs")
+    table = pa.table({"messages": [record["messages"] for record in conversations(120)]})
+    pq.write_table(table, tmp_path / "chats.parquet", row_group_size=25)
+    prepare.prepare([str(tmp_path / "chats.parquet")], folder, str(tmp_path / "data"), val=10, chat=True,
+                    field="messages")
+    for name in ("train.bin", "val.bin", "train.mask", "val.mask"):
+        assert (tmp_path / "data" / name).read_bytes() == open(f"{chats}/{name}", "rb").read(), name
+
+
+CHAT = [*EQUIVALENCE, "--seq-len", "32"]
+
+
+def test_only_the_assistants_tokens_count_in_the_loss(chats):
+    """One device's first loss is the mean cross-entropy over the targets the mask counts (and that are not
+    predicted at a separator), computed here from the logits."""
+    argv = [*CHAT, "--data", chats]
+    args = cli.parse_args(argv)
+    data = train.load_training_data(args)
+    model = train.build_model(cli.model_config(args, data.vocab_size), args.seed, torch.float64, torch.device("cpu"))
+    tokens = data.batch("train", 0, args.batch_size, args.seq_len)
+    counted = data.loss_mask("train", 0, args.batch_size, args.seq_len)[:, 1:] & (tokens[:, :-1] != data.info.eos_id)
+    assert 0.2 < counted.float().mean() < 0.8  # a mask that leaves some out, and keeps some
+    logits = model(tokens[:, :-1], documents=document_ids(tokens[:, :-1], data.info.eos_id))[0]
+    losses = torch.nn.functional.cross_entropy(logits[..., :data.vocab_size].flatten(0, 1), tokens[:, 1:].flatten(),
+                                               reduction="none").view_as(counted)
+    expected = losses[counted].mean().item()
+    assert oracle(argv)["losses"][0] == pytest.approx(expected, rel=1e-12)
+    assert abs(losses.mean().item() - expected) > 1e-3  # every target counted would be another loss
+
+
+@pytest.mark.parametrize("world,flags", [(2, ["--tp", "2", "--sp"]), (2, ["--pp", "2", "--zero", "1"]),
+                                         (2, ["--cp", "2"])], ids=["tp2-sp", "pp2-zero1", "cp2"])
+def test_a_chat_run_trains_as_one_device(chats, tmp_path, world, flags):
+    argv = [*CHAT, "--data", chats]
+    for result in run_on_ranks(world, train_worker, [*argv, *flags, "--out", str(tmp_path)], timeout=180):
+        assert_matches_oracle(result, oracle(argv))
