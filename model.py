@@ -12,7 +12,8 @@ this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:
 
 - `CausalSelfAttention.core(q, k, v, documents)` is the attention core
-  (context parallelism replaces it with ring attention);
+  (context parallelism replaces it with ring attention; `GPT.generate`, for
+  the length of a call, with a key/value cache, `KVCache`);
 - `GPT.loss_fn(logits, targets, tokens=None)` is the cross-entropy (tensor
   parallelism replaces it with one that never gathers the vocabulary-sharded
   logits);
@@ -302,6 +303,45 @@ class CausalSelfAttention(nn.Module):
             q, k = rotary(q, pos, frequencies), rotary(k, pos, frequencies)
         y = self.core(q, k, v, documents)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class KVCache:
+    """One attention layer's keys and values of the tokens so far, for generation: an attention core, swapped in
+    for `CausalSelfAttention.core` (`attention_cores`), that appends the new tokens' keys and values (already
+    QK-normed and rotated at their positions) to those it holds and attends to them all. The new tokens are the
+    last ones, so the causal mask is aligned to the end: the query at position t sees keys 0..t."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self):
+        return 0 if self.k is None else self.k.shape[2]
+
+    def clear(self):
+        self.k = self.v = None
+
+    def __call__(self, q, k, v, documents=None):
+        if documents is not None:
+            raise ValueError("a key/value cache holds one sequence a row: no packed documents")
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        keys = torch.arange(k.shape[2], device=q.device)
+        mask = keys <= keys[k.shape[2] - q.shape[2]:, None]  # (queries, keys): query i sits at len(keys) - len(q) + i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@contextmanager
+def attention_cores(blocks, cores):
+    """The blocks' attention cores replaced by `cores`, one a block (none: all kept), until the context ends."""
+    kept = [block.attn.core for block in blocks]
+    for block, core in zip(blocks, cores):
+        block.attn.core = core
+    try:
+        yield
+    finally:
+        for block, core in zip(blocks, kept):
+            block.attn.core = core
 
 
 def swiglu(h):
@@ -624,18 +664,24 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, eos_id=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, eos_id=None, cache=True):
         """idx (batch, seq) continued by up to max_new_tokens tokens, one at a time, each from the last position's
         logits: sampled at `temperature` among the top_k most likely (None: all), or with temperature 0 the most
         likely (greedy). A row that emits eos_id is finished: it is padded with eos_id until every row is, and
-        then generation stops. The context is the last max_seq_len tokens (the positions the model knows).
-        No key/value cache: each new token runs the whole context through the model again."""
+        then generation stops. The context is the last max_seq_len tokens (the positions the model knows), at
+        positions 0 on.
+
+        With the key/value cache (cache=True; KVCache in place of each layer's attention core) the prompt runs
+        through the model once, then each new token alone at its position: n new tokens cost O(n) token-passes,
+        not O(n^2). Once the sequence outgrows max_seq_len the window slides and every position changes, so from
+        then on each new token runs the whole window again, as every one does with cache=False: the same tokens
+        either way."""
         if temperature < 0:
             raise ValueError(f"temperature={temperature} is negative")
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        caches = [KVCache() for _ in self.blocks] if cache else []
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.max_seq_len:]
-            logits = without_padding(self(context)[0][:, -1, :], self.config.vocab_size)
+            logits = without_padding(self.next_logits(idx, caches), self.config.vocab_size)
             if temperature == 0:
                 next_token = logits.argmax(-1, keepdim=True)
             else:
@@ -651,3 +697,16 @@ class GPT(nn.Module):
             if finished.all():
                 break
         return idx
+
+    def next_logits(self, idx, caches=()):
+        """The logits after idx's last token (batch, padded_vocab_size), from its context: the last max_seq_len
+        tokens, at positions 0 on. caches (a KVCache a block, or none) hold the context's first tokens, and only
+        the rest runs, unless the window slid: then every position changed, and they start again."""
+        context = idx[:, -self.config.max_seq_len:]
+        if idx.shape[1] > self.config.max_seq_len:
+            for c in caches:
+                c.clear()
+        start = len(caches[0]) if caches else 0
+        pos = torch.arange(start, context.shape[1], device=idx.device)
+        with attention_cores(self.blocks, caches):
+            return self(context[:, start:], pos=pos)[0][:, -1, :]

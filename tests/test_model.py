@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from training.meter import ActivationMeter
-from model import (GPT, IGNORE, MoE, GPTConfig, apply_recomputation, causal_attention, document_ids, document_mask,
-                   document_targets, load_balancing_loss, route, rotary, rotary_frequencies, token_positions,
-                   update_route_biases)
+from model import (GPT, IGNORE, KVCache, MoE, GPTConfig, apply_recomputation, causal_attention, document_ids,
+                   document_mask, document_targets, load_balancing_loss, route, rotary, rotary_frequencies,
+                   token_positions, update_route_biases)
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
@@ -304,6 +304,78 @@ def test_generate_with_top_k_one_is_greedy_decoding():
         idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
     out = model.generate(prompt, TINY["seq_len"] + 4, top_k=1, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out, idx)
+
+
+# The key/value cache: the same tokens as running the whole context every step, for every kind of block
+CACHED = {"gpt": {}, "llama-gqa": LLAMA, "qwen3-qk-norm": QWEN3, "gpt-moe": dict(n_experts=4, moe_layers=(1,)),
+          "llama-moe": dict(LLAMA, n_experts=4, top_k=2, n_shared_experts=1)}
+SAMPLING = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0), "top-k": dict(temperature=0.8, top_k=5)}
+
+
+def with_and_without_cache(model, prompt, new, **sampling):
+    """generate's tokens with the cache and without it, each from a generator seeded alike."""
+    return [model.generate(prompt, new, generator=torch.Generator().manual_seed(3), cache=cache, **sampling)
+            for cache in (True, False)]
+
+
+def test_kv_cache_attends_new_queries_to_the_keys_up_to_their_positions():
+    """Fed in pieces (a prompt, then three tokens at once, then one), the cache attends each query to the keys
+    up to its own position: causal attention over the whole sequence (here with grouped-query attention)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cache = KVCache()
+    pieces = [cache(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in [(0, 5), (5, 8), (8, 9)]]
+    torch.testing.assert_close(torch.cat(pieces, dim=2), causal_attention(q, k, v), rtol=1e-12, atol=1e-14)
+    assert len(cache) == 9
+
+
+@pytest.mark.parametrize("sampling", SAMPLING.values(), ids=SAMPLING.keys())
+@pytest.mark.parametrize("arch", CACHED.values(), ids=CACHED.keys())
+def test_generate_with_the_kv_cache_gives_the_tokens_of_the_whole_context(arch, sampling):
+    model, prompt = tiny_gpt(**arch), random_tokens(3, 5)
+    cached, whole = with_and_without_cache(model, prompt, 10, **sampling)
+    assert torch.equal(cached, whole)
+
+
+@pytest.mark.parametrize("arch,sampling,prompt_len", [
+    ("gpt", "greedy", 5), ("gpt", "sampled", 2 * TINY["seq_len"]),
+    ("llama-gqa", "sampled", 5), ("llama-gqa", "greedy", 2 * TINY["seq_len"]),
+], ids=["gpt-greedy-outgrows", "gpt-sampled-longer-prompt", "llama-gqa-sampled-outgrows",
+        "llama-gqa-greedy-longer-prompt"])
+def test_generate_with_the_kv_cache_past_max_seq_len_slides_the_window_alike(arch, sampling, prompt_len):
+    """Past max_seq_len every position of the window moves: the cache is rebuilt, and the tokens stay those
+    of the whole window (learned positions would show a stale cache at once)."""
+    model, prompt = tiny_gpt(**CACHED[arch]), random_tokens(2, prompt_len)
+    cached, whole = with_and_without_cache(model, prompt, 2 * TINY["seq_len"], **SAMPLING[sampling])
+    assert cached.shape == (2, prompt_len + 2 * TINY["seq_len"])
+    assert torch.equal(cached, whole)
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING["greedy"], SAMPLING["top-k"]], ids=["greedy", "top-k"])
+def test_generate_with_the_kv_cache_finishes_rows_at_eos_alike(sampling):
+    """Four rows, the first ending at its second new token: it is padded with EOS while the others go on,
+    with the cache as without it."""
+    model, prompt = tiny_gpt(), random_tokens(4, 5)
+    free = with_and_without_cache(model, prompt, 12, **sampling)[1]
+    eos = free[0, 6].item()
+    cached, whole = with_and_without_cache(model, prompt, 12, eos_id=eos, **sampling)
+    assert torch.equal(cached, whole)
+    assert (cached[0, 6:] == eos).all() and (cached[1:, 7:] != eos).any()  # row 0 done early, another row not
+
+
+def test_generate_with_the_kv_cache_runs_one_token_a_step_after_the_prompt():
+    """The first block's input, step by step: with the cache the prompt once, then one token a step until the
+    sequence outgrows the window, then the whole (slid) window; without it, the whole context every step."""
+    model, prompt, window = tiny_gpt(), random_tokens(2, 5), TINY["seq_len"]
+    lengths = []
+    model.blocks[0].register_forward_pre_hook(lambda block, args: lengths.append(args[0].shape[1]))
+    model.generate(prompt, 14, temperature=0)
+    assert lengths == [5] + [1] * (window - 5) + [window] * 2
+    lengths.clear()
+    model.generate(prompt, 14, temperature=0, cache=False)
+    assert lengths == [min(5 + step, window) for step in range(14)]
+    assert all(block.attn.core is causal_attention for block in model.blocks)  # the cores are given back
 
 
 @pytest.mark.parametrize("experts,arch", [(0, {}), (4, {}), (0, LLAMA), (4, dict(LLAMA, n_shared_experts=2)),

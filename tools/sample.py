@@ -20,9 +20,11 @@ on the synthetic language has no text, and nothing records a nanoGPT directory's
 Generation is model.py's GPT.generate: greedy with --temperature 0, else sampled at that temperature among
 the --top-k most likely tokens, stopping at the tokenizer's EOS, from a generator seeded by --seed on the
 model's device, so that the same command prints the same text. Only the continuation is printed (special
-tokens left out), each of --samples continuations followed by a line "---" when there are several. There is
-no key/value cache: each new token runs the whole context through the model again, so n new tokens cost
-O(n^2) token-passes where a cache would cost O(n) (the context is the last max_seq_len tokens).
+tokens left out), each of --samples continuations followed by a line "---" when there are several. It keeps
+a key/value cache: the prompt runs through the model once, then each new token alone, so n new tokens cost
+O(n) token-passes. The context is the last max_seq_len tokens: once prompt and continuation outgrow them, the
+window slides, every position changes and the cache no longer holds, so each further token runs the whole
+window again (the text is the same as without a cache).
 """
 import argparse
 import os
