@@ -8,6 +8,7 @@ earlier ones: earlier turns render differently once later ones follow), so the a
 in the whole conversation, not by rendering prefixes.
 """
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -211,3 +212,26 @@ def test_a_chat_run_trains_as_one_device(chats, tmp_path, world, flags):
     argv = [*CHAT, "--data", chats]
     for result in run_on_ranks(world, train_worker, [*argv, *flags, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle(argv))
+
+
+def test_sample_chat_answers_with_the_template_and_stops_at_the_end_of_the_turn(folder, chats, tmp_path, capsys):
+    """python -m tools.sample --chat: the prompt as a user's turn after --system's, rendered with the generation
+    prompt; what it prints is model.py's greedy decoding of those ids (written out in tests/texts.py), up to
+    the end-of-turn token."""
+    from texts import greedy
+    run = [*CHAT, "--steps", "2", "--data", chats, "--out", str(tmp_path)]
+    result = run_on_ranks(1, train_worker, run, timeout=180)[0]
+    args = cli.parse_args(run)
+    config = cli.model_config(args, train.load_training_data(args).vocab_size)
+    template = ChatTemplate.from_folder(folder, Tokenizer.from_folder(folder))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    end_of_turn = template.end_of_turn_id()
+    assert end_of_turn == template.tokenizer.backend.token_to_id("<|im_end|>")
+    expected = greedy(config, result["state_dict"], template.prompt_ids(messages), 12, end_of_turn)
+    assert expected, "a reply of no tokens would not show the prompt was rendered"
+    sample.main(["--checkpoint", str(tmp_path / os.listdir(tmp_path)[0]), "--chat", "--system", "be brief",
+                 "--prompt", "hi there", "--temperature", "0", "--max-new-tokens", "12"])
+    assert capsys.readouterr().out == template.tokenizer.decode(expected) + "\n"
+    with pytest.raises(SystemExit):
+        sample.main(["--checkpoint", str(tmp_path), "--system", "be brief", "--prompt", "hi"])
+    assert "--system is a chat's system message: it needs --chat" in capsys.readouterr().err

@@ -3,6 +3,7 @@
     python -m tools.sample --checkpoint runs/x --prompt "Once upon a time" --max-new-tokens 100
     python -m tools.sample --checkpoint runs/x/checkpoint-00000300 --prompt "The" --temperature 0
     python -m tools.sample --init-from llama-continued --prompt "Hello" --top-k 50 --device cuda
+    python -m tools.sample --checkpoint runs/chats --chat --system "Be brief." --prompt "What is a GPU?"
 
 One process, no process group: the model is built on the meta device, allocated on the chosen device (the
 CPU or one GPU) and filled a chunk of a tensor at a time, so the CPU never holds more than a chunk of what
@@ -25,6 +26,10 @@ a key/value cache: the prompt runs through the model once, then each new token a
 O(n) token-passes. The context is the last max_seq_len tokens: once prompt and continuation outgrow them, the
 window slides, every position changes and the cache no longer holds, so each further token runs the whole
 window again (the text is the same as without a cache).
+
+With --chat the prompt is a user's message (after --system's, if given), rendered by the tokenizer folder's
+chat template with its generation prompt (training/chat.py, in Jinja2's sandbox), and the reply stops at the
+end of the assistant's turn (the template's end-of-turn token: <|im_end|>, <|eot_id|>, ...).
 """
 import argparse
 import os
@@ -35,6 +40,7 @@ import torch
 
 from model import GPT, GPTConfig, fill_in_chunks, tied_name
 from training import hf
+from training.chat import ChatError, ChatTemplate
 from training.checkpoint import TORCH_DTYPES, BadCheckpoint, Checkpoint, checkpoint_at
 from training.data import tokenizer_of
 from training.hf import UnsupportedModel
@@ -182,12 +188,45 @@ def from_recorded_folder(folder, what):
         raise SampleError(f"{what}, {folder}, cannot be read ({e}): pass --tokenizer FOLDER") from None
 
 
-def prompt_ids(tokenizer, config, prompt):
+class PlainPrompt:
+    """A prompt continued as it is written: its ids, and generation stops at the tokenizer's EOS."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.stop_id = tokenizer, tokenizer.eos_id
+
+    def ids(self, prompt):
+        return self.tokenizer.encode(prompt)
+
+
+class ChatPrompt:
+    """--chat: the prompt as a user's turn (after --system's, if given), rendered by the tokenizer folder's
+    chat template with its generation prompt; the reply stops at the end of the assistant's turn."""
+
+    def __init__(self, tokenizer, system=None):
+        if not isinstance(tokenizer, Tokenizer):
+            raise SampleError("--chat needs a tokenizer folder with a chat template: the run's tokens are bytes")
+        try:
+            self.template = ChatTemplate.from_folder(tokenizer.source, tokenizer)
+        except ChatError as e:
+            raise SampleError(f"--chat: {e}") from None
+        self.tokenizer, self.system = tokenizer, system
+        self.stop_id = self.template.end_of_turn_id() or tokenizer.eos_id
+
+    def ids(self, prompt):
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        try:
+            return self.template.prompt_ids([*system, {"role": "user", "content": prompt}])
+        except ChatError as e:
+            raise SampleError(f"--chat: {e}") from None
+
+
+def prompt_ids(prompter, config, prompt):
     """The prompt's ids, once the tokenizer is known to fit the model's vocabulary."""
+    tokenizer = prompter.tokenizer
     if tokenizer.vocab_size > config.vocab_size:
         raise SampleError(f"the tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary {config.vocab_size}: "
                           f"they are not the same vocabulary (pass the --tokenizer the model was trained with)")
-    ids = tokenizer.encode(prompt)
+    ids = prompter.ids(prompt)
     if not ids:
         raise SampleError(f"the prompt {prompt!r} has no tokens: give some text (the tokenizer adds no BOS to "
                           f"start from)")
@@ -225,7 +264,11 @@ def parser():
                         help="a checkpoint folder (runs/NAME/checkpoint-STEP), or a run folder (runs/NAME) for its "
                              "newest complete one")
     source.add_argument("--init-from", metavar="FOLDER", help="a Hugging Face model folder")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="render the prompt as a user's turn with the tokenizer folder's chat template and print the "
+                        "assistant's reply, up to the end of its turn")
+    p.add_argument("--system", default=None, help="with --chat, a system message before the user's")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens generated at most (fewer at an EOS)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0: greedy (the argmax)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
@@ -239,6 +282,8 @@ def parser():
 
 
 def check_flags(p, args):
+    if args.system is not None and not args.chat:
+        p.error("--system is a chat's system message: it needs --chat")
     for flag, value, least in [("--max-new-tokens", args.max_new_tokens, 0), ("--samples", args.samples, 1),
                                ("--top-k", args.top_k, 1), ("--temperature", args.temperature, 0)]:
         if value is not None and value < least:
@@ -255,10 +300,11 @@ def main(argv=None):
             config, tokenizer, load = from_checkpoint(args.checkpoint, args.tokenizer)
         else:
             config, tokenizer, load = from_hugging_face(args.init_from, args.tokenizer)
-        ids = prompt_ids(tokenizer, config, args.prompt)  # before minutes go into reading the weights
+        prompter = ChatPrompt(tokenizer, args.system) if args.chat else PlainPrompt(tokenizer)
+        ids = prompt_ids(prompter, config, args.prompt)  # before minutes go into reading the weights
         model = load(DTYPES.get(args.dtype), device)
         texts = [tokenizer.decode(new) for new in continuations(
-            model, ids, tokenizer.eos_id, args.samples, args.max_new_tokens, args.temperature, args.top_k, args.seed)]
+            model, ids, prompter.stop_id, args.samples, args.max_new_tokens, args.temperature, args.top_k, args.seed)]
     except (SampleError, BadCheckpoint, UnsupportedModel, TokenizerError) as e:
         sys.exit(f"{PROG}: error: {e}")
     print("\n---\n".join(texts))
