@@ -235,3 +235,16 @@ def test_sample_chat_answers_with_the_template_and_stops_at_the_end_of_the_turn(
     with pytest.raises(SystemExit):
         sample.main(["--checkpoint", str(tmp_path), "--system", "be brief", "--prompt", "hi"])
     assert "--system is a chat's system message: it needs --chat" in capsys.readouterr().err
+
+
+def test_a_chat_template_jinja_file_is_read_first_and_exported_with_the_model(folder, tmp_path):
+    """transformers 4.50 on saves the template as chat_template.jinja: it wins over tokenizer_config.json's, and
+    tools/convert.py's export carries it along with the tokenizer."""
+    from tools import convert
+    own = tmp_path / "own"
+    convert.copy_tokenizer(folder, tmp_path)  # the folder's tokenizer files, as an export copies them
+    (tmp_path / "chat_template.jinja").write_text(QWEN3_LIKE.replace("<|im_start|>assistant\\n'", "<|im_start|>bot\\n'"))
+    convert.copy_tokenizer(str(tmp_path), str(own.mkdir() or own))
+    assert (own / "chat_template.jinja").read_text() == (tmp_path / "chat_template.jinja").read_text()
+    template = ChatTemplate.from_folder(str(own), Tokenizer.from_folder(str(own)))
+    assert template.render(CONVERSATION[:2], add_generation_prompt=True).endswith("<|im_start|>bot\n")

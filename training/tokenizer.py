@@ -157,7 +157,8 @@ class Tokenizer:
 
 
 # The files of a model folder that describe its tokenizer: what a Hugging Face export carries along.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")  # transformers 4.50 on writes the chat template in a file of its own
 
 
 def folder_of_run(run_args):
