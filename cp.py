@@ -194,16 +194,17 @@ class RingAttention(torch.autograd.Function):
         lse = [torch.full(h.shape[:-1], float("-inf"), dtype=merged, device=q.device) for h in qh]
         kv = (k, v)  # the block held (sent in its own dtype); None once blocks stop coming this far
         for step in range(ring.n):
-            works, received = ring.pass_block(plan, step, kv, (k, v))  # on its way while this one is computed
-            blocks = plan.blocks(step)
-            if blocks:
-                kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
-            for qi, ki, mask in blocks:
-                block_out, block_lse = kernels[0](qh[qi], kh[ki], vh[ki], mask)
-                out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
-                blocks_computed["forward"] += 1
-            _wait(works)
-            kv = received[0] if received else None
+            with torch.profiler.record_function(f"cp.ring step {step} forward"):  # named in a profiler's trace
+                works, received = ring.pass_block(plan, step, kv, (k, v))  # on its way while this one is computed
+                blocks = plan.blocks(step)
+                if blocks:
+                    kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
+                for qi, ki, mask in blocks:
+                    block_out, block_lse = kernels[0](qh[qi], kh[ki], vh[ki], mask)
+                    out[qi], lse[qi] = merge(out[qi], lse[qi], block_out, block_lse)
+                    blocks_computed["forward"] += 1
+                _wait(works)
+                kv = received[0] if received else None
         out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         # The output is kept in the inputs' dtype (the fused backward kernels take it so; the reference
         # widens it again), the log-sum-exp in float32 or better: an error e in L is a relative error e
@@ -223,16 +224,17 @@ class RingAttention(torch.autograd.Function):
         kv = (k, v)
         pending, from_prev, home = [], None, None  # last step's accumulator batch, what it brought, this rank's own
         for step in range(ring.n):
-            works, received = ring.pass_block(plan, step, kv, (k, v))
-            grad_acc = RingAttention._block_gradients(ctx.kernels[1], plan.blocks(step), kv, (do, qh, oh, lh), dq,
-                                                      heads_per_kv)
-            _wait(pending)
-            if from_prev is not None:  # the accumulators of this block, from the ranks it visited before
-                grad_acc = (from_prev if grad_acc is None  # a relay (within documents): it needed nothing of the block
-                            else tuple(a.to(summed) + c for a, c in zip(from_prev, grad_acc)))
-            pending, from_prev, home = RingAttention._pass_gradients(ring, plan, step, grad_acc, (k, v), home)
-            _wait(works)
-            kv = received[0] if received else None
+            with torch.profiler.record_function(f"cp.ring step {step} backward"):
+                works, received = ring.pass_block(plan, step, kv, (k, v))
+                grad_acc = RingAttention._block_gradients(ctx.kernels[1], plan.blocks(step), kv, (do, qh, oh, lh),
+                                                          dq, heads_per_kv)
+                _wait(pending)
+                if from_prev is not None:  # the accumulators of this block, from the ranks it visited before
+                    grad_acc = (from_prev if grad_acc is None  # a relay (within documents): it needed nothing of it
+                                else tuple(a.to(summed) + c for a, c in zip(from_prev, grad_acc)))
+                pending, from_prev, home = RingAttention._pass_gradients(ring, plan, step, grad_acc, (k, v), home)
+                _wait(works)
+                kv = received[0] if received else None
         _wait(pending)
         return torch.cat(dq, dim=2).to(q.dtype), home[0], home[1], None, None, None
 

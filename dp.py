@@ -133,7 +133,8 @@ class DataParallel:
             self._launch(bucket)
 
     def _launch(self, bucket):
-        self._reduce(bucket)
+        with torch.profiler.record_function(f"dp.reduce bucket {self.next_to_launch}"):  # a profiler's trace names it
+            self._reduce(bucket)
         bucket.launched = True
         self.next_to_launch += 1
 
@@ -256,8 +257,7 @@ class ZeRO1(DataParallel):
         if torch.is_tensor(output) and output.requires_grad:
             output.register_hook(lambda grad: self._before_backward(i))
 
-    def _before_backward(self, i):
-        # its end reduces on every rank, even one where none got a gradient (an expert no token reached)
+    def _before_backward(self, i):  # its end reduces on every rank, even one no gradient reached (an idle expert)
         self._expect_end_of_backward()
 
     def step(self):
@@ -385,7 +385,8 @@ class ZeRO3(ZeRO2):
         shard = self.shards[self.unit_buckets[i]]
         if not is_allocated(shard.full_params):
             allocate_storage(shard.full_params)
-            shard.gathering = self._all_gather(self.unit_buckets[i])
+            with torch.profiler.record_function(f"dp.gather unit {i}"):
+                shard.gathering = self._all_gather(self.unit_buckets[i])
         if wait:
             shard.wait_for_gather()
 

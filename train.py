@@ -40,15 +40,16 @@ import pp
 import tp
 from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_units, ring_bytes_sent,
                 unallocated)
-from mesh import Mesh
+from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
-from training import checkpoint, hf
+from training import checkpoint, flight, hf, stragglers
 from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, describe_data, document_eos, parse_args
 from training.data import open_data
 from training.launch import Preemption, exit_with_error, in_collective, init_distributed, rank_and_world, where
 from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
                             peak_resident_bytes, tensor_bytes)
+from training.profile import StepProfiler
 
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
@@ -77,7 +78,14 @@ class NonFiniteStep(ArithmeticError):
 
 def train(args):
     """Run the training described by args; returns the losses and the trainer (its state.full_state_dict()
-    gathers the final weights, a collective: for tests and tools, never done by a run itself)."""
+    gathers the final weights, a collective: for tests and tools, never done by a run itself). Each rank
+    records its collectives meanwhile, and writes the record into the run folder if the run fails
+    (training/flight.py; python -m tools.diagnose reads it)."""
+    with flight.recording(args.record_collectives) as recorder:
+        return run_training(args, recorder)
+
+
+def run_training(args, recorder):
     rank, world = rank_and_world()
     described = describe_data(args)  # the data's meta.json, read once: the checks and the data opened take it
     config, shape = check_args(args, world, described)  # before any process group exists: a bad launch cannot hang
@@ -93,14 +101,18 @@ def train(args):
     trainer = Trainer(args, config, mesh, data, device)
     log = RunLog(args, world, device, trainer, writes=rank == 0)
     log.begin(shape, data)
+    recorder.folder = log.folder  # where a failing rank writes its record of collectives
     end, stopped = min(args.steps, args.stop_at or args.steps), False
     last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
-    with Preemption() as preemption:
+    with Preemption() as preemption, StepProfiler.from_args(args, log.folder, rank, device) as profiler:
         for step in range(trainer.start_step, end):
+            profiler.start(step)  # --profile's steps alone are traced, to profiler.stop; without it, nothing
+            recorder.step = step
             timeline = args.pp > 1 and step == end - 1  # the pipeline's timeline, of one step: the last
             record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested))
             if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
                 end, stopped = step + 1, True
+                recorder.dump("stopped by a signal (SIGTERM or SIGINT)")
             last = step == end - 1
             entry = log.entry(step, record, trainer.timeline if timeline else None)
             problem = nonfinite_problem(step, record, trainer.skipped_steps, args)
@@ -113,6 +125,7 @@ def train(args):
             if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0 or last:
                 last_checkpoint = checkpoint.path_for(log.folder, step + 1)
                 trainer.save_checkpoint(saver, last_checkpoint, step + 1, args.keep_checkpoints)
+            profiler.stop(step)
             trainer.reset_comm_baseline()
             if stopped:
                 break
@@ -135,6 +148,7 @@ class RunLog:
         # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
         # tokens per second, over every device's peak.
         self.peak_flops, self.flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
+        self.timings = []  # each step's compute and waiting per rank: who was slow (training/stragglers.py)
 
     def begin(self, shape, data):
         """config.json, and the log kept up to the step the run starts at (a resumed run writes those after
@@ -165,6 +179,7 @@ class RunLog:
         if self.peak_flops:
             entry["mfu"] = self.flops_per_token * entry["tokens_per_s"] / (self.world * self.peak_flops)
         self.wall_s = entry["time_s"]
+        self.timings.append({k: entry[k] for k in ("compute_s", "comm_wait_s", "slowest_rank", "slowest_compute_ratio")})
         self.losses.append(entry["loss"])
         self.grad_norms.append(entry["grad_norm"])
         return entry
@@ -179,6 +194,9 @@ class RunLog:
         """The whole run's peak memory per rank (start-up, steps and saves), and why it stopped early, if it did."""
         kind = "GPU" if self.device.type == "cuda" else "resident"
         self.print(f"peak {kind} memory per rank (GiB): " + " ".join(f"{b / 2**30:.2f}" for b in peaks), flush=True)
+        straggler = stragglers.report(self.timings)
+        if straggler:
+            self.print(straggler, flush=True)
         if stopped:
             self.print(stopped, flush=True)
         self.file.close()
@@ -215,6 +233,8 @@ class Trainer:
             self.state.load_optimizer_state(saved)
             self.start_step, self.skipped_steps = saved.step, saved.skipped_steps
         self.meter = ActivationMeter(self.params)
+        # Each rank's pipeline stage: the ranks of a stage do the same work (training/stragglers.py)
+        self.stage_of = [coordinates(mesh.shape, rank)["pp"] for rank in range(dist.get_world_size())]
         self.reset_comm_baseline()
 
     def train_step(self, step, timeline=False):
@@ -244,11 +264,13 @@ class Trainer:
         they were; train() decides whether to go on)."""
         for group in (group for optimizer in self.optimizers for group in optimizer.optimizer.param_groups):
             group["lr"] = lr_at(step, self.args)
-        grad_norm = self.clip_gradients(self.args.grad_clip or math.inf).item()
+        with torch.profiler.record_function("clip"):  # a range named in --profile's traces
+            grad_norm = self.clip_gradients(self.args.grad_clip or math.inf).item()
         update = self.updates(grad_norm)
         self.skipped_steps += not update
-        for optimizer in self.optimizers if update else ():
-            optimizer.step()
+        with torch.profiler.record_function("optimizer"):
+            for optimizer in self.optimizers if update else ():
+                optimizer.step()
         return grad_norm
 
     @staticmethod
@@ -842,9 +864,10 @@ class GradientAccumulation:
             last = m == len(micro_batches) - 1
             # Gradients are reduced during the last micro-batch's backward (ZeRO-2 and 3: during each).
             with self.grad_sync.between_micro_batches() if not last else nullcontext():
-                with self.forward_context():
+                with self.forward_context(), torch.profiler.record_function(f"forward micro {m}"):
                     _, loss = self.model(inputs, targets, self.positions, documents, loss_tokens)
-                (loss / len(micro_batches)).backward()  # the mean over micro-batches, as on one device
+                with torch.profiler.record_function(f"backward micro {m}"):
+                    (loss / len(micro_batches)).backward()  # the mean over micro-batches, as on one device
             losses.append(loss.item())
         return sum(losses) / len(losses)
 
@@ -1114,12 +1137,41 @@ def run_name(args, world):
 def resume_from(args, world, group, report=print):
     """The checkpoint this run starts from, checked by every rank of `group` together: --resume PATH (a
     bad one raises BadCheckpoint), or under --resume auto the newest good checkpoint of the run's folder
-    (None: there is none yet, start afresh)."""
+    (None: there is none yet, start afresh). Without --name, a run whose folder has none goes on in the
+    folder of its layout that another number of ranks wrote (see same_run_on_other_ranks)."""
     if args.resume != "auto":
         if args.resume:
             checkpoint.verify_together(args.resume, group)
         return args.resume
-    return checkpoint.newest_good(os.path.join(args.out, run_name(args, world)), report, group)
+    found = checkpoint.newest_good(os.path.join(args.out, run_name(args, world)), report, group)
+    if found is None and args.name is None:
+        found = same_run_on_other_ranks(args, world, group, report)
+        if found:
+            args.name = os.path.basename(os.path.dirname(found))  # the run goes on in that folder, its log there
+    if found:
+        report(f"resuming from {found}")
+    return found
+
+
+def same_run_on_other_ranks(args, world, group, report):
+    """The newest good checkpoint of this run written on another number of ranks, or None.
+
+    The default name counts the ranks (gpu4_tp2_...), the run does not: under torchrun --nnodes MIN:MAX a
+    node lost for good restarts the survivors as a smaller world (a node that joins, as a larger one), and
+    with the same command line they must find the checkpoints the larger world wrote. Two such runs with
+    checkpoints are two runs: which to continue is refused as ambiguous rather than guessed."""
+    own = run_name(args, world)
+    layout = own[len(f"gpu{world}"):]  # _tp2_pp1_cp1_ep1
+    names = sorted(name for name in (os.listdir(args.out) if os.path.isdir(args.out) else [])
+                   if name != own and name.startswith("gpu") and name.endswith(layout)
+                   and name[3:len(name) - len(layout)].isdigit())
+    found = [path for path in (checkpoint.newest_good(os.path.join(args.out, name), report, group) for name in names)
+             if path]
+    if len(found) > 1:
+        raise ConfigError(f"--resume auto: {os.path.join(args.out, own)} has no checkpoint, and several runs of its "
+                          f"layout on other numbers of ranks have: {', '.join(found)}; name the run to continue with "
+                          f"--name (or the checkpoint with --resume PATH)")
+    return found[0] if found else None
 
 
 def keep_log_before(path, step):
@@ -1188,6 +1240,7 @@ def log_entry(args, step, record, wall, trainer):
                  tokens_seen=(step + 1) * args.batch_size * args.seq_len,  # every step reads one global batch
                  **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
     entry.update(trainer.routing.log())
+    entry["slowest_rank"], entry["slowest_compute_ratio"] = stragglers.slowest(record["compute_s"], trainer.stage_of)
     entry.update(trainer.data.log(step, args.batch_size, args.seq_len))  # a mixture's tokens_seen_by_source
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
         entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages, args.schedule)

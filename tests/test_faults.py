@@ -3,8 +3,10 @@ computes (float64, the oracle); checkpoints are atomic, verified, and a bad one 
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training import checkpoint
+from training import checkpoint, cli
 import train
 from tools.bench import worker_pids
 from distributed import REPO, run_on_ranks, torchrun
@@ -230,3 +232,135 @@ def test_a_stalled_rank_stops_the_others_within_the_timeout(tmp_path):
     assert time.monotonic() - stalled_at < 5 + 60  # the timeout, then torchrun's 30 s grace, with room
     assert "train.py: error: a collective failed while waiting in" in output
     assert "Timed out" in output and "--timeout 5 s" in output
+
+
+# -- a node lost for good: the survivors go on as a smaller world ----------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def elastic_node(endpoint, address, hosts_rendezvous, last_call_s, argv, output, env=()):
+    """One torchrun "node" of 2 ranks of an elastic launch (--nnodes 1:2) joined by the c10d rendezvous at
+    `endpoint` (served by the node that hosts it), its output into the file `output`. The node's address
+    orders the nodes (the lower is rank 0); a node is dead after 3 missed heartbeats 1 s apart, and a round
+    closes last_call_s after it has its first node (the one that joins first sets it)."""
+    conf = (f"join_timeout=60,last_call_timeout={last_call_s},keep_alive_interval=1,keep_alive_max_attempt=3,"
+            f"is_host={int(hosts_rendezvous)}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "shrink", "--rdzv-conf", conf,
+           "--local-addr", address, "--max-restarts", "3", "--monitor-interval", "0.5", "train.py", *argv]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(env)})
+
+
+def wait_for(condition, deadline, what):
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def complete_checkpoints(run_dir):
+    """The steps of run_dir's checkpoints whose write finished (their manifest is written last)."""
+    return [int(path.rsplit("-", 1)[1]) for path in checkpoint.checkpoints(run_dir)
+            if os.path.exists(os.path.join(path, checkpoint.MANIFEST))]
+
+
+def test_a_node_lost_for_good_leaves_a_smaller_world_that_goes_on_exactly(tmp_path):
+    """Two torchrun "nodes" of 2 ranks under --nnodes 1:2, tp=2 in each node and dp=2 across them. Once a
+    checkpoint of step 2 is written, the second node dies whole (its agent and its workers, SIGKILL). The
+    first node's workers fail (their peers are gone), its agent forms the rendezvous again as the one node
+    left, and its 2 ranks (dp=1, the same global batch in larger micro-batches) resume with --resume auto
+    from the newest checkpoint the 4 ranks wrote: the log holds every step once, with the losses of a run
+    never interrupted, and the last checkpoint its weights."""
+    steps = 20
+    argv = [*EQUIVALENCE, "--tp", "2", "--steps", str(steps), "--checkpoint-interval", "1", "--resume", "auto",
+            "--timeout", "10", "--out", str(tmp_path / "runs")]
+    run = tmp_path / "runs" / "gpu4_tp2_pp1_cp1_ep1"  # named by the first world; the smaller one goes on in it
+    endpoint = f"127.0.0.1:{free_port()}"
+    deadline = time.monotonic() + 150
+    with open(tmp_path / "lost.txt", "w") as lost_output, open(tmp_path / "survivor.txt", "w") as survivor_output:
+        # The node to be lost starts first, and is waiting to connect to the rendezvous (torchrun says so at
+        # INFO) when the survivor starts: whichever joins first, the other is about to, and the lost node's
+        # last call (60 s) would wait for the survivor. The survivor hosts the rendezvous (its store must
+        # outlive the other node), is rank 0 (its address sorts first), and its last call is short: alone
+        # again, it starts 3 s after it rejoins.
+        lost = elastic_node(endpoint, "localhost", False, 60, argv, lost_output, env={"LOGLEVEL": "INFO"})
+        survivor = None
+        try:
+            wait_for(lambda: "Starting elastic_operator" in (tmp_path / "lost.txt").read_text(), deadline,
+                     "the node to be lost did not start")
+            survivor = elastic_node(endpoint, "127.0.0.1", True, 3, argv, survivor_output)
+            wait_for(lambda: any(step >= 2 for step in complete_checkpoints(run)), deadline,
+                     "the 4 ranks wrote no checkpoint of step 2")
+            for pid in [lost.pid, *worker_pids(lost.pid)]:  # the whole node at once, as by a power cut
+                os.kill(pid, signal.SIGKILL)
+            written_by_four = max(complete_checkpoints(run))
+            assert written_by_four < steps, "the run ended before the node was lost"
+            survivor.wait(timeout=max(1, deadline - time.monotonic()))
+        finally:
+            for node in (lost, survivor):  # on a failure: no process of the test outlives it
+                if node and node.poll() is None:
+                    for pid in [*worker_pids(node.pid), node.pid]:
+                        os.kill(pid, signal.SIGKILL)
+                    node.wait()
+    output = (tmp_path / "survivor.txt").read_text()
+    assert survivor.returncode == 0, output[-3000:]
+    assert f"run {run}: 4 ranks MeshShape(dp=2" in output
+    assert f"run {run}: 2 ranks MeshShape(dp=1" in output  # the smaller world, in the same run folder
+    resumed = int(re.search(r"resuming from .*checkpoint-(\d+)", output).group(1))
+    assert resumed >= written_by_four >= 2  # a checkpoint the 4 ranks finished (the 2 write none before)
+    entries = read_log(run)
+    assert [e["step"] for e in entries] == list(range(steps))
+    reference = reference_run([*EQUIVALENCE, "--steps", str(steps)])
+    assert_matches_oracle(dict(losses=[e["loss"] for e in entries], state_dict=final_state(run)), reference)
+
+
+def test_resume_auto_on_another_number_of_ranks_goes_on_in_the_run_folder_those_ranks_wrote(tmp_path):
+    """The default run name counts the ranks (gpu4_...), so --resume auto on 2 ranks looks in gpu2_...: with
+    nothing there, it goes on in the one folder of its layout that another world wrote, and refuses to guess
+    between two."""
+    run_on_ranks(1, train_worker, [*ARGV, "--steps", "1", "--out", str(tmp_path)])  # gpu1_tp1_pp1_cp1_ep1
+    args = cli.parse_args([*ARGV, "--resume", "auto", "--out", str(tmp_path)])
+    assert train.resume_from(args, 2, None, report=lambda message: None) == checkpoint.path_for(
+        tmp_path / "gpu1_tp1_pp1_cp1_ep1", 1)
+    assert args.name == "gpu1_tp1_pp1_cp1_ep1"  # its log and its checkpoints go on there
+    shutil.copytree(tmp_path / "gpu1_tp1_pp1_cp1_ep1", tmp_path / "gpu8_tp1_pp1_cp1_ep1")
+    (tmp_path / "gpu2_tp2_pp1_cp1_ep1").mkdir()  # another layout: not this run
+    args = cli.parse_args([*ARGV, "--resume", "auto", "--out", str(tmp_path)])
+    with pytest.raises(cli.ConfigError, match=r"gpu2_tp1_pp1_cp1_ep1 has no checkpoint, and several runs of its "
+                                              r"layout on other numbers of ranks have: .*gpu1_tp1_pp1_cp1_ep1/"
+                                              r"checkpoint-00000001, .*gpu8_tp1_pp1_cp1_ep1/checkpoint-00000001; "
+                                              r"name the run to continue with --name"):
+        train.resume_from(args, 2, None, report=lambda message: None)
+    named = cli.parse_args([*ARGV, "--resume", "auto", "--out", str(tmp_path), "--name", "gpu8_tp1_pp1_cp1_ep1"])
+    assert train.resume_from(named, 2, None, report=lambda message: None) == checkpoint.path_for(
+        tmp_path / "gpu8_tp1_pp1_cp1_ep1", 1)
+
+
+@pytest.mark.parametrize("world,flags,message", [
+    (2, ["--tp", "2", "--pp", "2"],
+     "--resume auto on 2 ranks: the resumed world is too small for the layout (tp x pp x cp = 2 x 2 x 1 = 4 ranks "
+     "hold a copy of the model, and --batch-size 8 splits over --micro-batches 2 x the data ranks); the smallest "
+     "that holds it is 4 ranks (dp 1)"),
+    (6, ["--tp", "2", "--pp", "2"],
+     "--resume auto on 6 ranks: the resumed world is too small for the layout, or of a size it does not divide "
+     "into (tp x pp x cp = 2 x 2 x 1 = 4 ranks hold a copy of the model, and --batch-size 8 splits over "
+     "--micro-batches 2 x the data ranks); smaller worlds that hold it: 4 ranks (dp 1)"),
+    (6, ["--tp", "2"],  # dp 3 does not split the batch of 8 into 2 micro-batches
+     "--resume auto on 6 ranks: the resumed world is too small for the layout, or of a size it does not divide "
+     "into (tp x pp x cp = 2 x 1 x 1 = 2 ranks hold a copy of the model, and --batch-size 8 splits over "
+     "--micro-batches 2 x the data ranks); smaller worlds that hold it: 4 ranks (dp 2), 2 ranks (dp 1)"),
+], ids=["fewer-than-a-copy", "not-a-multiple", "batch-does-not-split"])
+def test_a_resumed_world_that_cannot_hold_the_layout_is_refused_saying_what_would(world, flags, message):
+    """A node lost for good leaves a world that may not hold the layout: one line says so, and which worlds
+    would; the same flags without --resume keep the plain message."""
+    argv = [*ARGV, *flags]
+    with pytest.raises(cli.ConfigError) as refused:
+        cli.check_args(cli.parse_args([*argv, "--resume", "auto"]), world)
+    assert str(refused.value) == message
+    with pytest.raises(cli.ConfigError) as plain:
+        cli.check_args(cli.parse_args(argv), world)
+    assert "resume" not in str(plain.value)

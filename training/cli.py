@@ -20,6 +20,7 @@ from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
 from training import hf
 from training.data import DataInfo
+from training.profile import profiled_steps
 from training.tokenizer import fingerprint
 
 PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data brings its own)
@@ -110,6 +111,10 @@ def parse_args(argv=None):
     p.add_argument("--reduce-dtype", choices=DTYPES, default=None,
                    help="the gradients' accumulation over micro-batches and reduction over data ranks "
                         "(default: --master-dtype; bfloat16 halves the reduction's traffic)")
+    p.add_argument("--record-collectives", type=int, default=2000, metavar="N",
+                   help="each rank keeps a record of its last N collectives and writes it into the run folder "
+                        "if the run fails, times out or is stopped, for python -m tools.diagnose (0: none; "
+                        "default %(default)s)")
     p.add_argument("--data", default=None, help="a token directory (python -m tools.prepare's, or nanoGPT's "
                                                 "train.bin/val.bin), a text file read as bytes, or a weighted "
                                                 "mixture of token directories: A:0.7,B:0.3 or a JSON file "
@@ -141,6 +146,10 @@ def parse_args(argv=None):
                    help="a checkpoint to resume from, or 'auto': the newest good one of this run, if any")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this many steps (checkpoint written), as if preempted; resume with --resume")
+    p.add_argument("--profile", default=None, metavar="STEPS",
+                   help="trace these steps, counted from 0 as the log counts them (3, or 5-7): one Chrome trace per "
+                        "rank in the run's traces/ (and on CUDA the allocator's memory in memory/), for Perfetto; "
+                        "see docs/diagnosing.md")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
     p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
@@ -204,7 +213,7 @@ def check_args(args, world, data=None):
         shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, expert_tp=args.expert_tp,
                            dp_shard=args.dp_shard)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(resumed_world_problem(args, world) or str(e)) from None
     if args.dp_shard and not args.zero:
         raise ConfigError(f"--dp-shard {args.dp_shard} shards ZeRO's state within groups of data-parallel ranks: "
                           f"it needs --zero 1, 2 or 3 (without ZeRO every rank holds everything)")
@@ -214,8 +223,10 @@ def check_args(args, world, data=None):
                         ("--eval-interval", args.eval_interval), ("--log-interval", args.log_interval)]:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+    check_profile(args)
     if args.batch_size % (args.micro_batches * n_data):
-        raise ConfigError(f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
+        raise ConfigError(resumed_world_problem(args, world) or
+                          f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
                           f"x {n_data} data ranks (a multiple of {args.micro_batches * n_data})")
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ConfigError(f"--cp {args.cp}: --seq-len {args.seq_len} must divide into 2 x {args.cp} chunks "
@@ -246,6 +257,42 @@ def check_args(args, world, data=None):
     return config, shape
 
 
+def fits(args, world):
+    """Whether `world` ranks hold the layout: the mesh (tp x pp x cp dividing it, and ep's folds) and the
+    global batch split over its data ranks and --micro-batches."""
+    try:
+        shape = mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, expert_tp=args.expert_tp,
+                           dp_shard=args.dp_shard)
+    except ValueError:
+        return False
+    return args.batch_size % (args.micro_batches * shape.dp) == 0
+
+
+def resumed_world_problem(args, world):
+    """What to say, in one line, when a resumed run's world cannot hold its layout, or None (not resumed, or
+    no world would hold it: the plain message says why).
+
+    A node lost for good under torchrun --nnodes MIN:MAX restarts the survivors as a smaller world with the
+    same flags: tp, pp and cp are kept, dp takes what is left, and the global batch must still split over
+    the data ranks and the micro-batches. The worlds that would hold it are named: up to `world`, or else
+    the smallest one larger."""
+    if not args.resume or args.batch_size < 1 or args.micro_batches < 1:
+        return None
+    per_copy = args.tp * args.pp * args.cp
+    layout = (f"tp x pp x cp = {args.tp} x {args.pp} x {args.cp} = {per_copy} ranks hold a copy of the model, and "
+              f"--batch-size {args.batch_size} splits over --micro-batches {args.micro_batches} x the data ranks")
+    smaller = [w for w in range(world - 1, 0, -1) if fits(args, w)]
+    if smaller:
+        would = ", ".join(f"{w} ranks (dp {w // per_copy})" for w in smaller[:3])
+        return (f"--resume {args.resume} on {world} ranks: the resumed world is too small for the layout, or of a "
+                f"size it does not divide into ({layout}); smaller worlds that hold it: {would}")
+    larger = next((w for w in range(world + 1, per_copy * args.batch_size + 1) if fits(args, w)), None)
+    if larger is None:
+        return None
+    return (f"--resume {args.resume} on {world} ranks: the resumed world is too small for the layout ({layout}); "
+            f"the smallest that holds it is {larger} ranks (dp {larger // per_copy})")
+
+
 def check_experts(args, config):
     """The mixture-of-experts flags against the model's experts (--experts, or the --init-from folder's)."""
     experts = config.n_experts
@@ -272,11 +319,25 @@ def check_numbers(args):
     for flag, value in [("--lr", args.lr), ("--min-lr-ratio", args.min_lr_ratio), ("--warmup", args.warmup),
                         ("--weight-decay", args.weight_decay), ("--grad-clip", args.grad_clip),
                         ("--aux-loss-coef", args.aux_loss_coef), ("--bias-update-rate", args.bias_update_rate),
-                        ("--bucket-mb", args.bucket_mb), ("--peak-tflops", args.peak_tflops or 0.0)]:  # (None: the GPUs')
+                        ("--bucket-mb", args.bucket_mb), ("--peak-tflops", args.peak_tflops or 0.0),  # (None: the GPUs')
+                        ("--record-collectives", args.record_collectives)]:
         if not 0 <= value < math.inf:
             raise ConfigError(f"{flag} must be a finite number, at least 0, got {value}")
     if not 0 < args.timeout < math.inf:
         raise ConfigError(f"--timeout must be a finite number of seconds, more than 0, got {args.timeout}")
+
+
+def check_profile(args):
+    """--profile's steps: one step or a range, each a step this run has (counted from 0, as the log counts)."""
+    if args.profile is None:
+        return
+    try:
+        _, last = profiled_steps(args.profile)
+    except ValueError:
+        raise ConfigError(f"--profile {args.profile}: give a step or a range of steps, counted from 0, e.g. 3 or "
+                          f"5-7") from None
+    if last >= args.steps:
+        raise ConfigError(f"--profile {args.profile}: the run has --steps {args.steps}, steps 0 to {args.steps - 1}")
 
 
 def describe_data(args):

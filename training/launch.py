@@ -125,9 +125,13 @@ def ours(path):
     return not os.path.relpath(path, REPO).startswith(os.pardir) and "site-packages" not in path
 
 
+RECORDER = os.path.join(REPO, "training", "flight.py")  # its wrapper around each collective is not where one waits
+
+
 def where(error):
     """The innermost frame of this repository's code in the error's traceback, 'file:line in function', the
     file named from the top folder (train.py, training/checkpoint.py); installed packages are not ours,
     even in a virtual environment inside the repository."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if ours(os.path.abspath(f.filename))]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if ours(os.path.abspath(f.filename)) and os.path.abspath(f.filename) != RECORDER]
     return f"{os.path.relpath(frames[-1].filename, REPO)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"

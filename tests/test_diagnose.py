@@ -1,0 +1,126 @@
+"""When a run hangs or slows: every rank's record of its collectives written into the run folder on a
+failure, `python -m tools.diagnose` naming the first collective the ranks disagree on and the rank out of
+step, and the straggler named from the per-rank timings.
+
+The faults are injected here, through the functions the ranks run (not a flag a user sees): one rank skips
+one tensor-parallel all-reduce in step 2; one rank sleeps in every block's forward.
+"""
+import collections
+import json
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+import model
+import tp
+import train
+from distributed import run_on_ranks
+from oracle import EQUIVALENCE
+from tools import diagnose
+from training import cli, stragglers
+
+SKIP_RANK, SKIP_STEP = 1, 2
+
+
+def current_step_kept(state):
+    """Trainer.train_step keeping the step it runs in state["step"] (for the faults to pick theirs)."""
+    original = train.Trainer.train_step
+
+    def train_step(self, step, timeline=False):
+        state["step"] = step
+        return original(self, step, timeline)
+    train.Trainer.train_step = train_step
+
+
+def skipping_worker(argv):
+    """train.py's main on this rank, where rank SKIP_RANK leaves out its last tp all-reduce of step SKIP_STEP
+    (a rank-parity bug: it goes on without it). The last, so that no later call of its pairs with its
+    partner's with other shapes: gloo would abort both processes then, and neither could write its record.
+    Returns (exit status, seconds taken)."""
+    state = {"step": None, "calls": collections.Counter()}
+    current_step_kept(state)
+    original = tp.all_reduce
+
+    def all_reduce(x, group, op=dist.ReduceOp.SUM):
+        state["calls"][state["step"]] += 1
+        last_of_step = state["calls"][state["step"]] == state["calls"][SKIP_STEP - 1]  # as many as a step makes
+        if dist.get_rank() == SKIP_RANK and state["step"] == SKIP_STEP and last_of_step:
+            return x.clone()
+        return original(x, group, op)
+    tp.all_reduce = all_reduce
+    start = time.monotonic()
+    try:
+        train.main(argv)
+        return 0, time.monotonic() - start
+    except RuntimeError:  # a collective timed out, or failed: main wrote why and raised
+        return 1, time.monotonic() - start
+
+
+def run_folder(out):
+    (name,) = os.listdir(out)
+    return os.path.join(out, name)
+
+
+def test_a_skipped_collective_is_named_with_its_group_number_and_the_rank_that_did_not_arrive(tmp_path, capsys):
+    argv = [*EQUIVALENCE, "--steps", "4", "--tp", "2", "--timeout", "6", "--out", str(tmp_path)]
+    results = run_on_ranks(4, skipping_worker, argv, timeout=120)
+    assert [status for status, _ in results] == [1, 1, 1, 1]  # every rank fails, none hangs
+    assert all(seconds < 60 for _, seconds in results)
+    folder = run_folder(tmp_path)
+    assert sorted(os.listdir(os.path.join(folder, "collectives"))) == [f"rank{r}.json" for r in range(4)]
+    # The collective rank 1 skipped: its partner's last call of tp.all_reduce in step 2, on their tp group
+    with open(os.path.join(folder, "collectives", "rank0.json")) as f:
+        partner = json.load(f)
+    skipped = [e for e in partner["entries"] if e["step"] == SKIP_STEP and e["group"] == [0, 1]
+               and e["site"][0].startswith("tp.py:") and e["site"][0].endswith(" all_reduce")][-1]
+    assert skipped["returned"] is None  # its partner waited in it until the timeout
+    lines = diagnose.diagnose(folder)
+    report = "\n".join(lines)
+    assert "records from 4 of 4 ranks" in report
+    assert f"first disagreement: tp group [0, 1], collective #{skipped['seq']}" in report, report
+    assert f"reached by rank 0: all_reduce #{skipped['seq']} of tp [0, 1]" in report, report
+    assert "rank 1 did not arrive: its call there is" in report, report
+    assert "rank 1 failed:" in report and "rank 0 did not arrive" not in report
+
+    # A rank that froze (stopped by a signal, a lost node) writes nothing: its silence is named
+    os.remove(os.path.join(folder, "collectives", "rank3.json"))
+    diagnose.main([folder])
+    assert "none from rank 3: frozen or killed before it could write" in capsys.readouterr().out
+
+
+def slow_worker(argv, slow_rank, seconds):
+    """train.py on this rank, rank slow_rank sleeping `seconds` in each block's forward (a slow GPU, a busy
+    host): the data-parallel reduction makes every rank's step as long as its."""
+    original = model.Block.forward
+
+    def forward(self, *args, **kwargs):
+        if dist.get_rank() == slow_rank:
+            time.sleep(seconds)
+        return original(self, *args, **kwargs)
+    model.Block.forward = forward
+    train.train(cli.parse_args(argv))
+
+
+def test_a_straggler_is_named_by_the_log_the_runs_end_and_diagnose(tmp_path, capsys):
+    argv = [*EQUIVALENCE, "--steps", "4", "--out", str(tmp_path)]
+    run_on_ranks(4, slow_worker, argv, 2, 0.05, timeout=120)
+    folder = run_folder(tmp_path)
+    with open(os.path.join(folder, "log.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    assert [e["slowest_rank"] for e in log] == [2] * 4
+    assert all(e["slowest_compute_ratio"] > stragglers.SLOW for e in log)
+    # The others wait for it: their time in collectives is longer than its
+    assert all(min(w for r, w in enumerate(e["comm_wait_s"]) if r != 2) > e["comm_wait_s"][2] for e in log)
+    report = "\n".join(diagnose.diagnose(folder))
+    assert "straggler: rank 2 computed" in report and "of its stage's ranks in 4 of 4 steps" in report
+    assert "no record of collectives" in report  # the run did not fail: nothing was written
+
+
+def test_a_healthy_run_names_no_straggler_and_writes_no_record():
+    entries = [dict(compute_s=[1.0, 1.02, 0.99, 1.01], comm_wait_s=[0.01] * 4, slowest_rank=1,
+                    slowest_compute_ratio=1.02)] * 3
+    assert stragglers.report(entries) is None
+    # each rank against its own stage's median: rank 4 is slow beside its stage, not beside the faster stage 0
+    assert stragglers.slowest([1.0, 1.2, 1.0, 2.0, 3.0, 2.0], [0, 0, 0, 1, 1, 1]) == (4, 1.5)
