@@ -44,6 +44,7 @@ from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
 from training import checkpoint, flight, hf, stragglers
+from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, describe_data, document_eos, parse_args
 from training.data import open_data
 from training.launch import Preemption, exit_with_error, in_collective, init_distributed, rank_and_world, where
@@ -154,7 +155,7 @@ class RunLog:
         """config.json, and the log kept up to the step the run starts at (a resumed run writes those after
         its checkpoint again: one record per step)."""
         if not self.writes:
-            self.file = open(os.devnull, "w")
+            self.file, self.dashboard = open(os.devnull, "w"), NoDashboard()
             return
         os.makedirs(self.folder, exist_ok=True)
         trainer, args = self.trainer, self.args
@@ -168,6 +169,7 @@ class RunLog:
         path = os.path.join(self.folder, "log.jsonl")
         keep_log_before(path, trainer.start_step if args.resume else 0)
         self.file = open(path, "a")
+        self.dashboard = Dashboard(self.folder) if args.tensorboard else NoDashboard()
 
     def entry(self, step, record, timeline=None):
         """The log record of a step, from every rank's values (lists indexed by rank); with the pipeline's
@@ -187,6 +189,7 @@ class RunLog:
     def write(self, entry, last):
         self.file.write(json.dumps(entry) + "\n")
         self.file.flush()
+        self.dashboard.write(entry)
         if entry["step"] % self.args.log_interval == 0 or last or "val_loss" in entry:
             self.print(progress_line(entry, self.args), flush=True)
 
@@ -200,6 +203,7 @@ class RunLog:
         if stopped:
             self.print(stopped, flush=True)
         self.file.close()
+        self.dashboard.close()
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pp
 import tp
 from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
-from training import hf
+from training import dashboard, hf
 from training.data import DataInfo
 from training.profile import profiled_steps
 from training.tokenizer import fingerprint
@@ -115,6 +115,9 @@ def parse_args(argv=None):
                    help="each rank keeps a record of its last N collectives and writes it into the run folder "
                         "if the run fails, times out or is stopped, for python -m tools.diagnose (0: none; "
                         "default %(default)s)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the logged scalars for TensorBoard into the run's tensorboard/ (needs the "
+                        "tensorboard package, which the project does not install)")
     p.add_argument("--data", default=None, help="a token directory (python -m tools.prepare's, or nanoGPT's "
                                                 "train.bin/val.bin), a text file read as bytes, or a weighted "
                                                 "mixture of token directories: A:0.7,B:0.3 or a JSON file "
@@ -224,6 +227,9 @@ def check_args(args, world, data=None):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     check_profile(args)
+    if args.tensorboard and not dashboard.available():
+        raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard): the project "
+                          "does not depend on it otherwise")
     if args.batch_size % (args.micro_batches * n_data):
         raise ConfigError(resumed_world_problem(args, world) or
                           f"--batch-size {args.batch_size} must divide into --micro-batches {args.micro_batches} "
