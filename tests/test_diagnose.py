@@ -8,6 +8,7 @@ one tensor-parallel all-reduce in step 2; one rank sleeps in every block's forwa
 import collections
 import json
 import os
+import statistics
 import time
 
 import pytest
@@ -111,8 +112,10 @@ def test_a_straggler_is_named_by_the_log_the_runs_end_and_diagnose(tmp_path, cap
         log = [json.loads(line) for line in f]
     assert [e["slowest_rank"] for e in log] == [2] * 4
     assert all(e["slowest_compute_ratio"] > stragglers.SLOW for e in log)
-    # The others wait for it: their time in collectives is longer than its
-    assert all(min(w for r, w in enumerate(e["comm_wait_s"]) if r != 2) > e["comm_wait_s"][2] for e in log)
+    # The others wait for it: over the steps, each waits in collectives longer than it (it sleeps 0.2 s a step;
+    # a median, so that one step's scheduling hiccup on this shared 2-core machine decides nothing)
+    waits = [statistics.median(e["comm_wait_s"][r] for e in log) for r in range(4)]
+    assert min(w for r, w in enumerate(waits) if r != 2) > waits[2]
     report = "\n".join(diagnose.diagnose(folder))
     assert "straggler: rank 2 computed" in report and "of its stage's ranks in 4 of 4 steps" in report
     assert "no record of collectives" in report  # the run did not fail: nothing was written
