@@ -11,7 +11,6 @@ import os
 import statistics
 import time
 
-import pytest
 import torch.distributed as dist
 
 import model

@@ -95,25 +95,26 @@ def departures(records, names, stage_of):
     for stage in sorted(set(stage_of[r] for r in records)):
         ranks = [r for r in records if stage_of[r] == stage]
         starts = [first_step(records[r], programs[r]) for r in ranks]
-        if None in starts:
-            continue
-        steps = sorted(set().union(*(programs[r] for r in ranks)))
-        for step in [s for s in steps if s >= max(starts)]:
-            lists = {r: programs[r].get(step, []) for r in ranks}
-            for index in range(max(len(entries) for entries in lists.values())):
-                at = {r: entries[index] if index < len(entries) else None for r, entries in lists.items()}
-                votes = collections.Counter(signature(e) if e else None for e in at.values())
-                if len(votes) == 1:
-                    continue
-                ranked = votes.most_common(2)
-                expected = ranked[0][0] if ranked[0][1] > ranked[1][1] else None
-                departed = [r for r, e in at.items() if expected is None or (signature(e) if e else None) != expected]
-                found.append((step, index, {r: e for r, e in at.items() if e and signature(e) == expected}, departed))
-                break
-            else:
-                continue
-            break
+        if None not in starts:
+            found += first_departure({r: programs[r] for r in ranks}, max(starts))
     return sorted(found, key=lambda d: (d[0], d[1]))
+
+
+def first_departure(programs, start):
+    """[(step, index, majority entry by rank, departing ranks)] of the first place, from step `start` on,
+    where the ranks' programs ({rank: {step: [entry]}}) part; [] where they never do."""
+    for step in sorted(s for s in set().union(*programs.values()) if s >= start):
+        lists = {r: program.get(step, []) for r, program in programs.items()}
+        for index in range(max(len(entries) for entries in lists.values())):
+            at = {r: entries[index] if index < len(entries) else None for r, entries in lists.items()}
+            calls = {r: signature(e) if e else None for r, e in at.items()}
+            ranked = collections.Counter(calls.values()).most_common(2)
+            if len(ranked) == 1:
+                continue
+            expected = ranked[0][0] if ranked[0][1] > ranked[1][1] else None  # a tie: none is the majority
+            departed = [r for r, call in calls.items() if expected is None or call != expected]
+            return [(step, index, {r: e for r, e in at.items() if e and calls[r] == expected}, departed)]
+    return []
 
 
 def describe(entry, names):

@@ -6,7 +6,6 @@ at once instead of hanging; check_vocabulary once the data is loaded, before the
 meta.json is read once (describe_data), and its record passed to every check and to the data opened.
 """
 import argparse
-import dataclasses
 import math
 import os
 
