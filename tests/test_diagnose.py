@@ -11,6 +11,7 @@ import os
 import statistics
 import time
 
+import pytest
 import torch.distributed as dist
 
 import model
@@ -88,6 +89,38 @@ def test_a_skipped_collective_is_named_with_its_group_number_and_the_rank_that_d
     os.remove(os.path.join(folder, "collectives", "rank3.json"))
     diagnose.main([folder])
     assert "none from rank 3: frozen or killed before it could write" in capsys.readouterr().out
+
+
+def freezing_worker(argv):
+    """train.py's main on this rank, where rank 3 (pipeline stage 1) freezes in its forward of step 2 and later
+    vanishes without a word (as a process stopped by a signal, or a node lost, writes nothing)."""
+    state = {"step": None}
+    current_step_kept(state)
+    original = model.Block.forward
+
+    def forward(self, *args, **kwargs):
+        if dist.get_rank() == 3 and state["step"] == SKIP_STEP:
+            time.sleep(15)  # longer than the others' --timeout and their records' writing
+            os._exit(0)
+        return original(self, *args, **kwargs)
+    model.Block.forward = forward
+    try:
+        train.main(argv)
+    except RuntimeError:
+        return 1
+    return 0
+
+
+def test_a_frozen_rank_is_named_by_its_silence_and_the_ranks_left_waiting_for_it(tmp_path):
+    argv = [*EQUIVALENCE, "--steps", "4", "--pp", "2", "--layers", "4", "--timeout", "5", "--out", str(tmp_path)]
+    with pytest.raises(RuntimeError, match=r"rank 3 ---\nexited with code 0 and no result"):
+        run_on_ranks(4, freezing_worker, argv, timeout=90)
+    folder = run_folder(tmp_path)
+    assert sorted(os.listdir(os.path.join(folder, "collectives"))) == [f"rank{r}.json" for r in range(3)]
+    report = "\n".join(diagnose.diagnose(folder))
+    assert "records from 3 of 4 ranks; none from rank 3: frozen or killed before it could write" in report
+    # its pipeline neighbour (stage 0's rank 2 of the same data-parallel copy) waited for its message
+    assert "rank 2 was left waiting for it: last in irecv" in report and "of pp [2, 3] with rank 3" in report
 
 
 def slow_worker(argv, slow_rank, seconds):

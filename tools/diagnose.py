@@ -139,6 +139,11 @@ def verdict(config, records, world):
               f"it could write (a stopped process, a lost node): that silence is the verdict" if silent else "")]
     if not records:
         return lines
+    for rank in sorted(records):  # the ranks left waiting for a silent one
+        last = records[rank]["entries"][-1] if records[rank]["entries"] else None
+        if last and (last.get("peer") in silent or set(last["group"]) & set(silent) and "peer" not in last):
+            lines.append(f"  rank {rank} was left waiting for it: last in {describe(last, names)}" +
+                         (f"; failed: {records[rank]['error']}" if records[rank].get("error") else ""))
     parted = departures(records, names, stage_of)
     if not parted:
         lines.append("the ranks that wrote a record issued the same collectives, in the same order")
@@ -153,12 +158,13 @@ def verdict(config, records, world):
         lines.append(f"  reached by rank{'s' * (len(reached) > 1)} {', '.join(map(str, reached))}: "
                      f"{describe(example, names)}")
     else:
-        lines.append(f"first disagreement: step {step}, the {index + 1}th collective of the step: the ranks "
-                     f"running the same code issued different ones, none the majority's")
+        lines.append(f"first disagreement: step {step}, collective {index + 1} of the step: the ranks running the "
+                     f"same code issued different ones there, none the majority's")
     for rank in sorted(departed):
         mine = program(records[rank], names).get(step, [])
-        lines.append(f"  rank {rank} did not arrive: " + (f"its call there is {describe(mine[index], names)}"
-                                                          if index < len(mine) else "it issued nothing more"))
+        lines.append(f"  rank {rank}{' did not arrive' if expected else ''}: " +
+                     (f"its call there is {describe(mine[index], names)}" if index < len(mine)
+                      else "it issued nothing more"))
     for rank in sorted(departed):
         entries = records[rank]["entries"]
         if entries:

@@ -90,14 +90,14 @@ class FlightRecorder:
             self.ranks_of[key] = tuple(dist.get_process_group_ranks(group))
         return self.ranks_of[key]
 
-    def note(self, op, group, tensors, peer=None):
-        """A new entry: this rank's next collective on group (or message to or from peer)."""
+    def note(self, op, group, tensors, site, peer=None):
+        """A new entry: this rank's next collective on group (or message to or from peer), called from site."""
         ranks = self.group_ranks(group)
         key = ranks if peer is None else (ranks, peer, op)  # messages are numbered per peer and direction
         with self.lock:
             self.issued[key] += 1
             entry = dict(op=op, group=list(ranks), seq=self.issued[key], shapes=tensors, step=self.step,
-                         site=call_site(sys._getframe(2)), issued=time.time(), returned=None,
+                         site=site, issued=time.time(), returned=None,
                          thread=threading.current_thread().name)
             if peer is not None:
                 entry["peer"] = peer
@@ -106,11 +106,13 @@ class FlightRecorder:
 
     def recording(self, name, original):
         def recorded(*args, **kwargs):
+            site = call_site(sys._getframe(1))  # the caller's frames, this wrapper left out
             if name == "batch_isend_irecv":  # each message of the batch, numbered per peer and direction
-                entries = [self.note(f"{p.op.__name__}", p.group, shapes_of([p.tensor], {}), p.peer)
+                entries = [self.note(p.op.__name__, p.group, shapes_of([p.tensor], {}), site, p.peer)
                            for p in args[0]]
             else:
-                entries = [self.note(name, kwargs.get("group", group_argument(name, args)), shapes_of(args, kwargs))]
+                entries = [self.note(name, kwargs.get("group", group_argument(name, args)), shapes_of(args, kwargs),
+                                     site)]
             result = original(*args, **kwargs)
             for entry in entries:
                 entry["returned"] = time.time()
