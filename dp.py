@@ -155,9 +155,8 @@ class DataParallel:
     def _launch_remaining(self, upto=None):  # all not yet launched (before `upto`), a missing gradient as zero
         for bucket in self.buckets[self.next_to_launch:upto]:
             for p in bucket.params:
-                view = bucket.grad_view(p)
-                if p not in self.arrived:  # no gradient this step (what the view holds is an older step's)
-                    view.zero_()
+                if p not in self.arrived:  # no gradient this step (what its view holds is an older step's)
+                    bucket.grad_view(p).zero_()
             self._launch(bucket)
 
     def finish_grad_sync(self):
