@@ -43,7 +43,7 @@ from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_,
 from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
-from training import checkpoint, flight, hf, stragglers
+from training import checkpoint, flight, hf, muon, stragglers
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, describe_data, document_eos, parse_args
 from training.data import open_data
@@ -62,6 +62,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "pp": ("send_recv", "all_reduce"),
     "cp": ("send_recv", "all_gather", "reduce_scatter", "all_to_all"),
     "ep": ("all_to_all",),
+    "optim": ("all_to_all",),  # Muon's assembly of matrices (training/muon.py)
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
@@ -347,7 +348,7 @@ class Trainer:
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
         sources = {"dp": self.grad_sync.comm_bytes, "tp": tp.comm_bytes,
                    "pp": {"send_recv": self.runner.bytes_sent, "all_reduce": self.tied.bytes_sent},
-                   "cp": cp.comm_bytes, "ep": ep.comm_bytes}
+                   "cp": cp.comm_bytes, "ep": ep.comm_bytes, "optim": muon.comm_bytes}
         return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
                 for dim, kinds in COMM_KINDS.items() for kind in kinds}
 
@@ -619,6 +620,7 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
         if experts:
             zeros.append(make_zero(experts, moe_layers, "expert", find_unused_parameters=True,
                                    divide_by=mesh.size("dense")))
+        with_muon(zeros, model, mesh, share, args, precision)
         return zeros, GradientSync(zeros), TiedOutputLayer(tied_zero, tied_names, mesh)
     average = partial(DataParallel, bucket_bytes=bucket_bytes, broadcast=False, reduce_dtype=precision.reduce)
     tied_sync = average(tied, group) if tied else None
@@ -631,7 +633,31 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
     fill_master = lambda name, master: share.fill(master.view(-1), name, master.shape)  # noqa: E731
     optimizer = ReplicatedOptimizer(model.named_parameters(), partial(make_optimizer, args=args), grad_sync,
                                     precision.master, fill_master)
+    with_muon([optimizer], model, mesh, share, args, precision)
     return [optimizer], grad_sync, TiedOutputLayer(tied_sync, tied_names, mesh)
+
+
+def with_muon(optimizers, model, mesh, share, args, precision):
+    """Under --optimizer muon, each ZeRO instance's (or the replicated) optimizer becomes training/muon.py's,
+    over the same pieces: Muon's matrices are assembled over the stage's ranks, each copy among its own (a
+    data-parallel replica's without ZeRO, hybrid sharding's replica's with it)."""
+    if args.optimizer != "muon":
+        return
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    group = mesh.groups["stage"] if mesh.size("stage") > 1 else None
+
+    def split_of(name):
+        return (share.tp_layouts[name][0], share.parts(name), share.part(name)) if name in share.tp_layouts else None
+
+    def copy_of(name):
+        if args.zero:
+            return mesh.index("dp_replicate") if mesh.shape.hybrid else 0
+        return mesh.index("expert" if ep.is_expert_parameter(name) else "dense")
+    for optimizer in optimizers:
+        pieces = muon.held_segments(optimizer.pieces(), shapes, model.config, split_of, copy_of)
+        held = [s for _, found in pieces for s in found]
+        assembly = muon.Assembly(held, group, args.muon_assembly == "gather", precision.weights, share.device)
+        optimizer.optimizer = muon.Muon(pieces, assembly, args.lr, args.weight_decay)
 
 
 class TiedOutputLayer:
@@ -1057,6 +1083,13 @@ def build_model(config, seed, dtype, device):
     model.tie_weights()
     model.reset_parameters(seed)
     return model
+
+
+def single_device_optimizer(model, args):
+    """The optimizer of a whole model on one device (tools/parity.py's reference)."""
+    if args.optimizer == "muon":
+        return muon.single_device(model, args.lr, args.weight_decay, next(model.parameters()).dtype)
+    return make_optimizer(model.parameters(), args)
 
 
 def make_optimizer(params, args):

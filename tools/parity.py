@@ -69,7 +69,7 @@ def reference_steps(argv, skipped_steps=(), record=False):
     model = train.build_model(config, args.seed, torch.float64, torch.device("cpu"))
     if args.init_from:  # a Hugging Face folder's weights (read whole, as one device can)
         model.load_state_dict(hf.load_state_dict(args.init_from, config))
-    optimizer = train.make_optimizer(model.parameters(), args)
+    optimizer = train.single_device_optimizer(model, args)
     eos_id = cli.document_eos(args, data=data.info)  # packed documents, each ended by it (None: one sequence each)
     result = dict(losses=[], grad_norms=[], gradients=[], weights=[])
     for step in range(args.steps):

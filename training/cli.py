@@ -98,6 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr (cosine)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon for the blocks' matrices, AdamW for the rest (training/muon.py)")
+    p.add_argument("--muon-assembly", choices=("owner", "gather"), default="owner",
+                   help="how Muon assembles a matrix split across ranks: one owner each, or every holder")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--skip-nonfinite-steps", type=int, default=0,
                    help="steps whose gradient norm is not finite that may be skipped (no update) before the "
