@@ -223,6 +223,8 @@ class Trainer:
             self.model = precision.apply(GPT(config))
         self.n_params = sum(p.numel() for p in self.model.parameters())
         saved = checkpoint.Checkpoint(args.resume) if args.resume else None
+        if saved:
+            same_optimizer(saved, args)
         # The Hugging Face config a run started from, kept in its checkpoints for the Hugging Face export.
         self.hf_config = (saved.manifest.get("hf_config") if saved
                           else hf.with_layers(hf.read_config(args.init_from), config.n_layer) if args.init_from
@@ -1170,6 +1172,15 @@ def lr_at(step, args):
 def run_name(args, world):
     split_experts = f"_etp{args.expert_tp}" if args.expert_tp > 1 else ""  # (names from before it stay the same)
     return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}{split_experts}"
+
+
+def same_optimizer(saved, args):
+    """A checkpoint resumes under the optimizer whose state it holds (Muon's momentum is not AdamW's moments)."""
+    theirs = saved.manifest["args"].get("optimizer", "adamw")
+    if theirs != args.optimizer:
+        raise ConfigError(f"--resume {saved.path}: its optimizer state is {theirs}'s; resume it with --optimizer "
+                          f"{theirs}, or start --optimizer {args.optimizer} from its weights alone (python -m "
+                          f"tools.convert to-file ... --weights-only, then from-file)")
 
 
 def resume_from(args, world, group, report=print):

@@ -50,8 +50,9 @@ comm_bytes = Counter()               # bytes sent to other ranks, by kind (train
 
 def newton_schulz(update, steps=NEWTON_SCHULZ_STEPS, dtype=torch.bfloat16):
     """About P Q^T for update = P S Q^T: X <- a X + (b X X^T + c (X X^T)^2) X from X = update / |update|_F,
-    an odd polynomial of the singular values that takes each into about [0.7, 1.2] and leaves P and Q alone
-    (Jordan et al., 2024). Iterated on the wide orientation, whose X X^T is the smaller."""
+    an odd polynomial of the singular values that takes each into about [0.68, 1.18] and leaves P and Q
+    alone (Jordan et al., 2024: "roughly Uniform(0.5, 1.5)"). Iterated on the wide orientation, whose X X^T
+    is the smaller."""
     a, b, c = QUINTIC
     x = update.to(dtype)
     tall = x.shape[0] > x.shape[1]
