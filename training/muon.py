@@ -211,6 +211,9 @@ class Assembly:
                         for r, box in enumerate(self.inbox)]
         self.questions = [[s for s in held if answerer(self.owners[s.copy, s.key], self.rank) == r]
                           for r in range(n_ranks)]
+        # Whether any rank's answer comes from another (not where every holder assembles: one all-to-all then)
+        self.answers_travel = any(answerer(self.owners[s.copy, s.key], r) != r
+                                  for r, theirs in enumerate(everyone) for s in theirs)
 
     def orthogonalise(self, flat):
         """flat: this rank's pieces of U, concatenated; returns its pieces of O in the same places."""
@@ -222,19 +225,21 @@ class Assembly:
                 _copy_into(s.views(matrix), part)
         done = {matrix: orthogonalised(u, self.dtype) for matrix, u in matrices.items()}
         answered = self._all_to_all(self.answers, self.questions,
-                                    lambda s: torch.cat([v.reshape(-1) for v in s.views(done[s.copy, s.key])]))
+                                    lambda s: torch.cat([v.reshape(-1) for v in s.views(done[s.copy, s.key])]),
+                                    travels=self.answers_travel)
         out = torch.empty_like(flat)
         for box, values in zip(self.questions, answered):
             for s, part in zip(box, values.split([s.numel for s in box])):
                 out[s.start:s.start + s.numel] = part
         return out
 
-    def _all_to_all(self, send_boxes, receive_boxes, values_of):
-        """Each rank r the values of send_boxes[r]'s segments; from each rank r those of receive_boxes[r]."""
+    def _all_to_all(self, send_boxes, receive_boxes, values_of, travels=True):
+        """Each rank r the values of send_boxes[r]'s segments; from each rank r those of receive_boxes[r]
+        (travels False: every box but this rank's own is empty on every rank, so nothing is sent)."""
         parts = [values_of(s).to(self.dtype) for box in send_boxes for s in box]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
-        if self.group is None:
-            return [send]
+        if self.group is None or not travels:
+            return [send if r == self.rank else send[:0] for r in range(len(send_boxes))]
         send_splits = [sum(s.numel for s in box) for box in send_boxes]
         receive_splits = [sum(s.numel for s in box) for box in receive_boxes]
         received = torch.empty(sum(receive_splits), dtype=self.dtype, device=self.device)
