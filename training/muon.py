@@ -25,8 +25,9 @@ Across ranks: Newton-Schulz is a function of the whole matrix, so the elementwis
 tensor parallelism no longer suffices. The momentum stays where ZeRO and tp put it (elementwise, as AdamW's
 moments); for each matrix one of the ranks holding pieces of it (its owner) receives the other pieces of U,
 orthogonalises it and sends each piece of O back, two all-to-alls over the stage's ranks a step (Megatron's
-layer-sharded Muon and owner-and-broadcast designs do the same). Owners are balanced by the matrices' sizes,
-largest first, each to its least loaded holder. With N ranks sharing a stage's matrices evenly, a rank sends
+layer-sharded Muon and owner-and-broadcast designs do the same). Owners are balanced by the matrices' sizes:
+largest first, each to the rank holding most of it unless that rank has its share of the work already (see
+assign_owners). With N ranks sharing a stage's matrices evenly, a rank sends
 about 2 (N-1)/N^2 of their elements a step and runs 1/N of the Newton-Schulz work; the alternative, every
 holder gathering every matrix (`--muon-assembly gather`), sends (N-1)/N of them and repeats the work N
 times: as many bytes at N = 2, N/2 times more beyond. Copies of a matrix (data-parallel replicas without
@@ -149,8 +150,10 @@ def segments(name, local_shape, rows, split, start, end, copy=0):
 
 def assign_owners(held, every_holder=False):
     """{(copy, key): [ranks assembling it, the first of which answers the holders that do not]} from held,
-    {rank: [Segment]}: every holder (every_holder), or one: largest matrices first, each to its least
-    loaded holder (ties: the one holding most of it, then the lowest rank)."""
+    {rank: [Segment]}: every holder (every_holder), or one. Largest matrices first, each to the holder of most
+    of it (the least traffic) among those still below their fair share of the copy's work (its matrices'
+    elements over the ranks holding them; ties: the least loaded, then the lowest rank); where every holder
+    has its share, to the least loaded."""
     holders, sizes = defaultdict(Counter), {}
     for rank, found in held.items():
         for s in found:
@@ -158,9 +161,16 @@ def assign_owners(held, every_holder=False):
             sizes[s.copy, s.key] = s.shape[0] * s.shape[1]
     if every_holder:
         return {matrix: sorted(ranks) for matrix, ranks in holders.items()}
+    work, ranks = Counter(), defaultdict(set)
+    for (copy, key), holding in holders.items():
+        work[copy] += sizes[copy, key]
+        ranks[copy].update(holding)
     load, owners = Counter(), {}
     for matrix in sorted(holders, key=lambda m: (-sizes[m], m)):
-        owner = min(holders[matrix], key=lambda r: (load[r], -holders[matrix][r], r))
+        holding = holders[matrix]
+        with_room = [r for r in holding if load[r] < work[matrix[0]] / len(ranks[matrix[0]])]
+        owner = (min(with_room, key=lambda r: (-holding[r], load[r], r)) if with_room
+                 else min(holding, key=lambda r: (load[r], r)))
         owners[matrix], load[owner] = [owner], load[owner] + sizes[matrix]
     return owners
 
