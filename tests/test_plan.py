@@ -212,3 +212,84 @@ def test_real_shapes_have_their_parameter_counts():
         config = cli.model_config(args, cli.data_vocab_size(args))
         n = sum(math.prod(shape) for _, shape in plan.model_parameters(plan.config_key(config)))
         assert abs(n - count) / count < 0.005, (model, n)
+
+
+# Muon (--optimizer muon): the blocks' matrices (q, k, v, the attention's proj, gate, up and the MLP's proj of
+# the tiny Llama) keep one momentum where AdamW keeps two moments, and are assembled whole over a stage's ranks.
+MUON = ["--model", "tiny", "--arch", "llama", "--dtype", "float64", "--batch-size", "8", "--optimizer", "muon"]
+
+
+def muon_matrices(args):
+    """[(name, rows)] of the logical matrices of a tiny Llama, in its parameters' order, each with the
+    flattened parameter's rows it stacks (q | k | v in qkv, gate | up in fc), and the model width."""
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    matrices = []
+    for layer in range(c.n_layer):
+        block = f"blocks.{layer}"
+        matrices += [(f"{block}.attn.qkv.weight", [c.q_dim, c.kv_dim, c.kv_dim]),
+                     (f"{block}.attn.proj.weight", [c.d_model]),
+                     (f"{block}.mlp.fc.weight", [c.d_ff, c.d_ff]), (f"{block}.mlp.proj.weight", [c.d_model])]
+    return matrices, c
+
+
+def test_muon_under_tp_every_rank_sends_half_of_the_matrices_once():
+    """tp=2 on 2 ranks: each rank holds half of every matrix (a band of rows or of columns), so each matrix's
+    owner receives the other half and sends its orthogonalised half back. The two layers give every size
+    twice, so the owners split the matrices evenly: each rank sends (N-1)/N^2 of them out and as many back,
+    half of all the elements (N = 2), and `gather` (each assembling every matrix, nothing sent back) as much.
+    Its optimizer keeps one momentum for its half of the matrices where AdamW keeps two moments."""
+    argv = [*MUON, "--tp", "2"]
+    args = cli.parse_args(argv)
+    matrices, c = muon_matrices(args)
+    widths = {"attn.proj.weight": c.q_dim, "mlp.proj.weight": c.d_ff}
+    elements = sum(sum(rows) * next((w for end, w in widths.items() if name.endswith(end)), c.d_model)
+                   for name, rows in matrices)
+    predicted, adamw = plan.predict(args, 2), plan.predict(cli.parse_args([*argv, "--optimizer", "adamw"]), 2)
+    assert predicted["comm_optim_all_to_all_bytes"] == [elements // 2 * 8] * 2
+    gather = plan.predict(cli.parse_args([*argv, "--muon-assembly", "gather"]), 2)
+    assert gather["comm_optim_all_to_all_bytes"] == [elements // 2 * 8] * 2
+    assert predicted["optim_bytes"] == [optim - elements // 2 * 8 for optim in adamw["optim_bytes"]]
+    assert adamw["comm_optim_all_to_all_bytes"] == [0, 0]
+
+
+def test_muon_under_zero1_sends_the_pieces_its_shard_cuts():
+    """ZeRO-1 on 4 ranks, one bucket: the bucket holds the parameters in backward order and each rank a
+    quarter of it, so a shard boundary may cut a matrix. With every holder assembling (gather) a rank sends
+    its piece of a cut matrix to each other holder, and nothing of the matrices it holds whole; its optimizer
+    keeps one momentum for each element of a matrix in its shard."""
+    argv = [*MUON, "--zero", "1", "--muon-assembly", "gather"]
+    args = cli.parse_args(argv)
+    matrices, c = muon_matrices(args)
+    sizes = dict(plan.model_parameters(plan.config_key(c)))
+    spans, offset = [], 0  # (first, end) of each matrix in the bucket
+    for name, numel in reversed([(name, math.prod(shape)) for name, shape in sizes.items()]):
+        rows = dict(matrices).get(name, [])
+        cols = numel // sum(rows) if rows else 0
+        starts = [offset + cols * sum(rows[:i]) for i in range(len(rows) + 1)]
+        spans += list(zip(starts, starts[1:]))
+        offset += numel
+    shard = offset // 4  # (no padding: 4 divides the bucket)
+    held = [[max(0, min(end, (r + 1) * shard) - max(first, r * shard)) for r in range(4)] for first, end in spans]
+    sent = [sum(pieces[r] * (sum(1 for p in pieces if p) - 1) for pieces in held) * 8 for r in range(4)]
+    assert sum(sent) > 0  # (the boundaries do cut matrices: the check means something)
+    predicted, adamw = plan.predict(args, 4), plan.predict(cli.parse_args([*argv, "--optimizer", "adamw"]), 4)
+    assert predicted["comm_optim_all_to_all_bytes"] == sent
+    assert predicted["optim_bytes"] == [optim - sum(pieces[r] for pieces in held) * 8
+                                        for r, optim in enumerate(adamw["optim_bytes"])]
+
+
+def test_dry_run_of_a_muon_rank_holds_the_planned_pieces_and_counts_the_planned_bytes():
+    """One rank of 16 under PyTorch's fake peers (tools/dryrun.py), its optimizers Muon: its own pieces of the
+    matrices are the Segments tools/plan.py gives it (the dry run refuses to go on otherwise), and what it
+    counts (optimizer state, Muon's all-to-alls, the rest) is the prediction."""
+    result = subprocess.run([sys.executable, "-m", "tools.dryrun", "--world", "16", "--rank", "6", "--json",
+                             "--model", "tiny", "--arch", "llama", "--batch-size", "32", "--dtype", "float32",
+                             "--optimizer", "muon", "--tp", "2", "--cp", "2", "--pp", "2", "--schedule", "zbv",
+                             "--layers", "4", "--micro-batches", "2", "--zero", "1", "--bucket-mb", "0.01"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    measured, predicted = report["measured"], report["predicted"]
+    predicted.pop("peak_resident_bytes")
+    assert predicted["comm_optim_all_to_all_bytes"] > 0
+    assert {field: measured[field] for field in predicted} == predicted

@@ -23,6 +23,11 @@ bmm and baddbmm (every linear layer and written-out attention) and the scaled-do
 kernels of CPUs and CUDA with their backwards; everything else (norms, activations, the optimizer, the
 collectives' bookkeeping) runs.
 
+Muon (--optimizer muon) gathers every rank's pieces of the matrices once, at start-up, to choose who
+assembles each: a fake peer would answer with this rank's own, so each peer's are given as tools/plan.py
+lays them out (muon_held), this rank's own checked against the planner's on the way. Who assembles what,
+and so the traffic and the step's buffers, are then the real run's.
+
 Expert parallelism is refused, and so is expert tensor parallelism: a rank learns how many tokens it will
 receive from its peers (--ep), or how many rows the peers splitting its experts received (--expert-tp),
 which a fake peer never says. Experts without them run, under tp too (each tp rank routes its own part of
@@ -30,13 +35,13 @@ the tokens, a split it knows alone), routed by whatever the skipped router produ
 """
 import argparse
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from training import cli
+from training import cli, muon
 from training.data import open_data
 from tools import plan
 import train
@@ -114,6 +119,39 @@ def check_dry_run(args, rank, world, data=None):
     return checked
 
 
+@contextmanager
+def planned_peers(args, rank, world):
+    """Under --optimizer muon, muon.Assembly's all-gather of each optimizer's pieces over the stage (one an
+    optimizer, at start-up) answered with every peer's, as tools/plan.py lays them out; this rank's own must
+    be the planner's (a RuntimeError if not). An all-to-all this rank sends nothing in is left out: the fake
+    process group refuses one that receives all the same (and its peers would deliver nothing)."""
+    if args.optimizer != "muon":
+        yield
+        return
+    layout = plan.layout_of(args, world)
+    config = cli.model_config(args, cli.data_vocab_size(args))
+    where = plan.coordinates(layout, rank)
+    place, optimizers = plan.stage_place(layout, where), iter(plan.muon_held(config, layout, where["pp"]))
+    fake_gather, fake_all_to_all = dist.all_gather_object, dist.all_to_all_single
+
+    def gathered(everyone, held, group=None):
+        if not (isinstance(held, list) and all(isinstance(s, muon.Segment) for s in held)):
+            return fake_gather(everyone, held, group=group)  # (not Muon's)
+        planned = next(optimizers)
+        if planned[place] != held:
+            raise RuntimeError(f"rank {rank}'s pieces of the matrices are not tools/plan.py's: {held} != "
+                               f"{planned[place]}")
+        everyone[:] = [planned[r] for r in range(len(everyone))]
+
+    def all_to_all(output, input, *args, **kwargs):
+        return fake_all_to_all(output, input, *args, **kwargs) if input.numel() else None
+    dist.all_gather_object, dist.all_to_all_single = gathered, all_to_all
+    try:
+        yield
+    finally:
+        dist.all_gather_object, dist.all_to_all_single = fake_gather, fake_all_to_all
+
+
 def dry_run(args, rank, world, compute=False):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
     first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
@@ -124,9 +162,10 @@ def dry_run(args, rank, world, compute=False):
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
     try:
-        trainer = DryRunTrainer(args, config, Mesh(shape), open_data(described, args.seed), device)
-        with nullcontext() if compute or TorchDispatchMode is None else SkipArithmetic():
-            record = trainer.train_step(0)
+        with planned_peers(args, rank, world):
+            trainer = DryRunTrainer(args, config, Mesh(shape), open_data(described, args.seed), device)
+            with nullcontext() if compute or TorchDispatchMode is None else SkipArithmetic():
+                record = trainer.train_step(0)
     finally:
         dist.destroy_process_group()
     predicted = {field: values[rank] for field, values in plan.predict(args, world).items()

@@ -49,6 +49,19 @@ Where the numbers come from:
   of a shard group is followed by an all-reduce of the shard over the copies
   ("dense_replicas", "expert_replicas" in the traffic, logged under dp, which
   `--search` counts across nodes when the copies are on other nodes).
+- Muon (--optimizer muon, training/muon.py): for each optimizer (ZeRO's
+  dense, tied and expert instances, or the one without ZeRO) the planner
+  lays out every rank's pieces as the optimizer holds them (the buckets and
+  shards above, tp's and expert-tp's bands, each expert under its ep rank's
+  name, each copy numbered as train.with_muon numbers it) and hands them to
+  muon.held_segments, muon.assign_owners and muon.bytes_sent, the functions
+  the run itself calls: the owners, and each rank's bytes in the two
+  all-to-alls over its stage ("optim", in the weights' dtype), are the
+  run's. The matrices' pieces keep one momentum where AdamW keeps two
+  moments; the step's working set (the look-ahead U, the all-to-alls'
+  buffers, the matrices an owner assembles and their orthogonalised
+  copies, Newton-Schulz's temporaries) counts in the step's peak, which
+  stands for its stage at the rank holding most.
 - Traffic counts what each collective sends as a ring algorithm does, as
   the runs count it: an all-reduce of n bytes over N ranks sends 2(N-1)/N n,
   a reduce-scatter or an all-gather (N-1)/N n; point-to-point and
@@ -76,6 +89,9 @@ groups folded over each stage's ranks, expert-tp fastest, then ep), hybrid
 ones among them (ZeRO's shard group no larger than a node). With experts it
 tries every ep dividing both the experts and a stage's ranks, with experts
 whole (expert-tp 1) or split as tp splits the dense layers (expert-tp = tp).
+Under Muon it plans each candidate's assembly as above, save those that
+cannot fit whatever it holds and those whose stages hold too many pieces to
+assign here (MUON_SEARCH_PIECES), which it counts.
 """
 import argparse
 import bisect
@@ -90,7 +106,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from training import cli
+from training import cli, muon
 import pp
 import train
 from dp import ring_bytes_sent
@@ -128,6 +144,8 @@ class Layout:
     reduce_dtype: str
     bucket_bytes: int
     documents: bool = False  # packed documents (--document-mask): attention masked, positions per sequence
+    optimizer: str = "adamw"  # --optimizer: "muon" steps the blocks' matrices with Muon (training/muon.py)
+    muon_gather: bool = False  # --muon-assembly gather: every holder of a matrix assembles it, not one owner
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
@@ -191,7 +209,9 @@ def layout_of(args, world):
                   sp=args.sp, cp_mode=args.cp_mode, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   micro_batches=args.micro_batches, batch_size=args.batch_size, recompute=args.recompute,
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
-                  bucket_bytes=int(args.bucket_mb * 2**20), documents=cli.document_eos(args, data=described) is not None)
+                  bucket_bytes=int(args.bucket_mb * 2**20),
+                  documents=cli.document_eos(args, data=described) is not None,
+                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather")
 
 
 # ---------------------------------------------------------------------------
@@ -406,6 +426,232 @@ def zero_collectives(layout):
     reductions = 1 if pipelined else layout.micro_batches
     gathers = (1 if pipelined else 2 * layout.micro_batches) if layout.zero == 3 else 1
     return reductions, gathers
+
+
+# ---------------------------------------------------------------------------
+# Muon (--optimizer muon): each optimizer's pieces as training/muon.py's Segments, assembled by its functions
+# ---------------------------------------------------------------------------
+
+def stage_rank(layout, stage, place):
+    """The grid coordinates of the rank at `place` in a pipeline stage's group (mesh.py's "stage": its
+    dp x cp x tp ranks, row-major)."""
+    dp, rest = divmod(place, layout.cp * layout.tp)
+    return {"dp": dp, "pp": stage, "cp": rest // layout.tp, "tp": rest % layout.tp}
+
+
+def stage_place(layout, where):
+    """The place of the rank at `where` in its stage's group (stage_rank's inverse)."""
+    return (where["dp"] * layout.cp + where["cp"]) * layout.tp + where["tp"]
+
+
+def tp_split_dim(name):
+    """The dimension tensor parallelism cuts a tp_sharded parameter along (tp.py's layouts): a row-parallel
+    proj's columns, every other's rows (column-parallel layers, the vocabulary of the embedding and head)."""
+    return 1 if name.endswith("proj.weight") else 0
+
+
+def tp_split(name, layout, where):
+    """Tensor parallelism's (dim, parts, part) of a parameter on the rank at `where`, as train.with_muon's
+    split_of gives it to training/muon.py, or None if it is whole there: a routed expert's over expert-tp."""
+    if not tp_sharded(name):
+        return None
+    if is_expert_parameter(name):
+        return tp_split_dim(name), layout.expert_tp, expert_coordinates(layout, where)["expert_tp"]
+    return tp_split_dim(name), layout.tp, where["tp"]
+
+
+def local_shape(name, shape, layout):
+    """A parameter's shape on a rank: its full shape, cut by tensor parallelism (a routed expert's by
+    expert-tp)."""
+    if not tp_sharded(name):
+        return shape
+    parts = layout.expert_tp if is_expert_parameter(name) else layout.tp
+    return tuple(n // parts if dim == tp_split_dim(name) else n for dim, n in enumerate(shape))
+
+
+def rank_name(name, config, layout, where):
+    """A parameter of rank_parameters (which lists the first ep rank's experts) as the rank at `where` names
+    it: ep.py keeps a routed expert under its index in the layer, ep rank k holding [k E/ep, (k+1) E/ep)."""
+    if not is_expert_parameter(name):
+        return name
+    parts = name.split(".")
+    parts[4] = str(int(parts[4]) + expert_coordinates(layout, where)["ep"] * (config.n_experts // layout.ep))
+    return ".".join(parts)
+
+
+def optimizer_sets(config, layout, stage):
+    """[(kind, [(name, elements)])]: the parameters of each optimizer of a rank of this stage, in
+    train.data_parallel's order. Under ZeRO an instance each for the dense parameters, a tied output layer and
+    the experts (each padded and sharded over its own group); without it one over every parameter ("all"),
+    in the model's order."""
+    dense, expert, tied = rank_parameters(config, layout, stage)
+    if layout.zero:
+        return [(kind, params) for kind, params in (("dense", dense), ("tied", tied), ("expert", expert)) if params]
+    order = {name: i for i, (name, _) in enumerate(model_parameters(config_key(config)))}
+    return [("all", sorted(dense + expert + tied, key=lambda param: order.get(param[0], len(order))))]
+
+
+def named_buckets(params, group, layout):
+    """[(Bucket, names of its parameters in its order)] of zero_buckets: ZeRO-3's units last first, each in
+    forward order; else the parameters in backward (reverse) order, cut as make_buckets cuts them."""
+    buckets = zero_buckets(params, group, layout)
+    if layout.zero == 3:
+        units = {}
+        for name, _ in params:
+            units.setdefault(unit_of(name), []).append(name)
+        return list(zip(buckets, reversed(units.values())))
+    names = iter([name for name, _ in reversed(params)])
+    return [(bucket, [next(names) for _ in bucket.sizes]) for bucket in buckets]
+
+
+def optimizer_pieces(params, layout, kind, where):
+    """[(name, start, end)]: the pieces (elements [start, end) of a flattened parameter) the optimizer of
+    `params` steps on the rank at `where`, in its order: every parameter whole without ZeRO
+    (ReplicatedOptimizer.pieces); with it, bucket by bucket, each parameter's overlap with the rank's shard
+    (dp.pieces_of_shards)."""
+    if not layout.zero:
+        return [(name, 0, numel) for name, numel in params]
+    group = layout.shard_group(kind)
+    index = group_index(layout, "expert" if kind == "expert" else "dense", where)
+    pieces = []
+    for bucket, names in named_buckets(params, group, layout):
+        lo, hi = index * bucket.padded // group, (index + 1) * bucket.padded // group
+        for name, offset, size in zip(names, bucket.offsets, bucket.sizes):
+            if min(offset + size, hi) > max(offset, lo):
+                pieces.append((name, max(offset, lo) - offset, min(offset + size, hi) - offset))
+    return pieces
+
+
+def muon_copy(name, layout, where):
+    """Which copy of a matrix the rank at `where` holds a piece of, as train.with_muon's copy_of numbers them:
+    under ZeRO its replica under hybrid sharding (else 0, the shard group holding the only copy); without
+    ZeRO its data-parallel replica, its place in the dense group (dp x cp) or, for an expert, in the expert
+    group."""
+    if layout.zero:
+        return where["dp"] // layout.dp_shard
+    if is_expert_parameter(name):
+        return stage_place(layout, where) // (layout.ep * layout.expert_tp)
+    return where["dp"] * layout.cp + where["cp"]
+
+
+def muon_held(config, layout, stage):
+    """[{place: [Segment]}]: what each optimizer of the stage's ranks gives training/muon.py's Assembly (its
+    `held`), every rank by its place in the stage's group, the optimizers in train.with_muon's order:
+    muon.held_segments of the rank's pieces (optimizer_pieces), each parameter named, shaped and split as
+    that rank holds it."""
+    shapes = {name: local_shape(name, shape, layout) for name, shape in model_parameters(config_key(config))}
+    shapes.setdefault("lm_head.weight", shapes["tok_emb.weight"])  # a tied output layer's copy on the last stage
+    instances = []
+    for kind, params in optimizer_sets(config, layout, stage):
+        held = {}
+        for place in range(layout.stage):
+            where = stage_rank(layout, stage, place)
+            pieces = [(rank_name(name, config, layout, where), start, end, None)
+                      for name, start, end in optimizer_pieces(params, layout, kind, where)]
+            found = muon.held_segments(pieces, shapes, config, functools.partial(tp_split, layout=layout, where=where),
+                                       functools.partial(muon_copy, layout=layout, where=where))
+            held[place] = [s for _, segments in found for s in segments]
+        instances.append(held)
+    return instances
+
+
+class MuonRank(NamedTuple):
+    """What Muon costs one rank: bytes its two all-to-alls send a step (all its optimizers'); the elements of
+    its pieces Muon steps, by kind ("dense", "expert": a tied output layer holds no matrix), each keeping one
+    momentum where AdamW keeps two moments; the most its step holds beyond its state (muon_working)."""
+    sent: int
+    elements: Counter
+    working: int
+
+
+def muon_ranks(config, layout, stage):
+    """[MuonRank] of each rank of a pipeline stage, by its place in the stage's group, or None under AdamW.
+    (The layout is read without what leaves every optimizer's pieces alike: ZeRO-1's and 2's are the same.)"""
+    if layout.optimizer != "muon":
+        return None
+    same = replace(layout, zero={2: 1}.get(layout.zero, layout.zero), sp=False, recompute="none", micro_batches=1)
+    return muon_stage(config_key(config), same, stage)
+
+
+@functools.lru_cache(maxsize=256)
+def muon_stage(config_fields, layout, stage):
+    """muon_ranks, computed (shared: read only): each optimizer's Assembly as every rank builds it, its owners
+    muon.assign_owners' and the bytes muon.bytes_sent's, the matrices' elements in the weights' dtype. Each
+    optimizer steps in turn, so the working sets are the largest of them."""
+    config = GPTConfig(**dict(config_fields))
+    sent, elements, working = Counter(), [Counter() for _ in range(layout.stage)], [0] * layout.stage
+    for held in muon_held(config, layout, stage):
+        owners = muon.assign_owners(held, layout.muon_gather)
+        sent.update(muon.bytes_sent(held, owners, layout.weight_bytes))
+        travel, buffers = answers_travel(held, owners), muon_buffers(held, owners)
+        for place, found in held.items():
+            for s in found:
+                elements[place]["expert" if is_expert_parameter(s.key) else "dense"] += s.numel
+            if owners:  # (an optimizer whose ranks hold no matrix skips the exchange, Muon.step)
+                working[place] = max(working[place], muon_working(buffers[place], layout, travel))
+    return [MuonRank(sent[place], elements[place], working[place]) for place in range(layout.stage)]
+
+
+def answers_travel(held, owners):
+    """Whether some rank's pieces of O come from another rank (muon.Assembly's answers_travel): else, each
+    holder assembling what it holds, the second all-to-all is left out and its send buffer is what comes
+    back."""
+    return any(muon.answerer(owners[s.copy, s.key], rank) != rank for rank, found in held.items() for s in found)
+
+
+def muon_buffers(held, owners):
+    """{place: Counter}: the elements of what one optimizer's Muon step fills on each rank (see muon_working):
+    its pieces (E), its first all-to-all's send buffer (each piece once for each owner, itself included) and
+    receive buffer, the matrices it assembles (A), the answers it sends back (its matrices' pieces each
+    holder that assembles none asks of it), and Newton-Schulz's temporaries for the matrix that needs most."""
+    buffers, assembled = {place: Counter() for place in held}, {place: {} for place in held}
+    for rank, found in held.items():
+        for s in found:
+            ranks = owners[s.copy, s.key]
+            buffers[rank]["pieces"] += s.numel
+            buffers[rank]["sent"] += s.numel * len(ranks)
+            buffers[muon.answerer(ranks, rank)]["answered"] += s.numel
+            for owner in ranks:
+                buffers[owner]["received"] += s.numel
+                assembled[owner][s.copy, s.key] = s.shape
+    for place, shapes in assembled.items():
+        buffers[place]["assembled"] = sum(rows * cols for rows, cols in shapes.values())
+        buffers[place]["newton_schulz"] = max(map(newton_schulz_temporaries, shapes.values()), default=0)
+    return buffers
+
+
+def newton_schulz_temporaries(shape):
+    """The elements muon.newton_schulz holds at once for a matrix of `shape` beyond its result: at the
+    quintic's sum X <- a X + (b A + c A^2) X the old X, a X, the product (b A + c A^2) X and the new X (four
+    of the matrix's size, one of which becomes the result) and the Gram matrix A = X X^T of its wide
+    orientation."""
+    rows, cols = shape
+    return 3 * rows * cols + min(rows, cols) ** 2
+
+
+def muon_working(b, layout, travel):
+    """The most bytes one Muon step holds on a rank beyond its state (training/muon.py's Muon.step and
+    Assembly.orthogonalise), from its buffers' elements b (muon_buffers): its pieces' look-ahead U, one
+    tensor each and their concatenation (2 E in the master's dtype), then, in the weights' dtype, the largest
+    of four moments:
+      1. the first all-to-all: its send buffer (the pieces, first cast when the dtypes differ) and receive
+         buffer,
+      2. the matrices it assembles, and their orthogonalised copies as Newton-Schulz makes them,
+      3. the second all-to-all: the answers copied out and concatenated (2 each), and the pieces of O it
+         receives (E) where answers travel (answers_travel: else its send buffer comes back),
+      4. those and the update back in the master's dtype (E),
+    the first receive buffer and the matrices being kept to the end. One rank alone receives its own send
+    buffers."""
+    w, m, alone = layout.weight_bytes, layout.master_bytes, layout.stage == 1
+    received = b["sent"] if alone else b["received"]
+    kept = received + 2 * b["assembled"]  # (from the second moment on)
+    travelling = travel and not alone
+    back = b["pieces"] if travelling else b["answered"]  # what the second exchange hands back
+    moments = ((b["sent"] * (2 if m != w else 1) + (0 if alone else received)) * w,
+               (received + b["assembled"] * 2 + b["newton_schulz"]) * w,
+               (kept + 2 * b["answered"] + (back if travelling else 0)) * w,
+               (kept + back) * w + b["pieces"] * m)
+    return 2 * b["pieces"] * m + max(moments)
 
 
 # ---------------------------------------------------------------------------
@@ -837,6 +1083,14 @@ def coordinates(layout, rank):
     return where
 
 
+def rank_of(layout, where):
+    """The rank at grid coordinates `where` (coordinates' inverse)."""
+    rank = 0
+    for dim in DIMS:
+        rank = rank * getattr(layout, dim) + where[dim]
+    return rank
+
+
 def expert_coordinates(layout, where):
     """{axis: index} of the rank at `where` in the experts' grid (mesh.py's expert_axis_sizes): its place in
     its stage's dp x cp x tp ranks (row-major) read as (dp_replicate, expert_dp_shard, ep, expert_tp)."""
@@ -859,8 +1113,9 @@ def group_index(layout, group, where):
 
 
 def predict_stage(config, layout, stage):
-    """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}, 'steps': {group name: f}}
-    for the ranks of one pipeline stage (f(i): the step counters of the i-th rank of the group's shard group).
+    """{'param_bytes': n, ..., 'traffic': {group name: Counter of bytes by kind}, 'steps': {group name: f},
+    'muon': [MuonRank] or None} for the ranks of one pipeline stage (f(i): the step counters of the i-th rank
+    of the group's shard group; muon_ranks: Muon's state and traffic, by the rank's place in the stage).
     The traffic's groups (TRAFFIC_GROUPS): "dense" and "expert" (data parallelism's, ZeRO's shard groups
     under hybrid sharding), "dense_replicas" and "expert_replicas" (hybrid sharding's all-reduces over the
     copies), the model-parallel dimensions', and the MoE layers' other groups (moe_traffic)."""
@@ -878,7 +1133,7 @@ def predict_stage(config, layout, stage):
     return dict(param_bytes=sum(s.param for s in states.values()), grad_bytes=sum(s.grad for s in states.values()),
                 optim_bytes=sum(s.optim for s in states.values()), activation_peak_bytes=activations,
                 recompute_bytes=recomputation, traffic=traffic,
-                steps={kind: state.steps for kind, state in states.items()})
+                steps={kind: state.steps for kind, state in states.items()}, muon=muon_ranks(config, layout, stage))
 
 
 @functools.lru_cache(maxsize=2**14)
@@ -912,25 +1167,44 @@ def tied_sum_traffic(tied, layout):
 
 
 def rank_figures(stage_prediction, layout, where):
-    """The stage's figures for the rank at grid coordinates `where`: its optimizer adds its step counters."""
-    fields = {k: v for k, v in stage_prediction.items() if k not in ("traffic", "steps")}
+    """The stage's figures for the rank at grid coordinates `where`: its optimizer adds its step counters (and
+    under Muon keeps one momentum, not two moments, for the elements of its pieces of matrices)."""
+    fields = {k: v for k, v in stage_prediction.items() if k not in ("traffic", "steps", "muon")}
     steps = stage_prediction["steps"]
     counters = sum(steps[group](group_index(layout, "dense" if group == "tied" else group, where))
                    for group in ("dense", "expert", "tied"))
     fields["optim_bytes"] += counters * ADAM_STEP_BYTES
+    if stage_prediction["muon"]:
+        fields["optim_bytes"] -= sum(muon_rank(stage_prediction, layout, where).elements.values()) * layout.master_bytes
     return fields
+
+
+def muon_rank(stage_prediction, layout, where):
+    """The MuonRank of the rank at `where`, from its stage's prediction under --optimizer muon."""
+    return stage_prediction["muon"][stage_place(layout, where)]
+
+
+def rank_traffic(stage_prediction, layout, where):
+    """The stage's traffic as the rank at `where` sends it: under Muon with the all-to-alls of its optimizers'
+    assembly ("optim"), which differ from rank to rank (the owners answer for the matrices they assemble)."""
+    if not stage_prediction["muon"]:
+        return stage_prediction["traffic"]
+    sent = muon_rank(stage_prediction, layout, where).sent
+    return {**stage_prediction["traffic"], "optim": Counter(all_to_all=sent)}
 
 
 LOGGED_UNDER = {  # traffic group -> the dimension train.py logs it under (the counter of the file that sends it)
     "dense": "dp", "expert": "dp", "dense_replicas": "dp", "expert_replicas": "dp",  # dp.py's
     "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
     "tp_rows": "ep", "expert_tp": "ep",  # ep.py's all-to-alls over the tp and expert-tp groups
-    "expert_tp_bias": "tp"}              # tp.py's all-reduce over the expert-tp group
+    "expert_tp_bias": "tp",              # tp.py's all-reduce over the expert-tp group
+    "optim": "optim"}                    # training/muon.py's all-to-alls over the stage
 
 
 def comm_fields(traffic):
     """Traffic under log.jsonl's names, comm_<dim>_<kind>_bytes (dp: dense and expert averaging together, and
-    hybrid sharding's sums over the copies; ep: every row ep.py moves, whichever group it travels in)."""
+    hybrid sharding's sums over the copies; ep: every row ep.py moves, whichever group it travels in; optim:
+    Muon's assembly of the matrices)."""
     by_dim = {dim: Counter() for dim in train.COMM_KINDS}
     for group, counter in traffic.items():
         by_dim[LOGGED_UNDER[group]].update(counter)
@@ -948,7 +1222,7 @@ def predict(args, world):
     for rank in range(world):
         where = coordinates(layout, rank)
         stage = stages[where["pp"]]
-        ranks.append({**rank_figures(stage, layout, where), **comm_fields(stage["traffic"])})
+        ranks.append({**rank_figures(stage, layout, where), **comm_fields(rank_traffic(stage, layout, where))})
     return {field: [r[field] for r in ranks] for field in ranks[0]}
 
 
@@ -1040,8 +1314,9 @@ def predict_peaks(args, world):
 
 def working_sets(config, layout, stage):
     """What a rank of this pipeline stage holds beyond its state at some moment: ZeRO-2 and 3's full weights
-    and gradients during a step (zero_working), the gradient norm's squares, and the bytes of one optimizer
-    moment of its dense and of its expert pieces."""
+    and gradients during a step (zero_working), the gradient norm's squares, the bytes of one optimizer
+    moment of its dense and of its expert pieces, and under Muon each rank's MuonRank (its step's working
+    set, and the elements for which it keeps one momentum, not two moments)."""
     dense, expert, tied = rank_parameters(config, layout, stage)
     groups = {kind: (params, layout.shard_group(kind))
               for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
@@ -1049,14 +1324,18 @@ def working_sets(config, layout, stage):
                 zero=sum(zero_working(p, g, layout) for p, g in groups.values()),
                 piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
                 norm=max(norm_working(p, g, layout) for p, g in groups.values()),
-                moment={kind: state_memory(p, g, layout, False).optim // 2 for kind, (p, g) in groups.items()})
+                moment={kind: state_memory(p, g, layout, False).optim // 2 for kind, (p, g) in groups.items()},
+                muon=muon_ranks(config, layout, stage))
 
 
 def phase_peaks(layout, figures, working, where):
     """One rank's peaks (see predict_peaks), from its figures and its stage's working sets."""
     state = figures["param_bytes"] + figures["grad_bytes"] + figures["optim_bytes"]
-    # A save copies aside the weights and both moments of the pieces the rank writes: 3 moments' bytes.
-    copied = sum(3 * moment for kind, moment in working["moment"].items()
+    muon_rank = working["muon"][stage_place(layout, where)] if working["muon"] else MuonRank(0, Counter(), 0)
+    # A save copies aside the weights and both moments of the pieces the rank writes: 3 moments' bytes (under
+    # Muon one fewer for the elements of its pieces of matrices).
+    copied = sum(3 * moment - muon_rank.elements[kind] * layout.master_bytes
+                 for kind, moment in working["moment"].items()
                  if written_by(layout, where, expert=kind == "expert") and (kind != "tied" or where["pp"] == 0))
     # At start-up ZeRO-1 and 2 copy each bucket into their flat buffer, one at a time; ZeRO-3 draws each
     # piece of its shards in float64 before keeping it in the run's dtype.
@@ -1066,7 +1345,8 @@ def phase_peaks(layout, figures, working, where):
     startup = figures["param_bytes"] + (figures["grad_bytes"] if buckets else 0) + chunk_bytes(largest) + \
         flat.get(layout.zero, 0)
     computing = figures["activation_peak_bytes"] + figures["recompute_bytes"] + working["zero"]
-    step = state + max(computing, working["norm"])  # (the norm comes once backward has freed everything)
+    # (the norm comes once backward has freed everything, and the optimizer's step after it)
+    step = state + max(computing, working["norm"], muon_rank.working)
     save = state + copied
     # Loading builds the rank as start-up does, then reads its optimizer state a chunk at a time, with the
     # range of the saved piece holding the chunk: the chunk itself when the checkpoint was split alike, up
@@ -1121,7 +1401,8 @@ TRAFFIC_GROUPS = {  # the axes each group of traffic spans (mesh.py's grid, dp r
     "dense": ("dp_shard", "cp"), "expert": ("expert_dp_shard",),  # all of dp (expert_dp) without hybrid sharding
     "dense_replicas": ("dp_replicate",), "expert_replicas": ("dp_replicate",),
     "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",),
-    "tp_rows": ("tp",), "expert_tp": ("expert_tp",), "expert_tp_bias": ("expert_tp",)}
+    "tp_rows": ("tp",), "expert_tp": ("expert_tp",), "expert_tp_bias": ("expert_tp",),
+    "optim": ("dp", "cp", "tp")}  # Muon's assembly of the matrices: a stage's ranks (mesh.py's "stage")
 
 
 def grid_coordinates(layout, where, experts=False):
@@ -1161,7 +1442,7 @@ def crosses_nodes(layout, where, axes, gpus_per_node):
 def node_split(layout, stage_prediction, where, gpus_per_node):
     """(bytes sent per step inside the node, across nodes) by the rank at `where`."""
     inside = across = 0
-    for group, counter in stage_prediction["traffic"].items():
+    for group, counter in rank_traffic(stage_prediction, layout, where).items():
         if not counter:
             continue
         if crosses_nodes(layout, where, TRAFFIC_GROUPS[group], gpus_per_node):
@@ -1213,7 +1494,7 @@ def describe(layout, args, config):
             f"dp={layout.dp}{hybrid} tp={layout.tp}{' +sp' if layout.sp else ''} pp={layout.pp} cp={layout.cp}, "
             f"{expert_split(layout, config)}ZeRO-{layout.zero}, {layout.schedule} x{layout.virtual_stages}, "
             f"{layout.micro_batches} micro-batches of {layout.micro_batch} x {config.seq_len} tokens, "
-            f"recompute {layout.recompute}, {layout.dtype}")
+            f"recompute {layout.recompute}, {layout.dtype}{', Muon' if layout.optimizer == 'muon' else ''}")
 
 
 def expert_split(layout, config):
@@ -1229,8 +1510,8 @@ def first_of_stage(layout, stage):
 
 
 def print_table(args, plan_args):
-    """One row per pipeline stage (its first rank: others differ at most by ZeRO's step counters), the
-    busiest first."""
+    """One row per pipeline stage (its first rank: others differ at most by ZeRO's step counters, and under
+    Muon by the pieces of matrices they hold and assemble: print_muon), the busiest first."""
     layout = layout_of(args, plan_args.world)
     config = cli.model_config(args, cli.data_vocab_size(args))
     print(describe(layout, args, config))
@@ -1240,7 +1521,8 @@ def print_table(args, plan_args):
         figures = rank_figures(prediction, layout, where)
         rows.append((sum(figures[f] for f in MEMORY), stage, figures,
                      node_split(layout, prediction, where, plan_args.gpus_per_node),
-                     {dim: value for dim, value in comm_fields(prediction["traffic"]).items() if value}))
+                     {dim: value for dim, value in comm_fields(rank_traffic(prediction, layout, where)).items()
+                      if value}))
     rows.sort(key=lambda row: -row[0])
     unit, scale = ("GiB", 2**30) if rows[0][0] >= 2**30 else ("MiB", 2**20)
     print(f"{unit + ' per rank':18s} {'params':>9s} {'grads':>9s} {'optim':>9s} {'activ.':>9s} {'recomp.':>9s} "
@@ -1251,12 +1533,34 @@ def print_table(args, plan_args):
         by_kind = ", ".join(f"{name[5:-6]} {value / scale:.2f}" for name, value in comm.items())
         print(f"{who:18s} {memory}{total / scale:9.2f} | {inside / scale:.2f}, {across / scale:.2f}; "
               f"{by_kind or 'none'}")
+    print_muon(config, layout, unit, scale)
     busiest = rows[0][1]
-    peaks = stage_peaks(config, layout, busiest, predict_stage(config, layout, busiest))
-    print(f"peak resident memory of stage {busiest}'s first rank ({unit}, with {PROCESS_BYTES / scale:.2f} for "
+    prediction = predict_stage(config, layout, busiest)
+    peaks = stage_peaks(config, layout, busiest, prediction)
+    where = busiest_of_stage(layout, busiest, prediction)
+    who = f"stage {busiest}'s first rank" if where == first_of_stage(layout, busiest) else \
+        f"stage {busiest}'s busiest rank, {rank_of(layout, where)}"
+    print(f"peak resident memory of {who} ({unit}, with {PROCESS_BYTES / scale:.2f} for "
           f"the interpreter and PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step "
           f"{peaks['step_peak_bytes'] / scale:.2f}, checkpoint save {peaks['save_peak_bytes'] / scale:.2f}, load "
           f"{peaks['load_peak_bytes'] / scale:.2f}")
+
+
+def print_muon(config, layout, unit, scale):
+    """Under Muon, per stage, how its ranks differ: the bytes each sends in a step's two all-to-alls (least,
+    mean, most: an owner answers for its matrices), the optimizer state Muon saves them (one momentum in
+    place of AdamW's two moments for the matrices' pieces) and the most its step holds beyond the state."""
+    if layout.optimizer != "muon":
+        return
+    how = "every holder" if layout.muon_gather else "one owner"
+    print(f"Muon ({how} assembling each matrix, over a stage's {layout.stage} ranks), per rank ({unit}):")
+    for stage in range(layout.pp):
+        ranks = muon_ranks(config, layout, stage)
+        sent = [r.sent / scale for r in ranks]
+        saved = max(sum(r.elements.values()) for r in ranks) * layout.master_bytes / scale
+        print(f"  stage {stage}: sends {min(sent):.2f} to {max(sent):.2f} a step (mean {sum(sent) / len(sent):.2f}), "
+              f"optimizer state up to {saved:.2f} below AdamW's, the step's working set up to "
+              f"{max(r.working for r in ranks) / scale:.2f}")
 
 
 def powers_of_two(limit):
@@ -1308,32 +1612,88 @@ def hybrid_shards(dp, cp, gpus_per_node):
     return [n for n in powers_of_two(dp) if n < dp and dp % n == 0 and 1 < n * cp <= gpus_per_node]
 
 
+def busiest_of_stage(layout, stage, prediction):
+    """The coordinates of the rank whose peak stands for its pipeline stage's: the first (the others differ by
+    ZeRO's step counters alone), or under Muon the one whose step holds most beyond the rest (an owner of
+    large matrices: the largest working set, less the moments Muon saves it)."""
+    if not prediction["muon"]:
+        return first_of_stage(layout, stage)
+    place = max(range(layout.stage), key=lambda p: prediction["muon"][p].working
+                - sum(prediction["muon"][p].elements.values()) * layout.master_bytes)
+    return stage_rank(layout, stage, place)
+
+
 def stage_peaks(config, layout, stage, prediction):
-    """phase_peaks of the first rank of a pipeline stage, from the stage's prediction (predict_stage)."""
-    where = first_of_stage(layout, stage)
+    """phase_peaks of a pipeline stage's busiest rank (busiest_of_stage), from the stage's prediction
+    (predict_stage)."""
+    where = busiest_of_stage(layout, stage, prediction)
     return phase_peaks(layout, rank_figures(prediction, layout, where), working_sets(config, layout, stage), where)
 
 
 def device_peak(config, layout, stage, prediction):
-    """The most a GPU of this pipeline stage holds (its first rank): the peak of start-up, a step or a load,
+    """The most a GPU of this pipeline stage holds (its busiest rank): the peak of start-up, a step or a load,
     without the interpreter and PyTorch, which stay on the host, as does a save's copy."""
     peaks = stage_peaks(config, layout, stage, prediction)
     return max(peaks[f"{phase}_peak_bytes"] for phase in ("startup", "step", "load")) - PROCESS_BYTES
 
 
+# --search under Muon plans the layouts whose ranks step at most this many optimizer pieces in all (every stage's):
+# the planner gathers their Segments and assigns the owners as each rank's start-up in train.py does, about ten
+# seconds a million
+MUON_SEARCH_PIECES = 200_000
+
+
+def stage_pieces(config, layout, stage):
+    """How many pieces the optimizers of a pipeline stage's ranks step in all (of which Muon's Segments, one
+    or a few a piece of a matrix): under ZeRO about a piece per parameter and shard of each bucket, held by
+    each of the stage's ranks in the shard's place; without ZeRO every parameter on every rank."""
+    total = 0
+    for kind, params in optimizer_sets(config, layout, stage):
+        if not layout.zero:
+            total += layout.stage * len(params)
+            continue
+        group = layout.shard_group(kind)
+        total += layout.stage // group * sum(group + len(b.sizes) for b in zero_buckets(params, group, layout))
+    return total
+
+
+def muon_floor(config, layout):
+    """Less than the worst stage's device peak under Muon, without planning its assembly: AdamW's less one
+    moment of the rank's pieces (Muon keeps at least one of AdamW's two, and its step's working set comes
+    on top)."""
+    adamw = replace(layout, optimizer="adamw")
+    floors = []
+    for stage in range(layout.pp):
+        prediction = predict_stage(config, adamw, stage)
+        optim = rank_figures(prediction, adamw, first_of_stage(adamw, stage))["optim_bytes"]
+        floors.append(device_peak(config, adamw, stage, prediction) - optim // 2)
+    return max(floors)
+
+
 def search(args, plan_args):
-    """The layouts whose every GPU's peak (device_peak) fits --memory, least traffic across nodes first."""
+    """The layouts whose every GPU's peak (device_peak) fits --memory, least traffic across nodes first. Under
+    Muon, those that cannot fit (muon_floor) are left out before their assembly is planned, and so are those
+    too large to plan here (MUON_SEARCH_PIECES), which are counted."""
     config = cli.model_config(args, cli.data_vocab_size(args))
-    fits = []
+    fits, too_large = [], 0
     for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node):
+        if layout.optimizer == "muon":
+            if muon_floor(config, layout) > plan_args.memory:
+                continue
+            if sum(stage_pieces(config, layout, stage) for stage in range(layout.pp)) > MUON_SEARCH_PIECES:
+                too_large += 1
+                continue
         stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
         peaks = [device_peak(config, layout, stage, stages[stage]) for stage in range(layout.pp)]
         worst = max(range(layout.pp), key=peaks.__getitem__)
-        where, memory = first_of_stage(layout, worst), peaks[worst]
+        where, memory = busiest_of_stage(layout, worst, stages[worst]), peaks[worst]
         if memory <= plan_args.memory:
             inside, across = node_split(layout, stages[worst], where, plan_args.gpus_per_node)
             fits.append((across, inside, memory, layout))
     fits.sort(key=lambda fit: fit[:3])
+    if too_large:
+        print(f"(left out: {too_large} layouts whose ranks step over {MUON_SEARCH_PIECES:,} optimizer pieces in all, "
+              f"too many to assign Muon's owners here; plan one alone without --search)")
     print(f"{len(fits)} layouts of {args.model} on {plan_args.world} ranks fit {plan_args.memory / 2**30:.1f} GiB "
           f"per rank ({args.micro_batches} micro-batches, global batch {args.batch_size}, {args.dtype}, "
           f"{args.schedule}); least traffic across nodes ({plan_args.gpus_per_node} GPUs each) first:")
