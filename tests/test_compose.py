@@ -21,10 +21,15 @@ LLAMA = ["--arch", "llama"]
 LLAMA_MOE = ["--shared-experts", "1", "--balance", "both", "--bias-update-rate", "0.01"]
 
 
-def llama(flags, model):
+# The Llama twins train with Muon (training/muon.py), whose matrices each layout cuts its own way and must
+# assemble whole; their recomputed runs below keep AdamW.
+MUON = ["--optimizer", "muon"]
+
+
+def llama(flags, model, optimizer=MUON):
     """A configuration's Llama-style twin: (flags, model flags)."""
     kv_heads = [] if "--tp" in flags else ["--kv-heads", "1"]
-    return flags, (*LLAMA, *kv_heads, *model, *(LLAMA_MOE if model else ()))
+    return flags, (*LLAMA, *kv_heads, *model, *(LLAMA_MOE if model else ()), *optimizer)
 
 
 
@@ -66,7 +71,7 @@ def test_benchmark_table_configurations_llama(tmp_path, world, flags, model):
 # The Llama twins again with activation recomputation, full and selective in turn: a recomputed block
 # communicates again (tp's collectives, ring attention, the all-to-all) and must route as it did.
 RECOMPUTED = [(world, [*flags, "--recompute", ("full", "selective")[i % 2]], model)
-              for i, (world, flags, model) in enumerate(LLAMA_TABLE)]
+              for i, (world, flags, model) in enumerate((w, *llama(f, m, optimizer=())) for w, f, m in TABLE)]
 
 
 @pytest.mark.parametrize("world,flags,model", RECOMPUTED, ids=[f"{row_name(w, f[:-2])}-{f[-1]}" for w, f, _ in RECOMPUTED])

@@ -24,10 +24,11 @@ BASE = [*EQUIVALENCE, "--experts", "4", "--top-k", "2"]
 
 # (ranks, flags, model flags): ep over tp with and without sp, over cp in its three modes, over dp, and over a
 # mix; --expert-tp 1 and 2; under pipelines (one with a split backward) and ZeRO-1, 2 (hybrid) and 3; top-1 and
-# top-2, shared experts, both balancing rules, both architectures.
+# top-2, shared experts, both balancing rules, both architectures, both optimizers (Muon: each expert's
+# matrices orthogonalised where they are held).
 LAYOUTS = [
     (2, ["--tp", "2", "--ep", "2"], ["--top-k", "1", "--shared-experts", "1"]),
-    (2, ["--tp", "2", "--sp", "--ep", "2"], ["--balance", "both", "--arch", "llama"]),
+    (2, ["--tp", "2", "--sp", "--ep", "2"], ["--balance", "both", "--arch", "llama", "--optimizer", "muon"]),
     (2, ["--tp", "2", "--expert-tp", "2"], []),
     (2, ["--cp", "2", "--ep", "2", "--zero", "1"], ["--balance", "bias"]),
     (2, ["--cp", "2", "--cp-mode", "allgather", "--ep", "2"], ["--shared-experts", "1"]),
@@ -38,7 +39,7 @@ LAYOUTS = [
     (4, ["--cp", "2", "--tp", "2", "--sp", "--ep", "2", "--expert-tp", "2", "--zero", "3"],
      ["--arch", "llama", "--shared-experts", "1"]),
     (4, ["--pp", "2", "--tp", "2", "--ep", "2", "--schedule", "zbv", "--zero", "1"],
-     ["--layers", "4", "--micro-batches", "4", "--shared-experts", "1", "--balance", "both"]),
+     ["--layers", "4", "--micro-batches", "4", "--shared-experts", "1", "--balance", "both", "--optimizer", "muon"]),
     (4, ["--pp", "2", "--cp", "2", "--expert-tp", "2", "--schedule", "1f1b", "--zero", "3"],
      ["--layers", "4", "--micro-batches", "4"]),
 ]

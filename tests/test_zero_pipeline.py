@@ -28,7 +28,7 @@ LAYOUTS = [
     (2, "gpipe", 2, ["--tp", "2", "--sp"], []),
     (3, "gpipe", 4, [], []),
     (2, "1f1b", 4, [], []),
-    (3, "1f1b", 2, ["--tp", "2", "--sp"], []),
+    (3, "1f1b", 2, ["--tp", "2", "--sp"], ["--optimizer", "muon"]),  # each stage assembles its own matrices
     (2, "interleaved", 2, ["--cp", "2"], []),
     (3, "interleaved", 2, ["--ep", "2"], MOE),
     (2, "zb1", 4, [], []),
@@ -101,7 +101,7 @@ HYBRID = [*EQUIVALENCE, "--layers", "4", "--batch-size", "16"]
     (4, ["--zero", "3", "--dp-shard", "2", "--ep", "2"], MOE),
     (8, ["--zero", "1", "--dp-shard", "1", "--tp", "2", "--cp", "2"], []),  # shards over the cp pair, 2 copies
     (8, ["--zero", "2", "--dp-shard", "2", "--pp", "2", "--schedule", "zb1"], []),
-    (8, ["--zero", "3", "--dp-shard", "2", "--tp", "2", "--sp"], []),
+    (8, ["--zero", "3", "--dp-shard", "2", "--tp", "2", "--sp"], ["--optimizer", "muon"]),  # each copy its own
     (8, ["--zero", "3", "--dp-shard", "2", "--pp", "2", "--ep", "2"], MOE),
 ], ids=lambda v: " ".join(v).replace("--", "") if isinstance(v, list) else str(v))
 def test_hybrid_sharding_matches_single_device_and_the_plan(tmp_path, world, flags, model):
@@ -111,12 +111,14 @@ def test_hybrid_sharding_matches_single_device_and_the_plan(tmp_path, world, fla
     assert_matches_plan(tmp_path, argv, world)
 
 
-@pytest.mark.parametrize("first,second", [
-    ((4, ["--zero", "3", "--dp-shard", "2"]), (2, ["--zero", "1"])),
-    ((2, ["--zero", "2"]), (8, ["--zero", "3", "--dp-shard", "2", "--pp", "2"])),
-], ids=["hybrid-to-plain", "plain-to-hybrid"])
-def test_checkpoint_saved_under_one_sharding_resumes_exactly_under_another(tmp_path, first, second):
-    argv = [*HYBRID, "--steps", "4"]
+@pytest.mark.parametrize("first,second,model", [
+    ((4, ["--zero", "3", "--dp-shard", "2"]), (2, ["--zero", "1"]), []),
+    ((2, ["--zero", "2"]), (8, ["--zero", "3", "--dp-shard", "2", "--pp", "2"]), []),
+    # Muon's momentum, saved in tp's and ZeRO-1's pieces, read back into ZeRO-3's over 4 data ranks
+    ((2, ["--tp", "2", "--zero", "1"]), (4, ["--zero", "3"]), ["--arch", "llama", "--optimizer", "muon"]),
+], ids=["hybrid-to-plain", "plain-to-hybrid", "muon-tp2-zero1-to-zero3"])
+def test_checkpoint_saved_under_one_sharding_resumes_exactly_under_another(tmp_path, first, second, model):
+    argv = [*HYBRID, *model, "--steps", "4"]
     (world_a, flags_a), (world_b, flags_b) = first, second
     a = run_on_ranks(world_a, train_worker, [*argv, *flags_a, "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
     (run,) = (tmp_path / "a").iterdir()
