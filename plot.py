@@ -8,10 +8,11 @@ bubble.png, experts.png, documents.png (packed documents' attention mask and the
 blocks it skips), memory_planned.png (tools/plan.py's memory per strategy by
 sequence length), memory_measured.png (tools/bench.py's small runs of the same
 strategies, measured beside predicted), timelines.png (the pipeline
-schedules as measured) and results/results.md (the seed table's columns,
-plus memory, communication and efficiency, the comparisons with
-PyTorch's built-ins, and ZeRO-3 beside ZeRO-1 under 1F1B where
-results/zero_pipeline.json exists).
+schedules as measured), muon_convergence.png (Muon's and AdamW's learning-rate
+sweeps, where results/muon_convergence.json exists) and results/results.md (the
+seed table's columns, plus memory, communication and efficiency, the comparisons
+with PyTorch's built-ins, ZeRO-3 beside ZeRO-1 under 1F1B where
+results/zero_pipeline.json exists, and Muon beside AdamW where results/muon.json does).
 """
 import argparse
 import json
@@ -204,6 +205,7 @@ def table(rows, comparisons, machine, results):
             lines += ["", f"dp.py's data-parallel step takes {c['over_no_communication']:.2f}x (rounds: {low:.2f} to "
                           f"{high:.2f}) the time of the same ranks training their shares with no communication."]
     lines += zero_pipeline_lines(optional_result(results, "zero_pipeline.json"))
+    lines += muon_lines(optional_result(results, "muon.json"))
     with open(os.path.join(results, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -245,6 +247,73 @@ def zero_pipeline_lines(zero):
                      f"| {by_rank(ranks, 'comm_dp_all_reduce_bytes', scale=1, digits=0)} "
                      f"| {by_rank(ranks, 'comm_pp_send_recv_bytes')} |")
     return lines
+
+
+def muon_lines(muon):
+    """results.md's paragraph and table of tools/bench.py --only muon: Muon's step beside AdamW's, and its two
+    assemblies, per layout."""
+    if muon is None:
+        return []
+    lines = ["", f"Muon beside AdamW: model `{muon['model']}` ({muon['arch']} block, {muon['dtype']}), "
+                 f"{muon['batch_size']} sequences a step, {muon['rounds']} rounds of {muon['k']} steps of each arm in "
+                 "turn in the same processes (the order rotated); times are the slowest rank's, medians over rounds "
+                 "(range); ratios are medians of the rounds' ratios (range): Muon's (owner) over AdamW's, gather's "
+                 "over owner's. Muon's bytes are those each rank sent per step by its all-to-alls "
+                 "(comm_optim_all_to_all_bytes), ranks 0 ; 1 ; ...",
+             "", "| Layout | Optimizer | Step (s) | Optimizer step (s) | Optimizer state (KiB a rank) "
+                 "| Muon sent per step (bytes a rank) | Ratio: step / optimizer step |",
+             "|---|---|---|---|---|---|---|"]
+    labels = {"adamw": "AdamW", "owner": "Muon, owner", "gather": "Muon, gather"}
+    span = lambda r: f"{r['ratio']:.2f} ({r['range'][0]:.2f} to {r['range'][1]:.2f})"  # noqa: E731
+    after = []
+    for layout, row in muon["layouts"].items():
+        ratios = dict(owner=row["muon_over_adamw"], gather=row.get("gather_over_owner"))
+        for arm, a in row["arms"].items():
+            ratio = f"{span(ratios[arm]['step'])} / {span(ratios[arm]['optimizer'])}" if arm in ratios else ""
+            lines.append(f"| {layout} ({row['ranks']} rank{'s' * (row['ranks'] > 1)}) | {labels[arm]} "
+                         f"| {a['step_s']:.4f} ({a['step_s_range'][0]:.4f} to {a['step_s_range'][1]:.4f}) "
+                         f"| {a['optimizer_s']:.4f} ({a['optimizer_s_range'][0]:.4f} to {a['optimizer_s_range'][1]:.4f}) "
+                         f"| {' ; '.join(f'{b / 2**10:.0f}' for b in a['per_rank']['optim_bytes'])} "
+                         f"| {' ; '.join(f'{b:,}' for b in a['per_rank']['comm_optim_all_to_all_bytes'])} | {ratio} |")
+        if ratios["gather"]:
+            after.append(f"- {layout}: the gather assembly sends {ratios['gather']['bytes']:.2f}x the owner's bytes "
+                         f"(all ranks together); largest loss difference of the two {row['max_loss_difference']:.2g}.")
+    return lines + ([""] + after if after else [])
+
+
+def muon_convergence(results):
+    """tools/bench.py --only muon_convergence: each optimizer at its best learning rate, its training loss (a
+    moving average) and its validation loss; and every run's final validation loss by learning rate."""
+    convergence = optional_result(results, "muon_convergence.json")
+    if convergence is None:
+        return
+    colours = {"adamw": "tab:blue", "muon": "tab:red"}
+    labels = {"adamw": "AdamW", "muon": "Muon (AdamW for the rest)"}
+    floor = convergence["entropy_floor"]
+    fig, (training, validation, sweep) = plt.subplots(1, 3, figsize=(16, 4.5))
+    window = max(1, convergence["steps"] // 30)
+    for optimizer, best in convergence["best"].items():
+        run = next(r for r in convergence["runs"] if r["optimizer"] == optimizer and r["lr"] == best["lr"])
+        loss = np.convolve(run["loss"], np.ones(window) / window, mode="valid")
+        label = f"{labels[optimizer]}, lr {best['lr']:g}"
+        training.plot(np.arange(len(loss)) + window - 1, loss, color=colours[optimizer], lw=1, label=label)
+        validation.plot(*zip(*run["val_loss"]), color=colours[optimizer], marker="o", lw=1,
+                        label=f"{label}: final {best['final_val_loss']:.4f}")
+        runs = sorted((r for r in convergence["runs"] if r["optimizer"] == optimizer), key=lambda r: r["lr"])
+        sweep.plot([r["lr"] for r in runs], [r["final_val_loss"] for r in runs], color=colours[optimizer],
+                   marker="o", label=labels[optimizer])
+    for ax in (training, validation, sweep):
+        ax.axhline(floor, color="black", ls=":", lw=1, label=f"entropy floor {floor:.4f}")
+        ax.legend(fontsize=8)
+    training.set(xlabel="step", ylabel="loss", ylim=(floor - 0.05, floor + 1),
+                 title=f"training loss (mean of {window} steps), best lr")
+    validation.set(xlabel="step", title="validation loss, best lr")
+    sweep.set(xscale="log", xlabel="peak learning rate (warm-up, cosine decay to 0.1x)",
+              title=f"validation loss after {convergence['steps']} steps, by lr")
+    fig.suptitle(f"Muon beside AdamW: model `{convergence['model']}` ({convergence['arch']} block), "
+                 f"{convergence['batch_size']} sequences of the synthetic language a step, one rank, one seed",
+                 fontsize=10)
+    save(fig, results, "muon_convergence.png")
 
 
 PARTS = [("param", "parameters", "tab:blue"), ("grad", "gradients", "tab:orange"),
@@ -466,6 +535,7 @@ def main():
     planned_memory(results)
     measured_memory(results)
     timelines(results)
+    muon_convergence(results)
     document_masking(results)
     print(f"plot.py: figures and results.md written to {results}")
 

@@ -148,3 +148,34 @@ def test_a_consolidated_checkpoint_resumes_a_trainer_as_the_comparison_reads_it(
     through an object standing in for checkpoint.Checkpoint: it must offer what train.Trainer reads."""
     from distributed import run_on_ranks
     assert run_on_ranks(2, consolidated_worker, str(tmp_path)) == [True, True]
+
+
+def muon_worker(flags):
+    """bench's Muon timing (worker_muon), tiny: AdamW and Muon's two assemblies stepped in turn on these ranks."""
+    from tools import bench
+    settings = dict(bench.QUICK, flags=flags, dtype="float32")
+    return bench.worker_muon(settings)
+
+
+def test_muon_timing_steps_adamw_and_both_assemblies_and_reads_their_logged_bytes():
+    """--only muon's worker on 4 ranks under ZeRO-1 (dp 4), tiny: every arm timed in every round after the
+    warm-up; the two assemblies give the same losses, Muon's bytes (the logged comm_optim_all_to_all_bytes) are
+    sent by Muon alone, and here every holder gathering each matrix sends more of them than one owner assembling
+    it (not a law: a matrix split unevenly between two holders costs the owner twice the other's piece, the
+    gather both pieces once)."""
+    from distributed import run_on_ranks
+    from tools import bench
+    results = run_on_ranks(4, muon_worker, ["--zero", "1"])
+    assert all(r == results[0] for r in results[1:])  # (the slowest rank's times: the same on every rank)
+    measured = results[0]
+    assert list(measured) == ["adamw", "owner", "gather"]
+    for arm in measured.values():
+        assert len(arm["step_s"]) == len(arm["optimizer_s"]) == bench.QUICK["muon"]["rounds"]
+        assert all(0 < o < s for o, s in zip(arm["optimizer_s"], arm["step_s"]))
+        assert len(arm["last_step"]["comm_optim_all_to_all_bytes"]) == 4
+    sent = {arm: m["last_step"]["comm_optim_all_to_all_bytes"] for arm, m in measured.items()}
+    assert sent["adamw"] == [0] * 4 and min(sent["owner"]) > 0
+    assert sum(sent["gather"]) > sum(sent["owner"])
+    assert measured["owner"]["losses"] == measured["gather"]["losses"] != measured["adamw"]["losses"]
+    # Muon keeps one momentum a matrix element where AdamW keeps two moments
+    assert sum(measured["owner"]["last_step"]["optim_bytes"]) < sum(measured["adamw"]["last_step"]["optim_bytes"])
