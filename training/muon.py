@@ -208,11 +208,9 @@ class Assembly:
         self.group, self.dtype, self.device = group, dtype, device
         self.rank = dist.get_rank(group) if group is not None else 0
         n_ranks = dist.get_world_size(group) if group is not None else 1
-        everyone = [None] * n_ranks
+        everyone = [held] * n_ranks  # each rank's [Segment], as gathered
         if group is not None:
             dist.all_gather_object(everyone, held, group=group)
-        else:
-            everyone = [held]
         self.owners = assign_owners(dict(enumerate(everyone)), every_holder)
         # outbox[r]: my segments rank r assembles; inbox[r]: rank r's segments I assemble (in its order)
         self.outbox = [[s for s in held if r in self.owners[s.copy, s.key]] for r in range(n_ranks)]
