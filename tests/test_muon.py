@@ -175,6 +175,12 @@ def test_a_checkpoint_resumes_only_under_its_own_optimizer():
     train.same_optimizer(older, cli.parse_args(["--optimizer", "adamw"]))
 
 
+def test_an_assembly_without_muon_is_refused():
+    with pytest.raises(cli.ConfigError, match="--muon-assembly gather is how Muon assembles its matrices: it needs "
+                                              "--optimizer muon"):
+        cli.check_args(cli.parse_args(["--muon-assembly", "gather"]), 1)
+
+
 def test_every_holder_assembling_equals_one_device_and_the_plan(tmp_path):
     """--muon-assembly gather: each rank of ZeRO-1 x tp 2 orthogonalises every matrix it holds a piece of."""
     model = ["--arch", "llama", "--optimizer", "muon"]

@@ -223,6 +223,9 @@ def check_args(args, world, data=None):
     if args.dp_shard and not args.zero:
         raise ConfigError(f"--dp-shard {args.dp_shard} shards ZeRO's state within groups of data-parallel ranks: "
                           f"it needs --zero 1, 2 or 3 (without ZeRO every rank holds everything)")
+    if args.muon_assembly != "owner" and args.optimizer != "muon":
+        raise ConfigError(f"--muon-assembly {args.muon_assembly} is how Muon assembles its matrices: it needs "
+                          f"--optimizer muon")
     n_data = shape.dp
     for flag, value in [("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
                         ("--steps", args.steps), ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches),
