@@ -641,8 +641,9 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
 
 def with_muon(optimizers, model, mesh, share, args, precision):
     """Under --optimizer muon, each ZeRO instance's (or the replicated) optimizer becomes training/muon.py's,
-    over the same pieces: Muon's matrices are assembled over the stage's ranks, each copy among its own (a
-    data-parallel replica's without ZeRO, hybrid sharding's replica's with it)."""
+    over the same pieces (the AdamW each was built with holds no state before its first step, and goes):
+    Muon's matrices are assembled over the stage's ranks, each copy among its own (a data-parallel replica's
+    without ZeRO, hybrid sharding's replica's with it)."""
     if args.optimizer != "muon":
         return
     shapes = {name: p.shape for name, p in model.named_parameters()}
