@@ -660,7 +660,8 @@ def with_muon(optimizers, model, mesh, share, args, precision):
         pieces = muon.held_segments(optimizer.pieces(), shapes, model.config, split_of, copy_of)
         held = [s for _, found in pieces for s in found]
         assembly = muon.Assembly(held, group, args.muon_assembly == "gather", precision.weights, share.device)
-        optimizer.optimizer = muon.Muon(pieces, assembly, args.lr, args.weight_decay)
+        optimizer.optimizer = muon.Muon(pieces, assembly, partial(make_optimizer, args=args), args.lr,
+                                        args.weight_decay)
 
 
 class TiedOutputLayer:
@@ -1091,7 +1092,8 @@ def build_model(config, seed, dtype, device):
 def single_device_optimizer(model, args):
     """The optimizer of a whole model on one device (tools/parity.py's reference)."""
     if args.optimizer == "muon":
-        return muon.single_device(model, args.lr, args.weight_decay, next(model.parameters()).dtype)
+        return muon.single_device(model, partial(make_optimizer, args=args), args.lr, args.weight_decay,
+                                 next(model.parameters()).dtype)
     return make_optimizer(model.parameters(), args)
 
 

@@ -75,11 +75,11 @@ def test_single_device_muon_is_the_algorithm_written_out():
                           "top_k": 2, "n_shared_experts": 1})
     model, reference = (train.build_model(config, 0, torch.float64, torch.device("cpu")) for _ in range(2))
     lr, decay = 0.02, 0.1
-    optimizer = muon.single_device(model, lr, decay, torch.float64)
+    adamw_of = lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=decay)  # noqa: E731
+    optimizer = muon.single_device(model, adamw_of, lr, decay, torch.float64)
     named = dict(reference.named_parameters())
     matrices = {name: written_out_matrices(name, p, config) for name, p in named.items()}
-    adamw = torch.optim.AdamW([p for name, p in named.items() if not matrices[name]], lr=lr, betas=(0.9, 0.95),
-                              weight_decay=decay)
+    adamw = adamw_of([p for name, p in named.items() if not matrices[name]])
     momentum = {name: torch.zeros_like(p) for name, p in named.items() if matrices[name]}
     generator = torch.Generator().manual_seed(0)
     for step in range(3):

@@ -270,19 +270,19 @@ def _copy_into(views, values):
 
 class Muon:
     """The optimizer of this rank's pieces of the weights (each a tensor, flat or whole): Muon on those
-    with Segments, AdamW (betas 0.9, 0.95, as train.py's) on the others, with one learning rate and weight
+    with Segments, make_adamw(the others) on the others (train.py's AdamW), with one learning rate and weight
     decay. It offers what train.py and the checkpoints use of torch.optim's optimizers: state (a piece's
-    `momentum_buffer` and `step`, or AdamW's), param_groups, step and zero_grad.
+    `momentum_buffer` and `step`, the count the checkpoints keep for every piece, or AdamW's), param_groups,
+    step and zero_grad.
 
     pieces: [(tensor, [Segment])]; assembly: the Assembly of their Segments (the starts in the concatenation
     of the Muon pieces, in order)."""
 
-    def __init__(self, pieces, assembly, lr, weight_decay, momentum=MOMENTUM):
+    def __init__(self, pieces, assembly, make_adamw, lr, weight_decay, momentum=MOMENTUM):
         self.matrices = [(t, found) for t, found in pieces if found]
         others = [t for t, found in pieces if not found]
         self.assembly = assembly
-        self.adamw = torch.optim.AdamW(others, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                                       fused=True) if others else None
+        self.adamw = make_adamw(others) if others else None
         self.state = self.adamw.state if self.adamw else defaultdict(dict)
         muon = dict(params=[t for t, _ in self.matrices], lr=lr, weight_decay=weight_decay, momentum=momentum)
         self.param_groups = [muon, *(self.adamw.param_groups if self.adamw else [])]
@@ -338,9 +338,9 @@ def held_segments(pieces, shapes, config, split_of=lambda name: None, copy_of=la
     return out
 
 
-def single_device(model, lr, weight_decay, dtype):
+def single_device(model, make_adamw, lr, weight_decay, dtype):
     """Muon and AdamW over a whole model on one device (tools/parity.py's reference): every matrix here whole."""
     named = [(name, 0, p.numel(), p) for name, p in model.named_parameters()]
     pieces = held_segments(named, {name: p.shape for name, _, _, p in named}, model.config)
     held = [s for _, found in pieces for s in found]
-    return Muon(pieces, Assembly(held, dtype=dtype, device=named[0][3].device), lr, weight_decay)
+    return Muon(pieces, Assembly(held, dtype=dtype, device=named[0][3].device), make_adamw, lr, weight_decay)
