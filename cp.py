@@ -190,7 +190,7 @@ class RingAttention(torch.autograd.Function):
         plan = masks.ring_plan(ring.rank, ring.n, q.shape[2] // 2)
         merged = torch.promote_types(q.dtype, torch.float32)  # the running output and log-sum-exp
         qh = q.chunk(2, dim=2)  # the two local chunks
-        out = [torch.zeros(h.shape, dtype=merged, device=q.device) for h in qh]
+        out = [torch.zeros((*h.shape[:-1], v.shape[-1]), dtype=merged, device=q.device) for h in qh]  # v's width
         lse = [torch.full(h.shape[:-1], float("-inf"), dtype=merged, device=q.device) for h in qh]
         kv = (k, v)  # the block held (sent in its own dtype); None once blocks stop coming this far
         for step in range(ring.n):
@@ -712,7 +712,7 @@ class ContextParallelCore:
         self.group, self.attention = group, MODES[mode]
 
     def __call__(self, q, k, v, documents=None):
-        kernels = default_kernels(q.device, q.dtype, q.shape[-1])
+        kernels = default_kernels(q.device, q.dtype, q.shape[-1], v.shape[-1])
         return self.attention(q, k, v, self.group, kernels, documents)[0]
 
 
@@ -885,15 +885,21 @@ def _have(ops):
 
 
 @functools.lru_cache  # chosen once per (device, dtype, head size), not at every layer's call: it asks the GPU
-def default_kernels(device, dtype, head_dim):
+def default_kernels(device, dtype, head_dim, v_head_dim=None):
     """The fused kernels where PyTorch has them for blocks of this dtype and head size, else the reference.
 
     CPU: its flash kernel, computing half-precision blocks in float32. CUDA: flash attention for
     float16/bfloat16 (Ampere or later, heads up to 256), the memory-efficient kernel for float32 and the
     half-precision blocks flash cannot take; float64 (no fused CUDA kernel has it), head sizes not a
     multiple of 8 (the CUDA kernels' alignment: SDPA pads them, this file does not) and other devices: the
-    written-out blocks.
+    written-out blocks. Values of another width than the queries' and keys' (v_head_dim: DeepSeek's latent
+    attention, 128 against 192): only the memory-efficient kernel takes them (flash, on either device, wants
+    one head size), else the written-out blocks.
     """
+    if v_head_dim not in (None, head_dim):
+        fits = device.type == "cuda" and dtype != torch.float64 and not (head_dim % 8 or v_head_dim % 8)
+        return CUDA_EFFICIENT if fits and _have(_CUDA_EFFICIENT) and (
+            dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) >= (8, 0)) else EXPLICIT
     if device.type == "cpu":
         if not _have(_CPU_FLASH):
             return EXPLICIT

@@ -53,15 +53,23 @@ comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
 # The router
 # ---------------------------------------------------------------------------
 
-def route(router_logits, top_k, bias=None, renormalise=True):
+def route(router_logits, top_k, bias=None, renormalise=True, scoring="softmax", groups=(1, 1), scale=1.0):
     """(gates, experts, probs): top-k of the softmax (shifted by a balancing bias for the choice only),
     gates renormalised to sum to one, or kept as the softmax gave them (renormalise False: Qwen2-MoE's
-    norm_topk_prob=False). (A deliberate copy of model.py's `route`: this file stands alone.)"""
-    probs = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).softmax(-1)
-    experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
-    top_probs = probs.gather(-1, experts)
-    gates = top_probs / top_probs.sum(-1, keepdim=True) if renormalise else top_probs
-    return gates, experts, probs
+    norm_topk_prob=False). DeepSeek-V3's sigmoid scores, group-limited choice and gate scale: after the
+    banner (`SCORES`, `best_groups_only`). (A deliberate copy of model.py's `route`: this file stands alone.)"""
+    scores, probs = SCORES[scoring](router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)))
+    choice = scores if bias is None else scores + bias
+    experts = best_groups_only(choice, *groups).topk(top_k, dim=-1).indices
+    top_scores = scores.gather(-1, experts)
+    gates = top_scores / top_scores.sum(-1, keepdim=True) if renormalise else top_scores
+    return gates * scale, experts, probs
+
+
+def softmax_scores(logits):
+    """(scores, probs) of the router: the softmax over the experts, both."""
+    probs = logits.softmax(-1)
+    return probs, probs
 
 
 def gated_shared_expert(shared, gate, x):
@@ -145,6 +153,9 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = len(moe.experts), moe.top_k
         self.norm_topk_prob = getattr(moe, "norm_topk_prob", True)
+        # DeepSeek-V3's router, where the layer has it (after the banner): sigmoid scores, groups, gate scale
+        self.scoring, self.groups = getattr(moe, "scoring", "softmax"), getattr(moe, "groups", (1, 1))
+        self.routed_scaling_factor = getattr(moe, "routed_scaling_factor", 1.0)
         n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if self.n_experts % n:
             raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
@@ -173,7 +184,8 @@ class ExpertParallelMoE(nn.Module):
         router = getattr(self, self.router_name)
         refuse_unshared_tokens(router, self.tokens)  # tp.py summed it over ranks that share tokens: say how
         tokens = self.tokens.enter(arrived)  # those this rank routes: no other rank routes them
-        gates, experts, probs = route(router(tokens), self.top_k, self.route_bias, self.norm_topk_prob)
+        gates, experts, probs = route(router(tokens), self.top_k, self.route_bias, self.norm_topk_prob,
+                                      self.scoring, self.groups, self.routed_scaling_factor)
         keep = within_capacity(experts, self.n_experts, self.capacity_factor)  # all (dropless) by default
         self.aux_loss = self._load_balancing_loss(probs, experts, keep)
         out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
@@ -241,6 +253,30 @@ class ExpertParallelMoE(nn.Module):
 
 
 # ---- Beyond the article ----
+
+
+def sigmoid_scores(logits):
+    """(scores, probs): DeepSeek-V3's router scores, each expert's sigmoid on its own, and those normalised
+    to sum to one (its s', which the balance loss averages). (Copies of model.py's, as `route` is.)"""
+    scores = logits.sigmoid()
+    return scores, scores / scores.sum(-1, keepdim=True)
+
+
+SCORES = {"softmax": softmax_scores, "sigmoid": sigmoid_scores}
+
+
+def best_groups_only(choice, n_group, topk_group):
+    """choice (tokens, n_experts) with the experts outside each token's topk_group best groups (of n_group
+    consecutive ones; a group's worth: its two best choice scores summed) set to -inf: DeepSeek-V3's
+    group-limited routing. With a group per rank (or node) of the expert grid, a token travels to at most
+    topk_group of them. Unchanged with one group."""
+    if n_group == 1:
+        return choice
+    grouped = choice.unflatten(-1, (n_group, -1))
+    worth = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    best = torch.zeros_like(worth, dtype=torch.bool).scatter_(-1, worth.topk(topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~best.unsqueeze(-1), float("-inf")).flatten(-2)
+
 # The capacity limit, folding over tensor parallelism, expert tensor parallelism, model.py's glue, the
 # self-check.
 

@@ -67,6 +67,11 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    rope_type: str = "llama3"    # how rope_factor > 1 scales: "llama3" (Llama 3.1's blend) or "yarn" (see yarn_frequencies)
+    rope_beta_fast: float = 32.0  # YaRN: pairs turning more than this many times over the original context are kept
+    rope_beta_slow: float = 1.0   # YaRN: pairs turning fewer times are slowed by rope_factor
+    rope_mscale: float = 0.0      # YaRN's attention temperature terms (0: transformers' default; see yarn_gains)
+    rope_mscale_all_dim: float = 0.0
     # norms, MLP and biases
     norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
     norm_eps: float = 1e-5       # added to the variance (mean square) under the norms' square root
@@ -74,6 +79,12 @@ class GPTConfig:
     bias: bool = True            # biases in the linear layers and LayerNorms
     qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
     qk_norm: bool = False        # RMSNorm of each head's q and k before the rotation (Qwen3, OLMo 2, Gemma 3)
+    # multi-head latent attention (DeepSeek-V2 and V3; kv_lora_rank > 0 turns it on, see LatentAttention)
+    kv_lora_rank: int = 0        # the compressed latent every head's keys and values come from
+    q_lora_rank: int = 0         # the queries' own low-rank bottleneck (0: none, queries straight from x)
+    qk_nope_head_dim: int = 0    # a head's query and key features that are not rotated
+    qk_rope_head_dim: int = 0    # and those that are: the key's are one set shared by every head
+    v_head_dim: int = 0          # a head's value features (0: head_dim)
     # embedding and output tables
     padded_vocab_size: int = 0   # rows of the embedding and output tables (see cross_entropy); 0: vocab_size
     tie_embeddings: bool = False  # the output layer's weight is the embedding's (GPT-2, Llama 3.2 1B and 3B)
@@ -86,6 +97,10 @@ class GPTConfig:
     d_shared: int = 0            # the shared expert's hidden size (Qwen2-MoE's); 0 means n_shared_experts * d_expert
     norm_topk_prob: bool = True  # the top-k gates renormalised to sum to 1 (Mixtral); False: their softmax as is
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x W), W: d_model -> 1 (Qwen2-MoE)
+    router_scoring: str = "softmax"  # the router's scores: "softmax" over experts, or each expert's "sigmoid" (DeepSeek-V3)
+    n_group: int = 1             # DeepSeek-V3's group-limited routing: experts in n_group groups, a token's top_k
+    topk_group: int = 1          # chosen within its topk_group best groups (see `route`)
+    routed_scaling_factor: float = 1.0  # the chosen experts' gates multiplied by it (DeepSeek-V3: 2.5)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss (0: none)
     bias_update_rate: float = 0.0  # step of the routing bias towards balance per training step (0: none)
 
@@ -94,9 +109,12 @@ class GPTConfig:
         self.d_expert = self.d_expert or self.d_ff
         self.d_shared = self.d_shared or self.n_shared_experts * self.d_expert
         self.n_kv_heads = self.n_kv_heads or self.n_head
+        if self.kv_lora_rank:  # latent attention: every head has its own keys and values, of their own widths
+            self.n_kv_heads, self.head_dim = self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim
         if not self.head_dim and self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: give head_dim")
         self.head_dim = self.head_dim or self.d_model // self.n_head
+        self.v_head_dim = self.v_head_dim or self.head_dim
         self.padded_vocab_size = self.padded_vocab_size or self.vocab_size
         self.max_seq_len = self.max_seq_len or self.seq_len
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
@@ -106,11 +124,23 @@ class GPTConfig:
         if not 1 <= self.n_kv_heads <= self.n_head or self.n_head % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}")
         for name, value, allowed in [("position", self.position, ("learned", "rope")),
-                                     ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, tuple(ACTIVATIONS))]:
+                                     ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, tuple(ACTIVATIONS)),
+                                     ("rope_type", self.rope_type, ("llama3", "yarn")),
+                                     ("router_scoring", self.router_scoring, tuple(SCORES))]:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings turn pairs of features: head size {self.head_dim} is odd")
+        if self.position == "rope" and self.rotary_dim % 2:
+            raise ValueError(f"rotary embeddings turn pairs of features: head size {self.rotary_dim} is odd")
+        if self.kv_lora_rank and (self.position != "rope" or min(self.qk_nope_head_dim, self.qk_rope_head_dim) < 1):
+            raise ValueError("latent attention (kv_lora_rank) rotates qk_rope_head_dim features of each head and "
+                             "leaves qk_nope_head_dim as they are: it needs position='rope' and both of at least 1")
+        if self.v_head_dim != self.head_dim and not self.kv_lora_rank:
+            raise ValueError(f"v_head_dim={self.v_head_dim} differs from head_dim={self.head_dim}: only latent "
+                             f"attention (kv_lora_rank) has values of their own width")
+        if self.n_experts and (self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
+                               or self.top_k > self.topk_group * (self.n_experts // self.n_group)):
+            raise ValueError(f"group-limited routing: {self.n_experts} experts in n_group={self.n_group} equal groups, "
+                             f"top_k={self.top_k} of them from topk_group={self.topk_group} groups")
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
         if self.seq_len > self.max_seq_len:
@@ -137,6 +167,27 @@ class GPTConfig:
         """Features of the keys (and of the values): n_kv_heads heads of head_dim."""
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def v_dim(self) -> int:
+        """Features of the values (and of the heads' outputs, which proj maps back to d_model)."""
+        return self.n_kv_heads * self.v_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of a head that rotary embeddings turn: all of them, or latent attention's rotated part."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    def attention_multiply_adds(self) -> int:
+        """Multiply-adds of one token through an attention layer: its matrices, then the scores q kᵀ and the
+        weighted sum of the values (written as over the whole sequence, as flops_per_token has always counted)."""
+        d, h, seq = self.d_model, self.n_head, self.seq_len
+        if not self.kv_lora_rank:  # q and proj, k and v, the scores and the sum
+            return 2 * d * self.q_dim + 2 * d * self.kv_dim + 2 * self.q_dim * seq
+        queries = (d * self.q_lora_rank + self.q_lora_rank * self.q_dim) if self.q_lora_rank else d * self.q_dim
+        keys_values = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return queries + keys_values + self.v_dim * d + (self.q_dim + self.v_dim) * seq
+
     def flops_per_token(self) -> int:
         """Training FLOPs per token: forward and backward are 3 x the forward's 2 per multiply-add.
 
@@ -148,8 +199,7 @@ class GPTConfig:
         per_unit = (3 if self.mlp == "swiglu" else 2) * d  # an MLP's per hidden unit: SwiGLU has a gate matrix too
         mlp = per_unit * self.d_ff
         moe = per_unit * (self.top_k * self.d_expert + self.d_shared) + d * (self.n_experts + self.shared_expert_gate)
-        # q and proj, k and v, then the scores q kᵀ and the weighted sum of the values
-        attention = 2 * d * self.q_dim + 2 * d * self.kv_dim + 2 * self.q_dim * self.seq_len
+        attention = self.attention_multiply_adds()
         per_layer = [attention + (moe if self.is_moe(i) else mlp) for i in range(self.n_layer)]
         return 6 * (sum(per_layer) + d * self.padded_vocab_size)
 
@@ -245,28 +295,70 @@ def rotary_frequencies(config, head_dim, dtype, device):
     With Llama 3.1's scaling (rope_factor > 1; Meta's `apply_scaling`, transformers' "llama3" rope type), the
     pairs whose wavelength 2 pi / frequency is longer than the original context over rope_low_freq_factor
     turn rope_factor times slower, those shorter than it over rope_high_freq_factor are kept, and those
-    between are blended linearly in (original context / wavelength).
+    between are blended linearly in (original context / wavelength). With YaRN's, see yarn_frequencies.
     """
     half = head_dim // 2
     frequencies = config.rope_theta ** (-torch.arange(half, dtype=dtype, device=device) / half)
     if config.rope_factor == 1:
         return frequencies
+    if config.rope_type == "yarn":
+        return yarn_frequencies(config, frequencies)
     low, high, context = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_context
     blend = ((context * frequencies / (2 * math.pi) - low) / (high - low)).clamp(0, 1)  # 0: slowed, 1: kept
     return (1 - blend) * frequencies / config.rope_factor + blend * frequencies
 
 
-def rotary(x, pos, frequencies):
+def yarn_frequencies(config, frequencies):
+    """YaRN's blend (Peng et al., 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
+    section 3.2, as transformers computes it): the pairs that turn more than rope_beta_fast times over the
+    original context are kept, those that turn fewer than rope_beta_slow times are slowed rope_factor times,
+    and between the two a linear ramp over the pair index, whose ends are rounded outwards to whole pairs.
+
+    Pair i turns context * theta^(-2i/d) / (2 pi) times over the context, so it turns b times at
+    i(b) = d ln(context / (2 pi b)) / (2 ln theta), with d the rotated features (2 * len(frequencies)).
+    """
+    d, context = 2 * len(frequencies), config.rope_original_context
+
+    def pair_turning(times):
+        return d * math.log(context / (2 * math.pi * times)) / (2 * math.log(config.rope_theta))
+    first = max(math.floor(pair_turning(config.rope_beta_fast)), 0)
+    last = min(math.ceil(pair_turning(config.rope_beta_slow)), d - 1)
+    last = last if last > first else first + 0.001  # (transformers' guard against a ramp of no width)
+    pair = torch.arange(len(frequencies), dtype=frequencies.dtype, device=frequencies.device)
+    slowed = ((pair - first) / (last - first)).clamp(0, 1)  # 0: kept, 1: slowed
+    return slowed * frequencies / config.rope_factor + (1 - slowed) * frequencies
+
+
+def yarn_gains(config):
+    """(rotary_gain, softmax_gain) of YaRN's attention temperature: sqrt(1/t) = 0.1 ln(s) + 1 for a context
+    s = rope_factor times longer (the paper's equation 22), written mscale(s, m) = 0.1 m ln(s) + 1.
+
+    transformers' rotary embedding multiplies the rotated features by mscale(s, rope_mscale) / mscale(s,
+    rope_mscale_all_dim) when a config gives both (DeepSeek-V3's: 1 and 1, so 1), else by mscale(s, 1);
+    DeepSeek's latent attention also multiplies its softmax's scale by mscale(s, rope_mscale_all_dim)² when
+    a config gives it. (1, 1) without YaRN.
+    """
+    if config.rope_type != "yarn" or config.rope_factor <= 1:
+        return 1.0, 1.0
+
+    def mscale(m):
+        return 0.1 * m * math.log(config.rope_factor) + 1.0
+    m, m_all = config.rope_mscale, config.rope_mscale_all_dim
+    rotary_gain = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+    return rotary_gain, mscale(m_all) ** 2 if m_all else 1.0
+
+
+def rotary(x, pos, frequencies, gain=1.0):
     """Rotary position embedding (RoFormer, as Llama lays it out) of x (batch, heads, seq, head_dim).
 
     Feature pairs (i, i + head_dim/2) of the token at position p are turned by the
     angle p * frequencies[i], so q . k depends on positions only through
     their difference. Positions come from `pos`, (seq,) or each row its own (batch, seq), never from the
-    place in x.
+    place in x. gain multiplies the turned features (YaRN's rotary gain, see yarn_gains; 1: none).
     """
     x1, x2 = at_least_float32(x).chunk(2, dim=-1)
     angles = (pos.to(x1.dtype).unsqueeze(-1) * frequencies.to(x1.dtype)).unsqueeze(-3)  # (1 or batch, 1, seq, half)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos() * gain, angles.sin() * gain
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
@@ -287,6 +379,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm, self.k_norm = head_norm(config), head_norm(config)
         self.proj = nn.Linear(config.q_dim, config.d_model, bias=config.bias)
         self.frequencies = partial(rotary_frequencies, config, self.head_dim) if config.position == "rope" else None
+        self.rotary_gain = yarn_gains(config)[0]
         self.core = causal_attention  # the swappable seam (see the module docstring)
 
     def forward(self, x, pos, documents=None):
@@ -300,7 +393,63 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if self.frequencies:
             frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
-            q, k = rotary(q, pos, frequencies), rotary(k, pos, frequencies)
+            q, k = rotary(q, pos, frequencies, self.rotary_gain), rotary(k, pos, frequencies, self.rotary_gain)
+        y = self.core(q, k, v, documents)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def low_rank(config, d_in, rank, d_out):
+    """x -> up(norm(down(x))) through a bottleneck of `rank` features, RMS-normed there; rank 0: up(x) alone.
+    (down, norm, up), the first two identities without a bottleneck."""
+    if not rank:
+        return nn.Identity(), nn.Identity(), nn.Linear(d_in, d_out, bias=False)
+    return nn.Linear(d_in, rank, bias=False), nn.RMSNorm(rank, eps=config.norm_eps), nn.Linear(rank, d_out, bias=False)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, 2024, section 2.1; DeepSeek-V3's): the same seams as
+    CausalSelfAttention (`core`, positions passed in), other projections.
+
+    Keys and values come from one compressed latent of kv_lora_rank features a token (kv_down, normed, then
+    kv_up to every head's unrotated key part and its value): the latent, not the heads' keys and values, is
+    what an inference cache keeps. Rotary positions cannot pass through that compression (a rotation depends
+    on the position, the up-projection does not), so each head's query and key have a second part of
+    qk_rope_head_dim features that is rotated: the query's from the query's own projection, the key's one set
+    from kv_down, shared by every head. A head's query and key have qk_nope_head_dim + qk_rope_head_dim
+    features (DeepSeek-V3: 128 + 64), its value v_head_dim (128). Queries go through a low-rank bottleneck of
+    their own (q_lora_rank; none in DeepSeek-V2-Lite).
+
+    The scores are scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), the core's default for q's width,
+    times YaRN's softmax gain, which multiplies q here.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.nope, self.rope, self.v_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.q_down, self.q_down_norm, self.q_up = low_rank(config, config.d_model, config.q_lora_rank, config.q_dim)
+        self.kv_down = nn.Linear(config.d_model, config.kv_lora_rank + self.rope, bias=False)  # latent | shared key
+        self.kv_down_norm = nn.RMSNorm(config.kv_lora_rank, eps=config.norm_eps)
+        self.kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope + self.v_head_dim), bias=False)
+        self.proj = nn.Linear(config.v_dim, config.d_model, bias=False)
+        self.frequencies = partial(rotary_frequencies, config, self.rope)
+        self.rotary_gain, self.softmax_gain = yarn_gains(config)
+        self.core = causal_attention  # the swappable seam (see the module docstring)
+
+    def forward(self, x, pos, documents=None):
+        batch, seq = x.shape[:2]  # under sequence parallelism x is gathered already (tp.py enters the region here)
+        q = self.q_up(self.q_down_norm(self.q_down(x)))
+        latent, k_rope = self.kv_down(x).split([self.kv_down_norm.normalized_shape[0], self.rope], dim=-1)
+        kv = self.kv_up(self.kv_down_norm(latent))
+        # Heads are read off the up-projections' outputs, so a rank holding some of them (tensor parallelism)
+        # runs this unchanged; (batch, heads, seq, features) from here.
+        q_nope, q_rope = q.view(batch, seq, -1, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], -1)
+        k_nope, v = kv.view(batch, seq, -1, self.nope + self.v_head_dim).transpose(1, 2).split(
+            [self.nope, self.v_head_dim], -1)
+        frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
+        q_rope = rotary(q_rope, pos, frequencies, self.rotary_gain)
+        k_rope = rotary(k_rope.unsqueeze(1), pos, frequencies, self.rotary_gain)  # one head, for every head
+        q = torch.cat([q_nope, q_rope], dim=-1) * self.softmax_gain
+        k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         y = self.core(q, k, v, documents)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -368,21 +517,53 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
-def route(router_logits, top_k, bias=None, renormalise=True):
+def softmax_scores(logits):
+    """(scores, probs): the softmax over the experts, both."""
+    probs = logits.softmax(-1)
+    return probs, probs
+
+
+def sigmoid_scores(logits):
+    """(scores, probs): DeepSeek-V3's scores, each expert's sigmoid(logit) on its own, not competing for a sum
+    of one; and those normalised to sum to one (its s', which its balance loss averages)."""
+    scores = logits.sigmoid()
+    return scores, scores / scores.sum(-1, keepdim=True)
+
+
+SCORES = {"softmax": softmax_scores, "sigmoid": sigmoid_scores}
+
+
+def route(router_logits, top_k, bias=None, renormalise=True, scoring="softmax", groups=(1, 1), scale=1.0):
     """Top-k routing: (gates, experts, probs) for (tokens, n_experts) logits.
 
-    probs are the softmax over all experts; the k largest are kept and
-    renormalised to sum to one (the article's 0.60/0.35 -> 0.63/0.37), or with
-    renormalise False kept as they are (Qwen2-MoE's norm_topk_prob=False).
-    A balancing bias (DeepSeek-V3) is added to the probabilities only to
-    choose the k experts; the gates stay those of the unbiased probabilities.
-    Computed in float32 or better, whatever the activations' dtype.
+    The scores are the softmax over all experts, or DeepSeek-V3's sigmoid of each (`scoring`); the k
+    largest are kept and renormalised to sum to one (the article's 0.60/0.35 -> 0.63/0.37), or with
+    renormalise False kept as they are (Qwen2-MoE's norm_topk_prob=False), then multiplied by `scale`
+    (DeepSeek-V3's routed_scaling_factor). A balancing bias (DeepSeek-V3) is added to the scores only to
+    choose the k experts; the gates stay those of the unbiased scores. groups = (n_group, topk_group):
+    DeepSeek-V3's group-limited routing (`best_groups_only`). probs, for the balancing loss, are the scores
+    normalised to sum to one over the experts (SCORES). Computed in float32 or better, whatever the
+    activations' dtype.
     """
-    probs = at_least_float32(router_logits).softmax(-1)
-    experts = (probs if bias is None else probs + bias).topk(top_k, dim=-1).indices
-    top_probs = probs.gather(-1, experts)
-    gates = top_probs / top_probs.sum(-1, keepdim=True) if renormalise else top_probs
-    return gates, experts, probs
+    scores, probs = SCORES[scoring](at_least_float32(router_logits))
+    choice = scores if bias is None else scores + bias
+    experts = best_groups_only(choice, *groups).topk(top_k, dim=-1).indices
+    top_scores = scores.gather(-1, experts)
+    gates = top_scores / top_scores.sum(-1, keepdim=True) if renormalise else top_scores
+    return gates * scale, experts, probs
+
+
+def best_groups_only(choice, n_group, topk_group):
+    """choice (tokens, n_experts) with the experts outside each token's topk_group best groups set to -inf
+    (DeepSeek-V3, section 2.1.2: a token's experts sit in at most topk_group of n_group consecutive groups
+    of experts, so placed one group to a node, it travels to at most that many nodes). A group's worth is
+    the sum of its two best choice scores (one, in groups of one expert). Unchanged with one group."""
+    if n_group == 1:
+        return choice
+    grouped = choice.unflatten(-1, (n_group, -1))
+    worth = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    best = torch.zeros_like(worth, dtype=torch.bool).scatter_(-1, worth.topk(topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~best.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 def gated_shared_expert(shared, gate, x):
@@ -420,13 +601,17 @@ class MoE(nn.Module):
     routing bias (DeepSeek-V3's auxiliary-loss-free balancing): `route_bias`
     shifts which experts are chosen, and after every training step
     `update_route_biases` moves it by bias_update_rate towards balance, from
-    the tokens each expert received during the step (`load`).
+    the tokens each expert received during the step (`load`). With DeepSeek-V3's sigmoid scores the
+    auxiliary loss takes their normalised s', so it is that paper's balance loss (its equation 17), over the
+    micro-batch's tokens rather than each sequence's.
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.top_k, self.bias_update_rate = config.top_k, config.bias_update_rate
         self.norm_topk_prob = config.norm_topk_prob  # (Hugging Face's Qwen MoE blocks' attribute name)
+        self.scoring, self.groups = config.router_scoring, (config.n_group, config.topk_group)  # (ep.py reads them)
+        self.routed_scaling_factor = config.routed_scaling_factor
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(config, config.d_expert) for _ in range(config.n_experts))
         self.shared = MLP(config, config.d_shared) if config.n_shared_experts else None
@@ -438,7 +623,8 @@ class MoE(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias, self.norm_topk_prob)
+        gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias, self.norm_topk_prob,
+                                      self.scoring, self.groups, self.routed_scaling_factor)
         self.aux_loss = load_balancing_loss(probs, experts, len(self.experts))
         if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += torch.bincount(experts.flatten(), minlength=len(self.experts))
@@ -480,7 +666,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.norm1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = LatentAttention(config) if config.kv_lora_rank else CausalSelfAttention(config)
         self.norm2 = make_norm(config)
         self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
 

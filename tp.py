@@ -506,6 +506,24 @@ def split_experts(moe, group, columns=("fc",), row="proj"):
         split_mlp(expert, ExpertTensorParallel(group), columns, row)
 
 
+def split_latent_attention(attention, plan, config, columns=("q_up", "kv_up"), row="proj",
+                           replicated=("q_down", "q_down_norm", "kv_down", "kv_down_norm")):
+    """DeepSeek's multi-head latent attention (model.py's LatentAttention): the up-projections column-parallel
+    by heads (a head's query, and its key | value, are contiguous features), the output projection
+    row-parallel, and the down-projections with their norms replicated inside the region: the region is
+    entered once, at the attention's input. Each rank's copy of a replicated layer feeds that rank's heads
+    alone (the shared rotary key included), so its gradient is a partial sum, summed over the group
+    (`gradients_summed`), and the input's gradient leaves through f (or the reduce-scatter) as from any
+    column-parallel layer."""
+    share_region_entry(attention, plan)
+    query_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    for name, head in zip(columns, (query_head, config.qk_nope_head_dim + config.v_head_dim)):
+        setattr(attention, name, ColumnParallelLinear(getattr(attention, name), plan, entered=True, head_dim=head))
+    setattr(attention, row, RowParallelLinear(getattr(attention, row), plan))
+    for name in replicated:
+        gradients_summed(getattr(attention, name), plan.group)
+
+
 # ---------------------------------------------------------------------------
 # Applying it to model.py's GPT (the only model knowledge in this file)
 # ---------------------------------------------------------------------------
@@ -513,7 +531,10 @@ def split_experts(moe, group, columns=("fc",), row="proj"):
 def split_block(block, config, plan):
     """One transformer block of model.py, in place: one all-reduce (under sequence parallelism,
     reduce-scatter) after attention and one after the MLP in forward, and their conjugates in backward."""
-    split_attention(block.attn, plan, config.head_dim)
+    if hasattr(block.attn, "kv_up"):  # DeepSeek's latent attention
+        split_latent_attention(block.attn, plan, config)
+    else:
+        split_attention(block.attn, plan, config.head_dim)
     if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts ep.py's
         split_moe(block.mlp, plan)
     else:

@@ -31,9 +31,7 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
     # Today's shapes, with --arch llama (their key/value heads, SwiGLU width and rotary base are below);
     # for planning them (tools/plan.py) more than for training them here. Mixtral 8x7B is mixtral with
-    # --experts 8 --top-k 2; deepseek-v3 with --experts 256 --top-k 8 --shared-experts 1 is DeepSeek-V3's
-    # mixture of experts (671B parameters) with every layer an MoE and grouped-query attention in place
-    # of its multi-head latent attention (about 700B parameters).
+    # --experts 8 --top-k 2; deepseek-v3 (with --arch deepseek) is DeepSeek-V3 671B whole (DEEPSEEK_SHAPES).
     "llama3-8b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=8192, vocab_size=128256),
     "llama3-70b": dict(n_layer=80, n_head=64, d_model=8192, seq_len=8192, vocab_size=128256),
     "llama3-405b": dict(n_layer=126, n_head=128, d_model=16384, seq_len=8192, vocab_size=128256),
@@ -52,10 +50,27 @@ LLAMA_SHAPES = {
     "llama3-70b": dict(n_kv_heads=8, d_ff=28672, rope_theta=500000.0),
     "llama3-405b": dict(n_kv_heads=8, d_ff=53248, rope_theta=500000.0),
     "mixtral": dict(n_kv_heads=8, d_ff=14336, rope_theta=1000000.0),
-    "deepseek-v3": dict(n_kv_heads=128, d_ff=2048, rope_theta=10000.0),  # d_ff: an expert's width
 }
-# Shapes that exist only as Llama blocks:
-LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral", "deepseek-v3")
+# DeepSeek-V3's block (--arch deepseek): the Llama block with multi-head latent attention (model.py's
+# LatentAttention), and in its MoE layers (--experts) DeepSeek-V3's router: sigmoid scores, gates scaled by
+# 2.5. Per size, the latent's and the heads' widths; deepseek-v3 is the whole model: its first 3 layers
+# dense, 256 routed experts in 8 groups (a token's 8 from its best 4 groups) and a shared one, YaRN from
+# 4,096 to 163,840 positions (its config.json's).
+DEEPSEEK = dict(LLAMA, router_scoring="sigmoid", routed_scaling_factor=2.5)
+DEEPSEEK_SHAPES = {
+    "tiny": dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, d_ff=96),
+    "small": dict(q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, d_ff=352),
+    "medium": dict(q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                   d_ff=704),
+    "deepseek-v3": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, d_ff=18432, n_experts=256, top_k=8, n_shared_experts=1, d_expert=2048,
+                        n_group=8, topk_group=4, moe_layers=tuple(range(3, 61)), rope_theta=10000.0,
+                        rope_type="yarn", rope_factor=40.0, rope_original_context=4096, rope_mscale=1.0,
+                        rope_mscale_all_dim=1.0),
+}
+ARCHS = {"gpt": ({}, {}), "llama": (LLAMA, LLAMA_SHAPES), "deepseek": (DEEPSEEK, DEEPSEEK_SHAPES)}
+# Shapes that exist only as Llama (or DeepSeek) blocks:
+LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -67,9 +82,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="train.py",
                                 description="Train the GPT of model.py on any mix of parallel dimensions.")
     p.add_argument("--model", choices=PRESETS, default="small", help="model size preset")
-    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+    p.add_argument("--arch", choices=ARCHS, default="gpt",
                    help="gpt: GPT-2's block (learned positions, LayerNorm, GELU, biases); llama: rotary positions, "
-                        "grouped-query attention, RMSNorm, SwiGLU, no biases")
+                        "grouped-query attention, RMSNorm, SwiGLU, no biases; deepseek: llama's with DeepSeek's "
+                        "multi-head latent attention and, in MoE layers, DeepSeek-V3's sigmoid router (see "
+                        "docs/deepseek.md)")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads of grouped-query attention (default: all heads with --arch gpt, the "
                         "preset's with --arch llama)")
@@ -157,10 +174,15 @@ def parse_args(argv=None):
                         "rank in the run's traces/ (and on CUDA the allocator's memory in memory/), for Perfetto; "
                         "see docs/diagnosing.md")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
-    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--shared-experts", type=int, default=0,
+    p.add_argument("--experts", type=int, default=None,
+                   help="experts per MoE layer (0: dense MLPs; default: the preset's, 0 but for deepseek-v3)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's, else 2)")
+    p.add_argument("--shared-experts", type=int, default=None,
                    help="experts' widths of an MLP every token passes through besides its top-k (DeepSeek-MoE)")
+    p.add_argument("--expert-groups", type=int, default=None,
+                   help="DeepSeek-V3's group-limited routing: the experts in this many equal groups, a token's "
+                        "top-k from its --group-top-k best groups (default: the preset's, else 1)")
+    p.add_argument("--group-top-k", type=int, default=None, help="groups a token's experts come from")
     p.add_argument("--balance", choices=("aux", "bias", "both"), default="aux",
                    help="expert balancing: the Switch auxiliary loss, DeepSeek-V3's routing bias, or both")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
@@ -454,6 +476,24 @@ def hf_vocab_size(folder):
         raise ConfigError(f"--init-from {folder}: {e}") from None
 
 
+def arch_shape(args):
+    """The GPTConfig fields --arch adds to the preset's shape (a ConfigError where it has no such shape)."""
+    block, shapes = ARCHS[args.arch]
+    if args.model == "deepseek-v3" and args.arch != "deepseek":
+        raise ConfigError("--model deepseek-v3 is DeepSeek-V3's whole architecture: add --arch deepseek")
+    if args.model in LLAMA_ONLY and args.arch == "gpt":
+        raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
+    if block and args.model not in shapes:
+        raise ConfigError(f"--model {args.model} has no --arch {args.arch} shape (those that have: {', '.join(shapes)})")
+    return dict(block, **shapes.get(args.model, {}))
+
+
+def expert_flags(args):
+    """{GPTConfig field: value} of the mixture-of-experts flags, None where not given (the preset's stands)."""
+    return dict(n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
+                n_group=args.expert_groups, topk_group=args.group_top_k)
+
+
 # The flags that shape the model over a preset: {flag: GPTConfig field}.
 SHAPE_FLAGS = {"--d-model": "d_model", "--heads": "n_head", "--head-dim": "head_dim", "--d-ff": "d_ff",
                "--qk-norm": "qk_norm"}
@@ -492,20 +532,19 @@ def model_config(args, vocab_size):
             return config
         except (hf.UnsupportedModel, KeyError) as e:  # (KeyError: a config.json without a field it needs)
             raise ConfigError(f"--init-from {args.init_from}: {e}") from None
-    if args.model in LLAMA_ONLY and args.arch != "llama":
-        raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=vocab_size,
                  padded_vocab_size=pad_vocabulary(vocab_size))
-    if args.arch == "llama":
-        shape.update(LLAMA, **LLAMA_SHAPES[args.model])
+    shape.update(arch_shape(args))
     if args.kv_heads:
         shape.update(n_kv_heads=args.kv_heads)
     shape.update({SHAPE_FLAGS[flag]: value for flag, value in shape_given.items()})
-    if args.experts and not 1 <= args.top_k <= args.experts:
-        raise ConfigError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    shape.update({field: value for field, value in expert_flags(args).items() if value is not None})
+    if shape.get("n_experts") and not 1 <= shape.get("top_k", 2) <= shape["n_experts"]:
+        raise ConfigError(f"--top-k {shape.get('top_k', 2)} must be between 1 and --experts {shape['n_experts']}")
+    if shape.get("moe_layers") and shape["n_layer"] < PRESETS[args.model]["n_layer"]:  # the first N blocks of it
+        shape["moe_layers"] = tuple(i for i in shape["moe_layers"] if i < shape["n_layer"])
     try:
-        return GPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, n_shared_experts=args.shared_experts,
-                         **moe)
+        return GPTConfig(**shape, **moe)
     except ValueError as e:
         flags = "".join(f" {flag}" if value is True else f" {flag} {value}" for flag, value in shape_given.items())
         raise ConfigError(f"--model {args.model} --arch {args.arch}{flags}: {e}") from None
