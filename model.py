@@ -1,17 +1,19 @@
 """A slim GPT: the single-device model that every parallel run must match.
 
 Read top to bottom: config, attention, MLP, mixture of experts, block, GPT.
-The config describes both of today's families of decoder: GPT-2 (learned
-positions, LayerNorm, GELU MLP, biases) and Llama (rotary positions,
-grouped-query attention, RMSNorm, SwiGLU MLP, no biases); MoE layers may add
-a shared expert (DeepSeek-MoE; Qwen2-MoE's behind a sigmoid gate) and balance
-their experts with a routing bias instead of, or beside, an auxiliary loss
-(DeepSeek-V3).
+The config describes today's families of decoder: GPT-2 (learned
+positions, LayerNorm, GELU MLP, biases), Llama (rotary positions,
+grouped-query attention, RMSNorm, SwiGLU MLP, no biases) and DeepSeek-V3
+(Llama's block with multi-head latent attention, `LatentAttention`); MoE
+layers may add a shared expert (DeepSeek-MoE; Qwen2-MoE's behind a sigmoid
+gate), balance their experts with a routing bias instead of, or beside, an
+auxiliary loss, and route by DeepSeek-V3's sigmoid scores within groups
+(`route`). Rotary positions may be stretched by Llama 3.1's or YaRN's scaling.
 Everything is plain PyTorch on one device. The parallel files never change
 this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:
 
-- `CausalSelfAttention.core(q, k, v, documents)` is the attention core
+- `CausalSelfAttention.core(q, k, v, documents)` (and `LatentAttention.core`) is the attention core
   (context parallelism replaces it with ring attention; `GPT.generate`, for
   the length of a call, with a key/value cache, `KVCache`);
 - `GPT.loss_fn(logits, targets, tokens=None)` is the cross-entropy (tensor
@@ -67,7 +69,7 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
-    rope_type: str = "llama3"    # how rope_factor > 1 scales: "llama3" (Llama 3.1's blend) or "yarn" (see yarn_frequencies)
+    rope_type: str = "llama3"    # how rope_factor > 1 scales: "llama3" (Llama 3.1's) or "yarn" (yarn_frequencies)
     rope_beta_fast: float = 32.0  # YaRN: pairs turning more than this many times over the original context are kept
     rope_beta_slow: float = 1.0   # YaRN: pairs turning fewer times are slowed by rope_factor
     rope_mscale: float = 0.0      # YaRN's attention temperature terms (0: transformers' default; see yarn_gains)
@@ -97,7 +99,7 @@ class GPTConfig:
     d_shared: int = 0            # the shared expert's hidden size (Qwen2-MoE's); 0 means n_shared_experts * d_expert
     norm_topk_prob: bool = True  # the top-k gates renormalised to sum to 1 (Mixtral); False: their softmax as is
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x W), W: d_model -> 1 (Qwen2-MoE)
-    router_scoring: str = "softmax"  # the router's scores: "softmax" over experts, or each expert's "sigmoid" (DeepSeek-V3)
+    router_scoring: str = "softmax"  # "softmax" over the experts, or each one's "sigmoid" (DeepSeek-V3)
     n_group: int = 1             # DeepSeek-V3's group-limited routing: experts in n_group groups, a token's top_k
     topk_group: int = 1          # chosen within its topk_group best groups (see `route`)
     routed_scaling_factor: float = 1.0  # the chosen experts' gates multiplied by it (DeepSeek-V3: 2.5)

@@ -71,17 +71,21 @@ def test_cuda_kernels_chosen_by_dtype_and_head_size():
     assert cp.default_kernels(cuda, torch.bfloat16, 512) is cp.CUDA_EFFICIENT  # heads over flash's 256
     assert cp.default_kernels(cuda, torch.float64, 64) is cp.EXPLICIT  # no fused CUDA kernel in float64
     assert cp.default_kernels(cuda, torch.bfloat16, 12) is cp.EXPLICIT  # not a multiple of 8
+    assert cp.default_kernels(cuda, torch.bfloat16, 192, 128) is cp.CUDA_EFFICIENT  # latent attention's widths
 
 
-def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len):
+def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len, v_head_dim=64):
     """Ring attention on a ring of one rank (so every kind of block runs: causal and not, merged) with
     fused CUDA kernels and with the written-out blocks, forward and backward: the dtypes returned, and
-    each result's largest difference relative to the largest reference value."""
+    each result's largest difference relative to the largest reference value. v_head_dim: the values'
+    width (the queries' and keys' is 64)."""
     import cp
     device, dtype, fused = torch.device("cuda"), getattr(torch, dtype_name), getattr(cp, kernels_name)
     g = torch.Generator(device=device).manual_seed(0)
     q, grad = (torch.randn(2, 8, seq_len, 64, device=device, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(2, 2, seq_len, 64, device=device, generator=g).to(dtype) for _ in range(2))  # GQA
+    k, v = (torch.randn(2, 2, seq_len, width, device=device, generator=g).to(dtype)  # GQA
+            for width in (64, v_head_dim))
+    grad = grad[..., :v_head_dim]
     results = {}
     for kernels in (fused, cp.EXPLICIT):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -108,3 +112,11 @@ def test_ring_attention_with_the_cuda_kernels_equals_the_written_out_blocks(kern
     out, lse, *grads = result["differences"]
     assert lse < tolerance / 10
     assert max(out, *grads) < tolerance
+
+
+def test_ring_attention_with_values_of_their_own_width_on_cuda():
+    """Latent attention's values are narrower than its keys (DeepSeek-V3: 128 against 192): the memory-efficient
+    kernel takes them, and equals the written-out blocks as with one width (tolerance as above)."""
+    result, = run_on_ranks(1, ring_kernels_on_cuda, "CUDA_EFFICIENT", "bfloat16", 256, 32)
+    out, lse, *grads = result["differences"]
+    assert lse < 4 * 2**-8 / 10 and max(out, *grads) < 4 * 2**-8

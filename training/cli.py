@@ -484,7 +484,8 @@ def arch_shape(args):
     if args.model in LLAMA_ONLY and args.arch == "gpt":
         raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     if block and args.model not in shapes:
-        raise ConfigError(f"--model {args.model} has no --arch {args.arch} shape (those that have: {', '.join(shapes)})")
+        raise ConfigError(f"--model {args.model} has no --arch {args.arch} shape (those that have one: "
+                          f"{', '.join(shapes)})")
     return dict(block, **shapes.get(args.model, {}))
 
 
