@@ -400,12 +400,18 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
+# The epsilon of latent attention's two bottleneck norms, whatever norm_eps is: DeepSeek's inference code and
+# transformers' DeepseekV3Attention build them as RMSNorm(rank), whose default is 1e-6 (rms_norm_eps is the
+# blocks' norms' alone).
+LATENT_NORM_EPS = 1e-6
+
+
 def low_rank(config, d_in, rank, d_out):
     """x -> up(norm(down(x))) through a bottleneck of `rank` features, RMS-normed there; rank 0: up(x) alone.
     (down, norm, up), the first two identities without a bottleneck."""
     if not rank:
         return nn.Identity(), nn.Identity(), nn.Linear(d_in, d_out, bias=False)
-    return nn.Linear(d_in, rank, bias=False), nn.RMSNorm(rank, eps=config.norm_eps), nn.Linear(rank, d_out, bias=False)
+    return nn.Linear(d_in, rank, bias=False), nn.RMSNorm(rank, eps=LATENT_NORM_EPS), nn.Linear(rank, d_out, bias=False)
 
 
 class LatentAttention(nn.Module):
@@ -430,7 +436,7 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_down, self.q_down_norm, self.q_up = low_rank(config, config.d_model, config.q_lora_rank, config.q_dim)
         self.kv_down = nn.Linear(config.d_model, config.kv_lora_rank + self.rope, bias=False)  # latent | shared key
-        self.kv_down_norm = nn.RMSNorm(config.kv_lora_rank, eps=config.norm_eps)
+        self.kv_down_norm = nn.RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope + self.v_head_dim), bias=False)
         self.proj = nn.Linear(config.v_dim, config.d_model, bias=False)
         self.frequencies = partial(rotary_frequencies, config, self.rope)

@@ -2,7 +2,7 @@
 
 make_folder writes a folder laid out as transformers' save_pretrained writes it (config.json,
 model.safetensors or shards with model.safetensors.index.json, tensors under Hugging Face names)
-for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE and Qwen2-MoE.
+for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3.
 reference_logits reads such a folder and computes its logits with a plain float64 functional forward
 following the semantics of transformers' modeling code. Nothing from the repository is imported here on purpose: these
 functions check the repository's own name/layout mapping, so they must not share it.
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe",
-                 "qwen2_moe")
+                 "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj")
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
@@ -69,7 +69,42 @@ def tiny_config(arch: str, transformers: int = 4) -> dict:
                     torch_dtype="float32", transformers_version="4.46.0")
     if arch in _QWEN_MOE or arch == "qwen3":
         return _qwen_config(arch)
+    if arch in _DEEPSEEK:
+        return dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], **_DEEPSEEK[arch],
+                    torch_dtype="float32", transformers_version="4.57.0")
     raise ValueError(f"unknown architecture {arch!r}")
+
+
+# DeepSeek-V3 (configuration_deepseek_v3.py, 4.57): its 671B model's shape, tiny. Latent attention with a query
+# bottleneck (q_lora_rank 24), keys and values from a latent of 16, heads of 8 unrotated + 4 rotated features
+# and values of 6; the first layer dense (first_k_dense_replace), the others 8 experts of 16 in 4 groups, a
+# token's 2 from its 2 best groups, one shared expert; YaRN from 1,024 to 4,096 positions with DeepSeek-V3's
+# mscale and mscale_all_dim (at rotated width 4, theta 1e4 and that original context, pair 0 is kept and pair 1
+# blended halfway: the ramp runs from pair 0 to pair 2), in interleaved pairs (rope_interleave, the default);
+# DeepSeek-V3's own settings that transformers keeps as they are (topk_method, scoring_func), and one multi-token-
+# prediction layer (num_nextn_predict_layers: its tensors are model.layers.4.*, which nothing loads).
+# DeepseekV3Config saves head_dim (= qk_rope_head_dim) and qk_head_dim beside the others.
+_DEEPSEEK_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+_DEEPSEEK_V3 = dict(vocab_size=64, hidden_size=32, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                    routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=6,
+                    qk_nope_head_dim=8, qk_head_dim=12, head_dim=4, n_group=4, topk_group=2, num_experts_per_tok=2,
+                    first_k_dense_replace=1, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=4096,
+                    initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True, pad_token_id=None, bos_token_id=0,
+                    eos_token_id=1, pretraining_tp=1, tie_word_embeddings=False, rope_theta=10000.0,
+                    rope_scaling=_DEEPSEEK_YARN, rope_interleave=True, attention_bias=False, attention_dropout=0.0,
+                    num_nextn_predict_layers=1, topk_method="noaux_tc", scoring_func="sigmoid")
+# Its variant without a query bottleneck (q_lora_rank null: DeepSeek-V2-Lite's q_proj), rotated in half-split
+# pairs (rope_interleave false), every layer sparse without groups, two shared experts' width, gates left
+# unnormalised, a tied output layer, and an mscale of its own (the rotary gain mscale / mscale_all_dim is not 1).
+_DEEPSEEK = {
+    "deepseek_v3": _DEEPSEEK_V3,
+    "deepseek_v3_q_proj": dict(_DEEPSEEK_V3, q_lora_rank=None, rope_interleave=False, first_k_dense_replace=0,
+                               n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False,
+                               tie_word_embeddings=True, rope_scaling=dict(_DEEPSEEK_YARN, mscale_all_dim=0.5),
+                               num_nextn_predict_layers=0),
+}
 
 
 # Qwen3 (configuration_qwen3.py of 4.51 to 4.57): heads of 16 on a width of 32 (q is 64 wide, as Qwen3-0.6B's
@@ -120,6 +155,9 @@ def _as_transformers5(cfg: dict) -> dict:
         out.pop("max_window_layers")
     if cfg["model_type"] == "qwen2_moe":
         out["qkv_bias"] = True
+    if cfg["model_type"] == "deepseek_v3":  # DeepseekV3Config.convert_rope_params_to_dict: floats
+        out["rope_parameters"] = {k: float(v) if k in ("beta_fast", "beta_slow", "factor") else v
+                                  for k, v in out["rope_parameters"].items()}
     return out | dict(dtype=cfg["torch_dtype"], transformers_version="5.0.0")
 
 
@@ -222,17 +260,81 @@ def _attention_biases(cfg):
     return b, b
 
 
+def _deepseek_shapes(cfg):
+    """(name, shape, kind) in DeepseekV3ForCausalLM's state_dict order (modeling_deepseek_v3), then the layers of
+    multi-token prediction that DeepSeek-V3's files hold after the last one (num_nextn_predict_layers of them:
+    a whole decoder layer and enorm, hnorm, eh_proj, shared_head; its own embed_tokens too in the released
+    files), which DeepseekV3ForCausalLM does not load (its _keys_to_ignore_on_load_unexpected)."""
+    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    out = [("model.embed_tokens.weight", (v, h), "w")]
+    for i in range(layers):
+        out += _deepseek_layer(cfg, f"model.layers.{i}.", sparse=i >= cfg["first_k_dense_replace"])
+    out.append(("model.norm.weight", (h,), "norm"))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h), "w"))
+    for i in range(layers, layers + cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}."
+        out += [(p + "embed_tokens.weight", (v, h), "w"), (p + "enorm.weight", (h,), "norm"),
+                (p + "hnorm.weight", (h,), "norm"), (p + "eh_proj.weight", (h, 2 * h), "w")]
+        out += _deepseek_layer(cfg, p, sparse=True)
+        out += [(p + "shared_head.norm.weight", (h,), "norm"), (p + "shared_head.head.weight", (v, h), "w")]
+    return out
+
+
+def _deepseek_layer(cfg, p, sparse):
+    """DeepseekV3DecoderLayer: DeepseekV3Attention (q_a_proj, q_a_layernorm, q_b_proj, or q_proj where q_lora_rank
+    is null; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj), then DeepseekV3MoE (experts, the router
+    `gate` with its e_score_correction_bias, shared_experts) or DeepseekV3MLP, then its two norms."""
+    h, heads, rank = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, rope, vd, q_rank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["q_lora_rank"]
+    a = p + "self_attn."
+    if q_rank is None:
+        out = [(a + "q_proj.weight", (heads * (nope + rope), h), "w")]
+    else:
+        out = [(a + "q_a_proj.weight", (q_rank, h), "w"), (a + "q_a_layernorm.weight", (q_rank,), "norm"),
+               (a + "q_b_proj.weight", (heads * (nope + rope), q_rank), "w")]
+    out += [(a + "kv_a_proj_with_mqa.weight", (rank + rope, h), "w"), (a + "kv_a_layernorm.weight", (rank,), "norm"),
+            (a + "kv_b_proj.weight", (heads * (nope + vd), rank), "w"), (a + "o_proj.weight", (h, heads * vd), "w")]
+    if sparse:
+        f = cfg["moe_intermediate_size"]
+        for e in range(cfg["n_routed_experts"]):
+            out += _mlp_shapes(p + f"mlp.experts.{e}.", h, f)
+        out += [(p + "mlp.gate.weight", (cfg["n_routed_experts"], h), "w"),
+                (p + "mlp.gate.e_score_correction_bias", (cfg["n_routed_experts"],), "routing bias")]
+        out += _mlp_shapes(p + "mlp.shared_experts.", h, f * cfg["n_shared_experts"])
+    else:
+        out += _mlp_shapes(p + "mlp.", h, cfg["intermediate_size"])
+    return out + [(p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
+
+
+def _mlp_shapes(p, h, f):
+    return [(p + "gate_proj.weight", (f, h), "w"), (p + "up_proj.weight", (f, h), "w"),
+            (p + "down_proj.weight", (h, f), "w")]
+
+
+def _shapes(cfg):
+    if cfg["model_type"] == "gpt2":
+        return _gpt2_shapes(cfg)
+    return _deepseek_shapes(cfg) if cfg["model_type"] == "deepseek_v3" else _llama_shapes(cfg)
+
+
+# The random values of each kind of tensor: weights, biases, norms' gains, and DeepSeek-V3's routing bias, small
+# beside the sigmoid scores (about 0.5 +- 0.03 here) so that it changes some choices but leaves every choice
+# score positive (where masking a group with 0.0, as transformers does, or with -inf, as model.py and
+# DeepSeek's inference code do, choose alike).
+_VALUES = {"w": lambda r: 0.02 * r, "b": lambda r: 0.1 * r, "norm": lambda r: 1 + 0.1 * r,
+           "routing bias": lambda r: 0.01 * r}
+
+
 def make_folder(path, arch, seed=0, dtype=torch.float64, shards=1, config=None) -> dict:
     """Write config.json and seeded random weights under Hugging Face names into `path`."""
     cfg = dict(config if config is not None else tiny_config(arch))
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).replace("torch.", "")  # 5's name, or 4's
     g = torch.Generator().manual_seed(seed)
-    shapes = _gpt2_shapes(cfg) if cfg["model_type"] == "gpt2" else _llama_shapes(cfg)
     tensors = {}
-    for name, shape, kind in shapes:
+    for name, shape, kind in _shapes(cfg):
         r = torch.randn(shape, generator=g, dtype=torch.float64)
-        r = {"w": 0.02 * r, "b": 0.1 * r, "norm": 1 + 0.1 * r}[kind]
-        tensors[name] = r.to(dtype).contiguous()
+        tensors[name] = _VALUES[kind](r).to(dtype).contiguous()
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2, sort_keys=True)
@@ -332,7 +434,8 @@ def _gpt2_logits(cfg, w, ids):
 # rope_theta where config.json states none: the config class's default, the same in transformers 4 and 5
 # (configuration_llama/mistral/qwen2.py: 10000.0; configuration_mixtral.py: 1e6, MixtralConfig.default_theta in 5)
 _DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                  "qwen3_moe": 10000.0, "qwen2_moe": 10000.0}  # (configuration_qwen3/qwen3_moe/qwen2_moe.py too)
+                  "qwen3_moe": 10000.0, "qwen2_moe": 10000.0,  # (configuration_qwen3/qwen3_moe/qwen2_moe.py too)
+                  "deepseek_v3": 10000.0}  # (configuration_deepseek_v3.py)
 
 
 def _rope_parameters(cfg):
@@ -456,6 +559,124 @@ def _llama_logits(cfg, w, ids):
     return x @ (w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]).T
 
 
+def _yarn(cfg, rs, d):
+    """(inv_freq, attention_factor) of modeling_rope_utils' _compute_yarn_parameters (4.57) for d rotated
+    features: where the dict states original_max_position_embeddings, factor is max_position_embeddings over it."""
+    base, factor = rs["rope_theta"], rs["factor"]
+    original = rs.get("original_max_position_embeddings")
+    if original is not None:
+        factor = cfg["max_position_embeddings"] / original
+    else:
+        original = cfg["max_position_embeddings"]
+
+    def get_mscale(scale, mscale=1):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                            else get_mscale(factor))
+
+    def correction_dim(rotations):
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    low = max(math.floor(correction_dim(rs.get("beta_fast") or 32)), 0)
+    high = min(math.ceil(correction_dim(rs.get("beta_slow") or 1)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    extrapolation = 1 - ramp
+    inv_freq = 1 / (factor * pos_freqs) * (1 - extrapolation) + 1 / pos_freqs * extrapolation
+    return inv_freq, attention_factor
+
+
+def _deepseek_router(cfg, w, x, p):
+    """DeepseekV3TopkRouter (in float64 here: transformers computes it in float32): sigmoid scores; the choice
+    among scores + e_score_correction_bias, within the topk_group groups whose two best choice scores sum
+    highest (the others' set to 0.0), top num_experts_per_tok; the gates the unbiased scores, renormalised
+    (+ 1e-20) with norm_topk_prob, times routed_scaling_factor. Returns (chosen, gates), (tokens, top_k)."""
+    n, groups, top_k = cfg["n_routed_experts"], cfg["n_group"], cfg["num_experts_per_tok"]
+    scores = torch.sigmoid(x @ w[p + "gate.weight"].T)
+    choice = scores + w[p + "gate.e_score_correction_bias"]
+    group_scores = choice.view(-1, groups, n // groups).topk(2, dim=-1)[0].sum(-1)
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg["topk_group"], dim=-1)[1], 1)
+    allowed = group_mask.unsqueeze(-1).expand(-1, groups, n // groups).reshape(-1, n).bool()
+    chosen = choice.masked_fill(~allowed, 0.0).topk(top_k, dim=-1)[1]
+    gates = scores.gather(1, chosen)
+    if cfg["norm_topk_prob"]:
+        gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+    return chosen, gates * cfg["routed_scaling_factor"]
+
+
+def _deepseek_moe(cfg, w, x, p):
+    """DeepseekV3MoE: each token's chosen experts weighted by their gates, plus shared_experts on every token."""
+    tokens = x.reshape(-1, x.shape[-1])
+    chosen, gates = _deepseek_router(cfg, w, tokens, p)
+    out = torch.zeros_like(tokens)
+    for e in range(cfg["n_routed_experts"]):
+        out = out + _swiglu(w, tokens, p + f"experts.{e}.") * (gates * (chosen == e)).sum(-1, keepdim=True)
+    shared = _swiglu(w, x, p + "shared_experts.") if cfg["n_shared_experts"] else 0  # (a width of 0: none)
+    return out.view_as(x) + shared
+
+
+def _deinterleave(x):
+    """apply_rotary_pos_emb_interleave's reordering: features viewed as (d/2, 2) pairs and transposed, so that
+    rotate_half turns each consecutive pair (0, 1), (2, 3), ..."""
+    b, h, t, d = x.shape
+    return x.view(b, h, t, d // 2, 2).transpose(4, 3).reshape(b, h, t, d)
+
+
+def _deepseek_logits(cfg, w, ids):
+    """modeling_deepseek_v3.DeepseekV3ForCausalLM. Latent attention: q from q_proj, or q_b_proj(q_a_layernorm(
+    q_a_proj(x))); kv_a_proj_with_mqa gives the latent (normed by kv_a_layernorm, then kv_b_proj to each head's
+    unrotated key | value) and one rotated key shared by every head; the rotation on qk_rope_head_dim features
+    (interleaved pairs with rope_interleave), cos and sin times the YaRN attention_factor; softmax scale
+    qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 where the rope dict gives mscale_all_dim. The two
+    latent norms are DeepseekV3RMSNorm(rank): epsilon 1e-6, whatever rms_norm_eps says."""
+    nh, eps = cfg["num_attention_heads"], cfg["rms_norm_eps"]
+    nope, rope, vd, rank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    rs, t = _rope_parameters(cfg), ids.shape[1]
+    if rs["rope_type"] == "yarn":
+        inv_freq, attention_factor = _yarn(cfg, rs, rope)
+    elif rs["rope_type"] == "default":
+        inv_freq = 1.0 / (rs["rope_theta"] ** (torch.arange(0, rope, 2, dtype=torch.float64) / rope))
+        attention_factor = 1.0
+    else:
+        raise NotImplementedError(f"rope_type {rs['rope_type']!r}")
+    angles = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+    scale = (nope + rope) ** -0.5
+    if rs["rope_type"] != "default" and rs.get("mscale_all_dim"):
+        scale *= (0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1.0) ** 2
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = _rms(x, w[p + "input_layernorm.weight"], eps)
+        s = p + "self_attn."
+        if cfg["q_lora_rank"] is None:
+            q = _lin(w, a, s + "q_proj")
+        else:
+            q = _lin(w, _rms(_lin(w, a, s + "q_a_proj"), w[s + "q_a_layernorm.weight"], 1e-6), s + "q_b_proj")
+        q_pass, q_rot = _heads(q, nh).split([nope, rope], dim=-1)
+        k_pass, k_rot = _lin(w, a, s + "kv_a_proj_with_mqa").split([rank, rope], dim=-1)
+        kv = _heads(_lin(w, _rms(k_pass, w[s + "kv_a_layernorm.weight"], 1e-6), s + "kv_b_proj"), nh)
+        k_pass, v = kv.split([nope, vd], dim=-1)
+        k_rot = k_rot.view(x.shape[0], 1, t, rope)
+        if cfg.get("rope_interleave", True):
+            q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+        q_rot, k_rot = _rotate(q_rot, cos, sin), _rotate(k_rot, cos, sin)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(-1, nh, -1, -1)), dim=-1)
+        x = x + _lin(w, _merge(_attend(q, k, v, scale)), s + "o_proj")
+        m = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        sparse = i >= cfg["first_k_dense_replace"]
+        x = x + (_deepseek_moe(cfg, w, m, p + "mlp.") if sparse else _swiglu(w, m, p + "mlp."))
+    x = _rms(x, w["model.norm.weight"], eps)
+    tied = cfg.get("tie_word_embeddings", False)
+    return x @ (w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]).T
+
+
 def reference_logits(path, input_ids) -> torch.Tensor:
     """Logits (batch, seq, vocab_size) in float64 of the model in folder `path` for input_ids
     (batch, seq) at positions 0..seq-1, by a functional forward with Hugging Face's semantics."""
@@ -465,4 +686,6 @@ def reference_logits(path, input_ids) -> torch.Tensor:
         return _gpt2_logits(cfg, w, ids)
     if cfg["model_type"] in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"):
         return _llama_logits(cfg, w, ids)
+    if cfg["model_type"] == "deepseek_v3":
+        return _deepseek_logits(cfg, w, ids)
     raise NotImplementedError(f"model_type {cfg['model_type']!r}")

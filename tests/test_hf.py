@@ -8,11 +8,14 @@
   vocabulary through tp, each norm's epsilon under sp, rotary scaling and q/k/v biases through tp and cp,
   Mixtral's experts under ep; Qwen3's QK-norm and heads wider than hidden / heads through tp with and without
   sp, cp and pipelines, Qwen3-MoE's dense and sparse layers and renormalised gates under ep folded over tp and
-  ZeRO-3, Qwen2-MoE's gated shared expert and unnormalised gates under expert-tp and cp's all-to-all);
+  ZeRO-3, Qwen2-MoE's gated shared expert and unnormalised gates under expert-tp and cp's all-to-all;
+  DeepSeek-V3's latent attention, YaRN, interleaved rotation and grouped sigmoid router with its correction
+  bias under tp with sp, cp, pp with ep, and tp, pp, ep and ZeRO-3 at once);
 - a folder saved by transformers 4 (rope_theta, rope_scaling) or by 5 (rope_parameters) loads as the same model,
   rotary settings stated twice differently or of a kind model.py lacks are refused by name, and the config
   training/hf.py exports reads back as the model it was made of;
-- training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit.
+- training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit (less
+  DeepSeek-V3's multi-token-prediction layers, which are read past and not written: see hf.with_layers).
 """
 import dataclasses
 import json
@@ -26,10 +29,10 @@ from safetensors.torch import load_file
 from training import checkpoint
 from training import cli
 from training import hf
-from tools import convert
+from tools import convert, sample
 import hf_models
 from distributed import run_on_ranks
-from model import GPT
+from model import GPT, KVCache
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
 
@@ -38,10 +41,11 @@ ARGS = [*EQUIVALENCE, "--seq-len", "16", "--steps", "2", "--batch-size", "8"]
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{architecture: a tiny model folder}, float64; Mixtral's and Qwen2's in three files with an index."""
+    """{architecture: a tiny model folder}, float64; Mixtral's, Qwen2's and DeepSeek-V3's (its multi-token-
+    prediction layer in the last file) in three files with an index."""
     root = tmp_path_factory.mktemp("hf")
     for arch in hf_models.ARCHITECTURES:
-        hf_models.make_folder(str(root / arch), arch, shards=3 if arch in ("mixtral", "qwen2") else 1)
+        hf_models.make_folder(str(root / arch), arch, shards=3 if arch in ("mixtral", "qwen2", "deepseek_v3") else 1)
     return {arch: str(root / arch) for arch in hf_models.ARCHITECTURES}
 
 
@@ -178,6 +182,12 @@ LAYOUTS = [
     ("qwen3_moe", 2, ["--zero", "3", "--ep", "2"]),      # a dense first layer beside the sparse ones, sharded
     ("qwen2_moe", 4, ["--tp", "2", "--sp", "--ep", "2", "--expert-tp", "2"]),  # the shared expert and its gate
     ("qwen2_moe", 4, ["--pp", "2", "--cp", "2", "--cp-mode", "alltoall"]),     # sparse every second layer
+    # latent attention split by heads (its permuted rotated rows and replicated down-projections), YaRN; the
+    # routing bias read from the folder choosing experts in every layout
+    ("deepseek_v3", 2, ["--tp", "2", "--sp"]),
+    ("deepseek_v3_q_proj", 2, ["--cp", "2"]),  # q_proj, half-split rotation and YaRN's gains at cp's positions
+    ("deepseek_v3", 4, ["--pp", "2", "--ep", "2"]),  # the dense first layer on one stage, grouped routing over ep
+    ("deepseek_v3", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--zero", "3"]),
 ]
 
 
@@ -194,7 +204,8 @@ def test_layouts_train_as_one_device_from_the_folder(tmp_path, folders, arch, wo
 EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.1", 1, []),
            ("mistral", 2, ["--zero", "3"]), ("qwen2", 2, ["--tp", "2"]), ("mixtral", 2, ["--ep", "2"]),
            ("llama", 2, ["--pp", "2", "--zero", "1"]), ("qwen3", 2, ["--tp", "2"]),
-           ("qwen3_moe", 2, ["--tp", "2", "--ep", "2"]), ("qwen2_moe", 2, ["--tp", "2", "--expert-tp", "2"])]
+           ("qwen3_moe", 2, ["--tp", "2", "--ep", "2"]), ("qwen2_moe", 2, ["--tp", "2", "--expert-tp", "2"]),
+           ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, [])]
 
 
 @pytest.mark.parametrize("arch,world,flags", EXPORTS,
@@ -208,11 +219,27 @@ def test_a_loaded_checkpoint_exports_bit_identically(tmp_path, folders, arch, wo
     out = str(tmp_path / "exported")
     convert.export_hf(saved, out, max_shard_bytes=20_000)  # several files, with their index
     assert sorted(os.listdir(out)).count("model.safetensors.index.json") == 1
-    assert tensors_of(out).keys() == tensors_of(folders[arch]).keys()
-    for name, expected in tensors_of(folders[arch]).items():
-        assert torch.equal(tensors_of(out)[name], expected), name
     original, exported = hf.read_config(folders[arch]), hf.read_config(out)
-    assert exported == original | dict(torch_dtype="float64")
+    layers = original.get("num_hidden_layers", original.get("n_layer"))
+    held = model_tensors(folders[arch], layers)
+    assert tensors_of(out).keys() == held.keys()
+    for name, expected in held.items():
+        assert torch.equal(tensors_of(out)[name], expected), name
+    assert exported == original | without_prediction_layers(original) | dict(torch_dtype="float64")
+
+
+def without_prediction_layers(hf_config):
+    """The config.json settings an export changes in a folder with DeepSeek-V3's multi-token-prediction layers:
+    it holds none (its num_nextn_predict_layers 0)."""
+    return {"num_nextn_predict_layers": 0} if "num_nextn_predict_layers" in hf_config else {}
+
+
+def model_tensors(folder, n_layer):
+    """The tensors of a folder's model of its first n_layer layers: without the later layers, and without
+    DeepSeek-V3's multi-token-prediction layers (model.layers.N and on, N its last layer's number + 1), which
+    nothing loads."""
+    return {name: t for name, t in tensors_of(folder).items()
+            if not (m := re.search(r"\.(h|layers)\.(\d+)\.", name)) or int(m.group(2)) < n_layer}
 
 
 def tensors_of(folder):
@@ -238,11 +265,17 @@ def test_settings_model_py_cannot_represent_are_refused_by_name(tmp_path):
             cli.check_args(args, 1)
 
 
-@pytest.mark.parametrize("model", [["--arch", "gpt"], ["--arch", "llama"], ["--arch", "llama", "--experts", "4"]],
-                         ids=["gpt2", "llama", "mixtral"])
+DEEPSEEK_EXPERTS = ["--arch", "deepseek", "--experts", "4", "--top-k", "2", "--shared-experts", "1",
+                    "--expert-groups", "2", "--group-top-k", "1", "--balance", "bias", "--bias-update-rate", "0.01"]
+
+
+@pytest.mark.parametrize("model", [["--arch", "gpt"], ["--arch", "llama"], ["--arch", "llama", "--experts", "4"],
+                                   DEEPSEEK_EXPERTS], ids=["gpt2", "llama", "mixtral", "deepseek_v3"])
 def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model):
-    """A run that did not start from a folder is written as GPT-2, Llama or Mixtral (its config made here), and
-    the independent reference computes from that folder the logits model.py computes from the checkpoint."""
+    """A run that did not start from a folder is written as GPT-2, Llama, Mixtral or DeepSeek-V3 (its config made
+    here), and the independent reference computes from that folder the logits model.py computes from the
+    checkpoint (DeepSeek-V3's: after a step of --balance bias, its routing bias moved, written as
+    e_score_correction_bias; its rotated rows interleaved; latent norms of epsilon 1e-6 beside blocks' of 1e-5)."""
     argv = [*ARGS, "--steps", "1", "--out", str(tmp_path), *model]
     run_on_ranks(2, train_worker, [*argv, "--tp", "2"], timeout=300)
     saved = checkpoint.checkpoints(os.path.join(tmp_path, os.listdir(tmp_path)[0]))[0]
@@ -253,6 +286,11 @@ def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(trained(ids)[0], hf_models.reference_logits(str(tmp_path / "exported"), ids),
                                rtol=1e-12, atol=1e-14)
+    exported = hf.read_config(str(tmp_path / "exported"))
+    assert exported["architectures"] == [hf.ARCHITECTURES[hf.hf_from_config(config)["model_type"]]]
+    if config.kv_lora_rank:
+        assert trained.blocks[0].mlp.route_bias.count_nonzero() > 0
+        assert exported["rope_interleave"] is True and exported["first_k_dense_replace"] == 0
 
 
 def test_qwen_settings_model_py_cannot_represent_are_refused_by_name():
@@ -291,11 +329,11 @@ def test_zero3_with_a_tied_output_layer_is_refused(folders):
     cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["llama"], "--zero", "3"]), 2)  # untied: fine
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "deepseek_v3"])
 def test_layers_keeps_the_first_blocks_of_a_folder_and_exports_as_such(tmp_path, folders, arch):
     """--layers 2 with --init-from: the model is the folder's first two blocks (a smaller model to check a
-    layout with), its export says two layers and holds those blocks' tensors bit for bit; more blocks than
-    the folder has are refused."""
+    layout with; DeepSeek-V3's dense first layer and a sparse one), its export says two layers and holds those
+    blocks' tensors bit for bit; more blocks than the folder has are refused."""
     argv = [*ARGS, "--steps", "1", "--lr", "0", "--init-from", folders[arch], "--layers", "2", "--tp", "2",
             "--out", str(tmp_path)]
     run_on_ranks(2, train_worker, argv, timeout=300)
@@ -303,11 +341,124 @@ def test_layers_keeps_the_first_blocks_of_a_folder_and_exports_as_such(tmp_path,
     out = str(tmp_path / "exported")
     convert.export_hf(saved, out)
     layers_key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
-    assert hf.read_config(out) == hf.read_config(folders[arch]) | {layers_key: 2, "torch_dtype": "float64"}
+    original_config = hf.read_config(folders[arch])
+    assert hf.read_config(out) == original_config | without_prediction_layers(original_config) \
+        | {layers_key: 2, "torch_dtype": "float64"}
     original = tensors_of(folders[arch])
-    kept = {name: t for name, t in original.items() if not re.search(r"\.(h|layers)\.[23]\.", name)}
+    kept = model_tensors(folders[arch], 2)
     assert tensors_of(out).keys() == kept.keys() and len(kept) < len(original)
     for name, expected in kept.items():
         assert torch.equal(tensors_of(out)[name], expected), name
     with pytest.raises(cli.ConfigError, match="--layers 5: --init-from .* has 4 blocks"):
         cli.check_args(cli.parse_args([*ARGS, "--init-from", folders[arch], "--layers", "5"]), 1)
+
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek-V3
+# ---------------------------------------------------------------------------
+
+def test_a_deepseek_v3_folder_maps_onto_latent_attention_yarn_and_the_grouped_sigmoid_router(folders):
+    """Both transformers' forms read as one GPTConfig: latent attention's widths, YaRN (DeepSeek-V3's mscale and
+    mscale_all_dim), the first layer dense and the others sparse, the router's groups, scale and correction bias
+    (model.py's route_bias buffer); the variant without a query bottleneck reads q_lora_rank 0, from q_proj."""
+    v4, v5 = (hf.config_from_hf(hf_models.tiny_config("deepseek_v3", transformers=t), seq_len=12) for t in (4, 5))
+    assert v4 == v5
+    assert (v4.kv_lora_rank, v4.q_lora_rank, v4.qk_nope_head_dim, v4.qk_rope_head_dim, v4.v_head_dim, v4.head_dim,
+            v4.n_kv_heads) == (16, 24, 8, 4, 6, 12, 4)
+    assert (v4.rope_type, v4.rope_factor, v4.rope_original_context, v4.rope_beta_fast, v4.rope_beta_slow,
+            v4.rope_mscale, v4.rope_mscale_all_dim, v4.max_seq_len) == ("yarn", 4.0, 1024, 32.0, 1.0, 1.0, 1.0, 4096)
+    assert (v4.n_experts, v4.moe_layers, v4.d_expert, v4.d_ff, v4.n_shared_experts, v4.d_shared, v4.top_k) \
+        == (8, (1, 2, 3), 16, 96, 1, 16, 2)
+    assert (v4.router_scoring, v4.n_group, v4.topk_group, v4.routed_scaling_factor, v4.norm_topk_prob) \
+        == ("sigmoid", 4, 2, 2.5, True)
+    state = hf.load_state_dict(folders["deepseek_v3"], v4)
+    routing_bias = tensors_of(folders["deepseek_v3"])["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(state["blocks.2.mlp.route_bias"], routing_bias) and routing_bias.count_nonzero() == 8
+    q_proj = hf.config_from_hf(hf_models.tiny_config("deepseek_v3_q_proj"), seq_len=12)
+    assert (q_proj.q_lora_rank, q_proj.moe_layers, q_proj.d_shared, q_proj.tie_embeddings) == (0, (), 32, True)
+    assert hf.source("deepseek_v3", "blocks.0.attn.q_up.weight", q_proj).names == (
+        "model.layers.0.self_attn.q_proj.weight",)
+
+
+def test_rope_interleave_is_a_permutation_of_the_rotated_rows():
+    """With rope_interleave model.py's rows of each head's rotated part (and of the shared rotated key) are the
+    folder's in the order 0, 2, 4, ..., 1, 3, 5, ...: its half-split rotation of them is transformers' rotation of
+    interleaved pairs. Without it, the folder's order."""
+    config = hf.config_from_hf(hf_models.tiny_config("deepseek_v3"), seq_len=12)
+    q_up = hf.source("deepseek_v3", "blocks.0.attn.q_up.weight", config)
+    kv_down = hf.source("deepseek_v3", "blocks.0.attn.kv_down.weight", config)
+    head = list(range(8)) + [8, 10, 9, 11]  # 8 unrotated features, then 4 rotated: pairs (8, 9) and (10, 11)
+    assert hf.row_order(q_up, {}, config).tolist() == [12 * h + r for h in range(4) for r in head]
+    assert hf.row_order(kv_down, {"rope_interleave": True}, config).tolist() == list(range(16)) + [16, 18, 17, 19]
+    assert hf.row_order(kv_down, {"rope_interleave": False}, config) is None
+
+
+def test_a_dense_deepseek_run_exports_as_deepseek_v3_with_every_layer_dense(tmp_path):
+    """--arch deepseek without experts: first_k_dense_replace is every layer (DeepseekV3DecoderLayer builds no MoE),
+    the router's settings written as they are, so the config reads back as the run's and the reference, reading
+    the folder as transformers does, computes model.py's logits."""
+    config = cli.model_config(cli.parse_args([*ARGS, "--arch", "deepseek"]), 64)
+    exported = hf.hf_from_config(config)
+    assert (exported["model_type"], exported["first_k_dense_replace"], exported["n_routed_experts"]) \
+        == ("deepseek_v3", config.n_layer, 0)
+    assert exported["rms_norm_eps"] == 1e-5 and exported["rope_scaling"] is None
+    assert hf.config_from_hf(exported, seq_len=16) == dataclasses.replace(config, aux_loss_coef=0.01)
+    hf_models.make_folder(str(tmp_path), "deepseek_v3", config=json.loads(json.dumps(exported)))
+    torch.testing.assert_close(*model_logits(str(tmp_path)), rtol=1e-12, atol=1e-14)
+
+
+def test_deepseek_v3_settings_model_py_cannot_represent_are_refused_by_name():
+    """What transformers' DeepseekV3 and model.py do not compute, or transformers and DeepSeek's own code read
+    differently: refused by name, never approximated."""
+    v4, v5 = hf_models.tiny_config("deepseek_v3"), hf_models.tiny_config("deepseek_v3", transformers=5)
+    yarn = v4["rope_scaling"]
+    for config, pattern in [
+            (v4 | {"attention_bias": True}, "attention_bias"),
+            (v4 | {"hidden_act": "gelu"}, "hidden_act"),
+            (v4 | {"topk_method": "group_limited_greedy"}, "topk_method.*softmax"),
+            (v4 | {"scoring_func": "softmax"}, "scoring_func"),
+            (v4 | {"moe_layer_freq": 2}, "moe_layer_freq"),
+            (v4 | {"quantization_config": {"quant_method": "fp8"}}, "quantization_config.*dequantise"),
+            (v4 | {"num_key_value_heads": 2}, "num_key_value_heads"),
+            (v4 | {"head_dim": 12}, "head_dim"),
+            (v4 | {"q_lora_rank": 0}, "q_lora_rank"),
+            (v4 | {"n_group": 3}, "group-limited routing"),
+            # YaRN's settings that model.py has no field for, or that transformers 4 and 5 read differently
+            (v4 | {"rope_scaling": dict(yarn, attention_factor=1.2)}, "rope_scaling.*attention_factor"),
+            (v4 | {"rope_scaling": dict(yarn, truncate=False)}, "rope_scaling.*truncate"),
+            (v4 | {"max_position_embeddings": 2048}, r"rope_scaling.*2048 / 1024.*transformers 4"),
+            (v5 | {"rope_parameters": dict(v5["rope_parameters"], rope_type="llama3")}, "rope_parameters.*'llama3'"),
+            (v4 | {"rope_parameters": dict(v5["rope_parameters"], mscale=0.5)}, "rope_scaling=.*rope_parameters=")]:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.config_from_hf(config, seq_len=12)
+    deepseek = hf.config_from_hf(v4, seq_len=12)
+    for changes, pattern in [(dict(router_scoring="softmax"), "softmax router scores"),
+                             (dict(moe_layers=(0, 1)), "dense layers after MoE ones"),
+                             (dict(max_seq_len=2048), "YaRN with max_seq_len 2048"),
+                             (dict(rope_type="llama3"), "llama3 rotary scaling")]:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.hf_from_config(dataclasses.replace(deepseek, **changes))
+    mixtral = hf.config_from_hf(hf_models.tiny_config("mixtral"), seq_len=12)
+    with pytest.raises(hf.UnsupportedModel, match="sigmoid router scores.*group-limited routing.*scaled gates"):
+        hf.hf_from_config(dataclasses.replace(mixtral, router_scoring="sigmoid", n_group=2, routed_scaling_factor=2.5))
+
+
+def test_sample_generates_from_a_deepseek_folder_with_a_key_value_cache(folders):
+    """tools/sample.py's Hugging Face loading (the routing biases too) and model.py's key/value cache with latent
+    attention (each head's keys and values cached expanded): each new token's logits, computed from the cache, are
+    those of the whole sequence run again, and the greedy continuation is the same with and without the cache."""
+    folder = folders["deepseek_v3"]
+    hf_config = hf.read_config(folder)
+    config = hf.config_from_hf(hf_config, hf_config["max_position_embeddings"])  # as sample.from_hugging_face
+    model = sample.load_hugging_face(folder, config, torch.float64, None, torch.device("cpu"))
+    routing_bias = tensors_of(folder)["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(model.blocks[1].mlp.route_bias, routing_bias)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    caches = [KVCache() for _ in model.blocks]
+    for end in range(6, 13):
+        torch.testing.assert_close(model.next_logits(ids[:, :end], caches), model(ids[:, :end])[0][:, -1],
+                                   rtol=1e-12, atol=1e-14)
+    greedy = sample.continuations(model, ids[0, :6].tolist(), None, 1, 8, temperature=0)
+    uncached = model.generate(ids[:1, :6], 8, temperature=0, cache=False)[0, 6:].tolist()
+    assert greedy == [uncached]

@@ -11,7 +11,8 @@ optimizer's state too, under "optimizer.<key>.<name>", with the step counts in i
 from-file: such a file back into a checkpoint of a run's folder, to --resume from (a file of weights
 alone imports as step 0, a fresh optimizer). Export, import and export again gives the same bytes.
 to-hf: a checkpoint of any layout as a Hugging Face model folder (training/hf.py reads such folders):
-each of model.py's tensors cut back into the Hugging Face tensors it was made of, in files of at most
+each of model.py's tensors cut back into the Hugging Face tensors it was made of (and DeepSeek-V3's
+routing biases, buffers of model.py's, into e_score_correction_bias), in files of at most
 5 GB with their index, the config.json the run started from (or one made for its model), and the
 tokenizer's files the run trained with (tokenizer.json and its configs, where the run recorded one).
 """
@@ -110,7 +111,7 @@ def export_hf(path, out, dtype=None, max_shard_bytes=5 * 10**9):
                                f"imported): resume the run from it and save again")
     config = GPTConfig(**saved.manifest["model"])
     hf_config = saved.manifest.get("hf_config") or hf_from_config(config)
-    tensors = hf_tensors(saved, config, hf_config["model_type"], dtype)
+    tensors = hf_tensors(saved, config, hf_config, dtype)
     files = shard_files(tensors, max_shard_bytes)
     os.makedirs(out, exist_ok=True)
     for file, entries in files.items():
@@ -136,29 +137,48 @@ def copy_tokenizer(folder, out):
             shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
 
 
-def hf_tensors(saved, config, model_type, dtype):
+def hf_tensors(saved, config, hf_config, dtype):
     """[(Hugging Face name, (shape, dtype, a function giving the tensor))] of a checkpoint, in model.py's
-    order: each of model.py's tensors cut back into the Hugging Face tensors it was made of."""
+    order: each of model.py's tensors cut back into the Hugging Face tensors it was made of (DeepSeek-V3's
+    rotated rows put back in the folder's order, hf.row_order), then the buffers the folder holds (DeepSeek-V3's
+    routing biases, in their own dtype, the master weights': DeepSeek's inference code keeps them in float32,
+    and a bfloat16 export would round away steps of the bias update)."""
+    model_type = hf_config["model_type"]
     with torch.device("meta"):
         model = GPT(config)
+    kept = hf.saved_buffers(model, model_type)
     for name in dict(model.named_buffers()):
-        if name in saved.tensors and saved.full(name).count_nonzero():
+        if name not in kept and name in saved.tensors and saved.full(name).count_nonzero():
             raise UnsupportedModel(f"{name} is not zero, and {model_type} has no such tensor: it would be lost")
     full = lru_cache(maxsize=1)(saved.full)  # one read of a tensor for its q, k and v
     entries = []
     for name, p in model.named_parameters():  # a tied output layer once, as the embedding
-        parts = hf.source(model_type, name)
+        parts = hf.source(model_type, name, config)
         as_dtype = dtype or TORCH_DTYPES[saved.tensors[name]["dtype"]]
+        to_folder_order = folder_order(parts, hf_config, config)
         start = 0
         for hf_name, rows in zip(parts.names, part_rows(name, p.shape, config, len(parts.names))):
             shape = (p.shape[1], rows) if parts.transposed else (rows, *p.shape[1:])
 
-            def tensor(name=name, start=start, rows=rows, transposed=parts.transposed, as_dtype=as_dtype):
-                t = full(name)[start:start + rows]
+            def tensor(name=name, start=start, rows=rows, transposed=parts.transposed, as_dtype=as_dtype,
+                       order=to_folder_order):
+                t = full(name)[start:start + rows][order]
                 return (t.t() if transposed else t).contiguous().to(as_dtype)
             entries.append((hf_name, (torch.Size(shape), as_dtype, tensor)))
             start += rows
+    for name in kept:
+        hf_name, = hf.source(model_type, name, config).names
+        layout = saved.tensors[name]
+        entries.append((hf_name, (torch.Size(layout["shape"]), TORCH_DTYPES[layout["dtype"]],
+                                  lambda name=name: saved.full(name).contiguous())))
     return entries
+
+
+def folder_order(parts, hf_config, config):
+    """The index that puts model.py's rows of a tensor in the folder's order (the inverse of hf.row_order), or
+    every row as it is."""
+    order = hf.row_order(parts, hf_config, config)
+    return slice(None) if order is None else torch.argsort(order)
 
 
 def part_rows(name, shape, config, n_parts):

@@ -294,10 +294,14 @@ def roundtrip(saved, folder, expected_state):
     problems = config_problems(exported, expected_config, config)
     values, names = hf.HuggingFaceValues(folder, config), set()
     with torch.device("meta"):
-        parameters = [name for name, _ in model_lib.GPT(config).named_parameters(remove_duplicate=False)]
-    for name in parameters:  # (the buffers, routing biases, have no Hugging Face tensor: export refuses nonzero ones)
+        model = model_lib.GPT(config)
+    # the parameters, and the buffers the folder holds (DeepSeek-V3's routing biases; the others' have no Hugging
+    # Face tensor, and export refuses nonzero ones)
+    parameters = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    parameters += hf.saved_buffers(model, exported["model_type"])
+    for name in parameters:
         try:
-            parts = hf.source(exported["model_type"], model_lib.tied_name(name, config))
+            parts = hf.source(exported["model_type"], model_lib.tied_name(name, config), config)
         except hf.UnsupportedModel as e:  # the exported model_type has no such tensor
             problems.append((name, str(e)))
             continue

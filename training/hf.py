@@ -6,8 +6,9 @@
 A Hugging Face model folder holds config.json (the architecture and its shape) and the weights in the
 safetensors format: one model.safetensors, or model-0000N-of-0000M.safetensors with
 model.safetensors.index.json naming the file of every tensor. This file reads GPT-2, Llama (2, 3, 3.1,
-3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Qwen2-MoE folders (docs/model-families.md: what each
-maps and what it refuses); tools/convert.py writes any run's checkpoint as one, with the same tables.
+3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 folders (docs/model-families.md:
+what each maps and what it refuses); tools/convert.py writes any run's checkpoint as one, with the same
+tables.
 
 Three things translate:
 - the config (config_from_hf): each setting mapped to model.py's GPTConfig, and one it cannot represent
@@ -15,8 +16,10 @@ Three things translate:
   auxiliary-loss coefficient, initialisation) are not the model's: they come from train.py's flags.
 - the names (TABLES, one per architecture): each of model.py's tensors is made of Hugging Face tensors
   stacked along its rows (attention's q | k | v, SwiGLU's gate | up), stored transposed in GPT-2's
-  Conv1D layers, and for the vocabulary tables padded with zero rows past the vocabulary (model.py
-  keeps the padding out of every prediction, so the logits are the released model's).
+  Conv1D layers, for the vocabulary tables padded with zero rows past the vocabulary (model.py
+  keeps the padding out of every prediction, so the logits are the released model's), and for
+  DeepSeek-V3's rotated features with their rows in another order (`row_order`). DeepSeek-V3's routing
+  bias is a buffer of model.py's (route_bias), read and written like a weight.
 - the values: `HuggingFaceValues` gives any elements of any of model.py's tensors, read from the files
   without loading a whole tensor (train.py's Share asks each rank's own elements, so a rank reads only
   what it will hold).
@@ -44,9 +47,12 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class Source:
     """model.py's tensor is `names` stacked along its rows (dim 0); `transposed`: each is stored as (in,
-    out), as GPT-2's Conv1D layers keep their weights, where model.py's nn.Linear keeps (out, in)."""
+    out), as GPT-2's Conv1D layers keep their weights, where model.py's nn.Linear keeps (out, in);
+    `rotated`: where DeepSeek-V3's rotated rows are ("heads": the last qk_rope_head_dim rows of every head,
+    "last": the tensor's last qk_rope_head_dim rows), whose order `row_order` gives."""
     names: tuple
     transposed: bool = False
+    rotated: str = ""
 
 
 def conv1d(name):
@@ -118,24 +124,105 @@ QWEN_SHARED_EXPERT = {  # Qwen2-MoE's: one MLP every token passes through, scale
     "blocks.{i}.mlp.shared_gate.weight": one(LAYER + "mlp.shared_expert_gate.weight"),
 }
 
+# DeepSeek-V3 (transformers' DeepseekV3ForCausalLM): latent attention (model.py's LatentAttention) under its
+# names, Llama's norms and dense MLPs (its first_k_dense_replace layers), and in the MoE layers the experts
+# named as Qwen's, the router `gate` with its balancing bias (e_score_correction_bias, model.py's route_bias
+# buffer), and shared_experts: one MLP of n_shared_experts experts' width, without a gate.
+DEEPSEEK_ATTENTION = {
+    "blocks.{i}.attn.q_down.weight": one(ATTENTION + "q_a_proj.weight"),
+    "blocks.{i}.attn.q_down_norm.weight": one(ATTENTION + "q_a_layernorm.weight"),
+    "blocks.{i}.attn.q_up.weight": Source((ATTENTION + "q_b_proj.weight",), rotated="heads"),
+    "blocks.{i}.attn.kv_down.weight": Source((ATTENTION + "kv_a_proj_with_mqa.weight",), rotated="last"),
+    "blocks.{i}.attn.kv_down_norm.weight": one(ATTENTION + "kv_a_layernorm.weight"),
+    "blocks.{i}.attn.kv_up.weight": one(ATTENTION + "kv_b_proj.weight"),
+}
+DEEPSEEK_QUERIES_WITHOUT_BOTTLENECK = {  # q_lora_rank null (DeepSeek-V2-Lite's shape): one q_proj
+    "blocks.{i}.attn.q_up.weight": Source((ATTENTION + "q_proj.weight",), rotated="heads"),
+}
+DEEPSEEK_MOE = {
+    "blocks.{i}.mlp.route_bias": one(LAYER + "mlp.gate.e_score_correction_bias"),
+    "blocks.{i}.mlp.shared.fc.weight": Source((LAYER + "mlp.shared_experts.gate_proj.weight",
+                                               LAYER + "mlp.shared_experts.up_proj.weight")),
+    "blocks.{i}.mlp.shared.proj.weight": one(LAYER + "mlp.shared_experts.down_proj.weight"),
+}
+DEEPSEEK_V3 = LLAMA_BLOCK | DEEPSEEK_ATTENTION | QWEN_EXPERTS | DEEPSEEK_MOE
+
 TABLES = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "mixtral": LLAMA,
           "qwen3": LLAMA_BLOCK | QK_NORM, "qwen3_moe": LLAMA_BLOCK | QK_NORM | QWEN_EXPERTS,
-          "qwen2_moe": LLAMA_BLOCK | QWEN_EXPERTS | QWEN_SHARED_EXPERT}
+          "qwen2_moe": LLAMA_BLOCK | QWEN_EXPERTS | QWEN_SHARED_EXPERT, "deepseek_v3": DEEPSEEK_V3}
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 INDEXED = re.compile(r"(blocks|experts)\.(\d+)")
 
 
-def source(model_type, name):
-    """The Hugging Face tensors of model.py's `name` (say blocks.3.attn.qkv.weight) in a model_type folder."""
+def table(model_type, config=None):
+    """{model.py's name pattern: Source} of a model_type; config (model.py's GPTConfig): the variant of it
+    that model has (DeepSeek-V3's queries without their bottleneck: q_proj; the default is q_b_proj)."""
+    if model_type not in TABLES:
+        raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(TABLES)}")
+    if model_type == "deepseek_v3" and config is not None and not config.q_lora_rank:
+        return TABLES[model_type] | DEEPSEEK_QUERIES_WITHOUT_BOTTLENECK
+    return TABLES[model_type]
+
+
+def source(model_type, name, config=None):
+    """The Hugging Face tensors of model.py's `name` (say blocks.3.attn.qkv.weight) in a model_type folder
+    (config: as `table`)."""
     numbers = {"blocks": "i", "experts": "e"}
     pattern = INDEXED.sub(lambda m: f"{m.group(1)}.{{{numbers[m.group(1)]}}}", name)
     indices = {numbers[kind]: int(index) for kind, index in INDEXED.findall(name)}
-    if pattern not in TABLES[model_type]:
+    entries = table(model_type, config)
+    if pattern not in entries:
         raise UnsupportedModel(f"{model_type} has no tensor for model.py's {name}")
-    entry = TABLES[model_type][pattern]
-    return Source(tuple(n.format(**indices) for n in entry.names), entry.transposed)
+    entry = entries[pattern]
+    return Source(tuple(n.format(**indices) for n in entry.names), entry.transposed, entry.rotated)
+
+
+def has_source(model_type, name, config=None):
+    """Whether a model_type folder holds a tensor for model.py's `name` (a parameter or a buffer)."""
+    try:
+        source(model_type, name, config)
+        return True
+    except UnsupportedModel:
+        return False
+
+
+def saved_buffers(model, model_type):
+    """The names of model's buffers that a model_type folder holds (DeepSeek-V3's routing biases), in order."""
+    persistent = model.state_dict(keep_vars=True)
+    return [name for name, _ in model.named_buffers()
+            if name in persistent and has_source(model_type, name, model.config)]
+
+
+# DeepSeek-V3's rotated features. transformers' DeepseekV3Attention with rope_interleave (true unless the
+# config says otherwise, and DeepSeek-V3's own files are written for it) turns the features of each head's
+# rotated part in interleaved pairs (0, 1), (2, 3), ...: apply_rotary_pos_emb_interleave views them as
+# (d/2, 2) and transposes that before its rotate_half, as DeepSeek's inference code turns consecutive pairs
+# as complex numbers. model.py turns the pairs (i, i + d/2) of the half-split layout (Llama's). The two are
+# one computation on the features in another order: model.py's feature j is the interleaved feature
+# [0, 2, 4, ..., 1, 3, 5, ...][j], on the queries and on the keys alike, so q . k is unchanged. That order
+# is a permutation of the rows that make those features (q_b_proj's, or q_proj's, last qk_rope_head_dim
+# rows of every head; kv_a_proj_with_mqa's last qk_rope_head_dim rows): read in it, written back in the
+# folder's own, the round trip is bit for bit and model.py has no interleaved rotation of its own.
+
+def half_split_order(d):
+    """[0, 2, 4, ..., 1, 3, 5, ...]: the interleaved features of a rotated part, in half-split order."""
+    return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+
+
+def row_order(parts, hf_config, config):
+    """order (a LongTensor) where model.py's row j of a tensor made of `parts` is the folder's row order[j],
+    or None where they are in the same order (no rotated rows, or a folder with rope_interleave false)."""
+    if not parts.rotated or not hf_config.get("rope_interleave", True):
+        return None
+    rope, head = config.qk_rope_head_dim, config.qk_nope_head_dim + config.qk_rope_head_dim
+    if parts.rotated == "last":  # kv_down: the latent's rows, then the one shared key's rotated rows
+        return torch.cat([torch.arange(config.kv_lora_rank), config.kv_lora_rank + half_split_order(rope)])
+    heads = torch.arange(config.n_head * head).view(config.n_head, head)  # q_up: each head's unrotated | rotated
+    unrotated, rotated = heads.split([config.qk_nope_head_dim, rope], dim=1)
+    return torch.cat([unrotated, rotated[:, half_split_order(rope)]], dim=1).flatten()
 
 
 # ---------------------------------------------------------------------------
@@ -143,9 +230,17 @@ def source(model_type, name):
 # ---------------------------------------------------------------------------
 
 def with_layers(hf_config, n_layer):
-    """hf_config (a config.json's dict) of a model of its first n_layer blocks (train.py --layers)."""
+    """hf_config (a config.json's dict) of the model model.py holds of it: its first n_layer blocks (train.py
+    --layers), and none of DeepSeek-V3's multi-token-prediction layers. Those (num_nextn_predict_layers of
+    them, stored as the layers after the last, model.layers.61 in DeepSeek-V3) are a training objective's
+    extra modules, which transformers' DeepseekV3ForCausalLM does not load either: they are read past, and
+    an export holds none of them, so its config says num_nextn_predict_layers 0 (claiming them without
+    their tensors would be a broken folder to whatever reads it for speculative decoding)."""
     key = "n_layer" if hf_config.get("model_type") == "gpt2" else "num_hidden_layers"
-    return dict(hf_config, **{key: n_layer})
+    held = dict(hf_config, **{key: n_layer})
+    if hf_config.get("num_nextn_predict_layers"):
+        held["num_nextn_predict_layers"] = 0
+    return held
 
 
 def read_config(folder):
@@ -166,7 +261,8 @@ def config_from_hf(hf, seq_len, **training):
     model_type = hf.get("model_type")
     if model_type not in TABLES:
         raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(TABLES)}")
-    fields = gpt2_fields(hf) if model_type == "gpt2" else llama_fields(hf, seq_len)
+    fields = (gpt2_fields(hf) if model_type == "gpt2" else deepseek_fields(hf) if model_type == "deepseek_v3"
+              else llama_fields(hf, seq_len))
     vocab = hf["vocab_size"]
     fields.update(vocab_size=vocab, padded_vocab_size=pad_vocabulary(vocab), seq_len=seq_len)
     try:
@@ -251,6 +347,87 @@ FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": 
                  "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf)}
 
 
+# DeepSeek-V3's settings where its config.json leaves them out: DeepseekV3Config's defaults, the same in
+# transformers 4 and 5 (DeepSeek-V3 671B's own values).
+DEEPSEEK_DEFAULTS = dict(q_lora_rank=1536, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+                         n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_interleave=True)
+
+
+def deepseek_setting(hf, name):
+    return hf.get(name, DEEPSEEK_DEFAULTS[name])
+
+
+def deepseek_fields(hf):
+    """DeepSeek-V3 (transformers' DeepseekV3ForCausalLM): Llama's block with multi-head latent attention, its
+    first first_k_dense_replace layers dense MLPs of intermediate_size, the others DeepSeek-V3's MoE:
+    n_routed_experts of moe_intermediate_size scored by a sigmoid each, chosen within the topk_group best of
+    n_group groups, their gates renormalised (norm_topk_prob) and multiplied by routed_scaling_factor, beside
+    one shared MLP of n_shared_experts experts' width. Rotary positions on qk_rope_head_dim features of each
+    head, YaRN-scaled or not; with rope_interleave in interleaved pairs (see `row_order`).
+
+    The experts outside a token's best groups are masked with -inf by model.py's `best_groups_only` (as
+    DeepSeek's inference code does) and with 0.0 by transformers' DeepseekV3TopkRouter. The two choose the
+    same experts whenever every choice score (sigmoid + e_score_correction_bias) of the allowed groups is
+    positive: with a zero bias always, and with DeepSeek-V3's, small beside the sigmoids, in practice. Only
+    an allowed expert whose score plus bias is negative tells them apart: transformers would then prefer an
+    expert of a group it had just ruled out."""
+    refuse_deepseek_settings(hf)
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    routing = dict(router_scoring="sigmoid", top_k=deepseek_setting(hf, "num_experts_per_tok"),
+                   n_group=deepseek_setting(hf, "n_group"), topk_group=deepseek_setting(hf, "topk_group"),
+                   norm_topk_prob=deepseek_setting(hf, "norm_topk_prob"),
+                   routed_scaling_factor=float(deepseek_setting(hf, "routed_scaling_factor")),
+                   n_shared_experts=deepseek_setting(hf, "n_shared_experts") or 0,  # (null: none, DeepSeek's code)
+                   d_expert=hf["moe_intermediate_size"])
+    latent = dict(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=deepseek_setting(hf, "q_lora_rank") or 0,
+                  qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                  v_head_dim=hf["v_head_dim"])
+    return dict(n_layer=layers, n_head=heads, d_model=hf["hidden_size"], d_ff=hf["intermediate_size"],
+                max_seq_len=hf["max_position_embeddings"], position="rope", norm="rms",
+                norm_eps=deepseek_setting(hf, "rms_norm_eps"), mlp="swiglu", bias=False, qkv_bias=False,
+                tie_embeddings=deepseek_setting(hf, "tie_word_embeddings"), **latent, **routing,
+                **deepseek_moe_layers(hf), **rope_fields(hf))
+
+
+def deepseek_moe_layers(hf):
+    """n_experts and moe_layers: DeepseekV3DecoderLayer makes layer i an MoE where i >= first_k_dense_replace
+    (every layer: moe_layers empty, as model.py says it; none, where that is every layer: no experts at all)."""
+    layers = hf["num_hidden_layers"]
+    dense = min(deepseek_setting(hf, "first_k_dense_replace"), layers)
+    if dense == layers:
+        return dict(n_experts=0)
+    return dict(n_experts=deepseek_setting(hf, "n_routed_experts"), moe_layers=tuple(range(dense, layers)) if dense
+                else ())
+
+
+def refuse_deepseek_settings(hf):
+    """The DeepSeek-V3 settings model.py cannot represent, or that transformers and DeepSeek's own code read
+    differently, refused by name."""
+    heads, rope, nope = hf["num_attention_heads"], hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
+    for setting, allowed, why in [
+            ("hidden_act", ("silu", None), "model.py's gated MLP is SwiGLU (silu)"),
+            ("attention_bias", (False, None), "model.py's latent attention has no biases"),
+            ("quantization_config", (None,), "its weights are stored quantised (DeepSeek-V3's own files: float8 "
+                                             "blocks with their scales): dequantise the folder (to bfloat16) first"),
+            ("topk_method", ("noaux_tc", None), "transformers' DeepseekV3 routes by noaux_tc alone (sigmoid "
+                                                "scores, groups, a bias for the choice), whatever this says; "
+                                                "DeepSeek-V2's greedy and group_limited_greedy are softmax routers "
+                                                "it does not compute, nor does model.py here"),
+            ("scoring_func", ("sigmoid", None), "DeepSeek-V3's router scores each expert by a sigmoid "
+                                                "(transformers' DeepseekV3TopkRouter has no other)"),
+            ("moe_layer_freq", (1, None), "transformers' DeepseekV3 makes every layer from first_k_dense_replace "
+                                          "on an MoE"),
+            ("num_key_value_heads", (heads, None), "latent attention gives every head its own keys and values"),
+            ("head_dim", (rope, None), "DeepseekV3Config's head_dim is qk_rope_head_dim, the rotated features"),
+            ("qk_head_dim", (nope + rope, None), "a head's query and key are qk_nope_head_dim + qk_rope_head_dim"),
+            ("rope_interleave", (True, False, None), "it is true or false")]:
+        if hf.get(setting) not in allowed:
+            refuse(hf, setting, why)
+    if hf.get("q_lora_rank") == 0:
+        refuse(hf, "q_lora_rank", "transformers would build a query bottleneck of no width (null means none)")
+
+
 # The rotary settings, in the two forms transformers writes them:
 # - transformers 4 (models/*/configuration_*.py, up to 4.57): at the top level, `rope_theta`, and for Llama
 #   and Qwen2 `rope_scaling`: null, or a dict naming its kind by `rope_type` (or the older `type`) beside the
@@ -276,7 +453,7 @@ LLAMA3 = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
 # MixtralConfig.default_theta in 5). Neither version depends on which wrote the file, so the default is taken,
 # not refused.
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0}
+                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "deepseek_v3": 10000.0}
 
 
 def rope_fields(hf):
@@ -311,12 +488,48 @@ def scaling(hf, name, form):
     kind = kinds.pop() if kinds else "default"
     if kind == "default":
         return {}
-    if kind != "llama3":
-        refuse(hf, name, f"rope type {kind!r}: model.py's rotary scaling is Llama 3.1's (llama3) alone")
+    readers = SCALINGS.get(hf["model_type"], {"llama3": llama3_scaling})
+    if kind not in readers:
+        refuse(hf, name, f"rope type {kind!r}: model.py reads {hf['model_type']}'s rotary scaling as "
+                         f"{' or '.join(readers)} alone")
+    return readers[kind](hf, name, form)
+
+
+def llama3_scaling(hf, name, form):
+    """Llama 3.1's (transformers' _compute_llama3_parameters)."""
     missing = [key for key in LLAMA3 if form.get(key) is None]
     if missing:
         refuse(hf, name, f"llama3 scaling without {', '.join(missing)}")
     return {field: form[key] for key, field in LLAMA3.items()}
+
+
+def yarn_scaling(hf, name, form):
+    """YaRN's, as transformers' _compute_yarn_parameters computes it (model.py's yarn_frequencies and
+    yarn_gains): beta_fast and beta_slow 32 and 1 where null, mscale and mscale_all_dim 0 (not given) where
+    absent, and the original context original_max_position_embeddings, else max_position_embeddings.
+
+    Where the file states original_max_position_embeddings, transformers 4 (its later releases) scales by
+    max_position_embeddings / original_max_position_embeddings in place of factor, transformers 5 by
+    factor: a file where the two differ is two models, and refused (DeepSeek-V3's: 163,840 / 4,096 = 40)."""
+    if form.get("factor") is None:
+        refuse(hf, name, "yarn scaling without factor")
+    if form.get("attention_factor") is not None:
+        refuse(hf, name, "an attention_factor of its own: model.py's is YaRN's, from mscale and mscale_all_dim")
+    if form.get("truncate", True) is not True:
+        refuse(hf, name, "truncate false: model.py rounds the ramp's ends to whole pairs (transformers' default)")
+    factor, positions = float(form["factor"]), hf["max_position_embeddings"]
+    context = form.get("original_max_position_embeddings") or positions
+    if form.get("original_max_position_embeddings") is not None and positions / context != factor:
+        refuse(hf, name, f"factor {factor} is not max_position_embeddings / original_max_position_embeddings "
+                         f"({positions} / {context}): transformers 4 scales by the ratio, 5 by factor")
+    return dict(rope_type="yarn", rope_factor=factor, rope_original_context=context,
+                rope_beta_fast=float(form.get("beta_fast") or 32), rope_beta_slow=float(form.get("beta_slow") or 1),
+                rope_mscale=float(form.get("mscale") or 0.0),
+                rope_mscale_all_dim=float(form.get("mscale_all_dim") or 0.0))
+
+
+# The rotary scalings each family reads (the others refuse any but llama3): DeepSeek-V3 YaRN alone, its own.
+SCALINGS = {"deepseek_v3": {"yarn": yarn_scaling}}
 
 
 def disagree(hf, stated, shown=None):
@@ -335,7 +548,8 @@ def disagree(hf, stated, shown=None):
 def hf_from_config(config):
     """A Hugging Face config (dict) for a model.py config that did not come from one (a run trained from
     scratch): GPT-2 for the GPT-2 block; for the Llama one Llama, Qwen2 (biases on q, k, v alone), Mixtral,
-    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts) or Qwen2-MoE (a gated shared expert)."""
+    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts) or Qwen2-MoE (a gated shared expert); DeepSeek-V3 for
+    latent attention (--arch deepseek)."""
     c, common = config, dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings)
     if c.position == "learned" and c.norm == "layer" and c.mlp in ("gelu", "gelu_tanh") and c.bias \
             and c.n_kv_heads == c.n_head and not c.n_experts and not c.qk_norm and c.head_dim * c.n_head == c.d_model:
@@ -345,6 +559,8 @@ def hf_from_config(config):
                     **common)
     if not (c.position == "rope" and c.norm == "rms" and c.mlp == "swiglu"):
         raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, or the Llama block")
+    if c.kv_lora_rank:
+        return deepseek_config(c, common)
     model_type = llama_family(c)
     fields = dict(model_type=model_type, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
                   num_key_value_heads=c.n_kv_heads, hidden_size=c.d_model, head_dim=c.head_dim,
@@ -379,6 +595,10 @@ def llama_family(c):
         "qwen3_moe": [(c.bias or c.qkv_bias, "biases"), (c.n_shared_experts, "a shared expert")],
         "qwen2_moe": [(c.bias, "biases besides those of q, k, v")],
     }
+    if c.n_experts:  # (Mixtral's and the Qwen MoEs' routers: a softmax over every expert, gates as they come)
+        lacks[family] = lacks.get(family, []) + [
+            (c.router_scoring != "softmax", f"{c.router_scoring} router scores"),
+            (c.n_group > 1, "group-limited routing"), (c.routed_scaling_factor != 1, "scaled gates")]
     missing = [what for has, what in lacks.get(family, []) if has]
     if missing:
         raise UnsupportedModel(f"this model has no Hugging Face architecture here: {family} is the nearest, "
@@ -391,6 +611,45 @@ def qwen_experts_config(c):
     dense = [i for i in range(c.n_layer) if not c.is_moe(i)]
     return dict(num_experts=c.n_experts, num_experts_per_tok=c.top_k, moe_intermediate_size=c.d_expert,
                 norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=dense)
+
+
+def deepseek_config(c, common):
+    """DeepseekV3Config's config.json for a model with latent attention (a run with --arch deepseek), as
+    transformers 4 writes it (5 reads it too), or UnsupportedModel naming what DeepseekV3ForCausalLM has not.
+    A model without experts is one whose first_k_dense_replace is every layer (DeepseekV3DecoderLayer then
+    builds no MoE), its router settings written as they are so that it reads back as the same config. The
+    rotated rows are written interleaved (rope_interleave true, `row_order`), the layout DeepSeek's own files
+    and the inference engines that read them expect."""
+    moe = [i for i in range(c.n_layer) if c.is_moe(i)]
+    dense = c.n_layer - len(moe)
+    lacks = [(c.bias or c.qkv_bias, "biases"), (c.qk_norm, "QK-norm"),
+             (c.shared_expert_gate, "a gated shared expert"),
+             (c.n_experts and c.router_scoring != "sigmoid", "softmax router scores (DeepSeek-V3's are sigmoids)"),
+             (c.d_shared != c.n_shared_experts * c.d_expert, "a shared expert of another width than its experts'"),
+             (moe != list(range(dense, c.n_layer)), "dense layers after MoE ones (DeepSeek-V3's are the first ones)"),
+             (c.rope_factor != 1 and c.rope_type != "yarn", f"{c.rope_type} rotary scaling (DeepSeek-V3's is YaRN)"),
+             (c.rope_type == "yarn" and c.rope_factor != 1 and c.max_seq_len != c.rope_factor * c.rope_original_context,
+              f"YaRN with max_seq_len {c.max_seq_len} other than rope_factor x rope_original_context (transformers 4 "
+              f"reads its factor as the ratio of the two)")]
+    missing = [what for has, what in lacks if has]
+    if missing:
+        raise UnsupportedModel(f"this model has no Hugging Face architecture here: deepseek_v3 is the nearest, but "
+                               f"has not {', '.join(missing)}")
+    rope_scaling = None
+    if c.rope_factor != 1:
+        rope_scaling = dict(type="yarn", rope_type="yarn", factor=c.rope_factor,
+                            original_max_position_embeddings=c.rope_original_context, beta_fast=c.rope_beta_fast,
+                            beta_slow=c.rope_beta_slow, mscale=c.rope_mscale, mscale_all_dim=c.rope_mscale_all_dim)
+    return dict(model_type="deepseek_v3", num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                num_key_value_heads=c.n_head, hidden_size=c.d_model, intermediate_size=c.d_ff,
+                moe_intermediate_size=c.d_expert, n_routed_experts=c.n_experts, n_shared_experts=c.n_shared_experts,
+                num_experts_per_tok=c.top_k, n_group=c.n_group, topk_group=c.topk_group,
+                norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+                first_k_dense_replace=dense, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank or None,
+                qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                qk_head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim, head_dim=c.qk_rope_head_dim,
+                max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta, rope_scaling=rope_scaling,
+                rope_interleave=True, rms_norm_eps=c.norm_eps, hidden_act="silu", attention_bias=False, **common)
 
 
 EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
@@ -452,11 +711,16 @@ class HuggingFaceValues:
         self.model_type = self.folder.config["model_type"]
 
     def parameter(self, name, positions):
-        parts, positions = source(self.model_type, tied_name(name, self.config)), positions.cpu()
+        """The elements at flat `positions` of model.py's tensor `name` (a parameter, or a buffer the folder
+        holds), in float64."""
+        parts, positions = source(self.model_type, tied_name(name, self.config), self.config), positions.cpu()
         shapes = [self.folder.shape(n) for n in parts.names]
         rows = [shape[-1] if parts.transposed else shape[0] for shape in shapes]
         columns = math.prod(shapes[0]) // rows[0]
         row, column = positions // columns, positions % columns
+        order = row_order(parts, self.folder.config, self.config)
+        if order is not None:  # (one part: the folder's row of each of model.py's)
+            row = order[row]
         values = torch.zeros(positions.shape, dtype=torch.float64)  # past the last part: vocabulary padding
         first_row = 0
         for name_k, rows_k in zip(parts.names, rows):
@@ -470,7 +734,11 @@ class HuggingFaceValues:
         return values
 
     def buffer(self, name, empty):
-        return torch.zeros_like(empty)  # the routing biases (DeepSeek-V3's balancing) start at zero
+        """A buffer's values: DeepSeek-V3's routing biases from the folder (e_score_correction_bias), the
+        others' (and the expert loads) zero, as a run from scratch starts them."""
+        if not has_source(self.model_type, name, self.config):
+            return torch.zeros_like(empty)
+        return self.parameter(name, torch.arange(empty.numel())).view(empty.shape).to(empty.device, empty.dtype)
 
 
 def load_state_dict(folder, config):
@@ -480,5 +748,5 @@ def load_state_dict(folder, config):
         model = GPT(config)
     state = {name: values.parameter(name, torch.arange(p.numel())).view(p.shape)
              for name, p in model.named_parameters(remove_duplicate=False)}
-    return state | {name: torch.zeros(b.shape, dtype=torch.float64) for name, b in model.state_dict().items()
-                    if name not in state}
+    return state | {name: values.buffer(name, torch.zeros(b.shape, dtype=torch.float64))
+                    for name, b in model.state_dict().items() if name not in state}
