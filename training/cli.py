@@ -66,7 +66,7 @@ DEEPSEEK_SHAPES = {
                         v_head_dim=128, d_ff=18432, n_experts=256, top_k=8, n_shared_experts=1, d_expert=2048,
                         n_group=8, topk_group=4, moe_layers=tuple(range(3, 61)), rope_theta=10000.0,
                         rope_type="yarn", rope_factor=40.0, rope_original_context=4096, rope_mscale=1.0,
-                        rope_mscale_all_dim=1.0),
+                        rope_mscale_all_dim=1.0, max_seq_len=163840),
 }
 ARCHS = {"gpt": ({}, {}), "llama": (LLAMA, LLAMA_SHAPES), "deepseek": (DEEPSEEK, DEEPSEEK_SHAPES)}
 # Shapes that exist only as Llama (or DeepSeek) blocks:
@@ -101,7 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--qk-norm", action="store_true",
                    help="QK-norm: an RMSNorm of each head's queries and keys before the rotation (Qwen3, OLMo 2)")
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2): "
+                   help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, the "
+                        "Qwen MoEs, DeepSeek-V3): "
                         "its config.json sets the model (not --model, --arch, --kv-heads; --d-model, --heads, "
                         "--head-dim, --d-ff and --qk-norm are refused; --layers N keeps its first N blocks, a smaller "
                         "model to check a layout with); see training/hf.py")
@@ -542,8 +543,10 @@ def model_config(args, vocab_size):
     shape.update({field: value for field, value in expert_flags(args).items() if value is not None})
     if shape.get("n_experts") and not 1 <= shape.get("top_k", 2) <= shape["n_experts"]:
         raise ConfigError(f"--top-k {shape.get('top_k', 2)} must be between 1 and --experts {shape['n_experts']}")
-    if shape.get("moe_layers") and shape["n_layer"] < PRESETS[args.model]["n_layer"]:  # the first N blocks of it
+    if shape.get("moe_layers"):  # --layers N keeps the first N blocks of the preset: its MoE layers among them
         shape["moe_layers"] = tuple(i for i in shape["moe_layers"] if i < shape["n_layer"])
+        if not shape["moe_layers"]:  # (none: every block dense, where an empty moe_layers would mean all MoE)
+            shape["n_experts"] = 0
     try:
         return GPTConfig(**shape, **moe)
     except ValueError as e:
