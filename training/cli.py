@@ -101,11 +101,10 @@ def parse_args(argv=None):
     p.add_argument("--qk-norm", action="store_true",
                    help="QK-norm: an RMSNorm of each head's queries and keys before the rotation (Qwen3, OLMo 2)")
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, the "
-                        "Qwen MoEs, DeepSeek-V3): "
-                        "its config.json sets the model (not --model, --arch, --kv-heads; --d-model, --heads, "
-                        "--head-dim, --d-ff and --qk-norm are refused; --layers N keeps its first N blocks, a smaller "
-                        "model to check a layout with); see training/hf.py")
+                   help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2, "
+                        "Qwen3, the Qwen MoEs, DeepSeek-V3): its config.json sets the model (not --model, --arch, "
+                        "--kv-heads; --d-model, --heads, --head-dim, --d-ff and --qk-norm are refused; --layers N "
+                        "keeps its first N blocks, a smaller model to check a layout with); see training/hf.py")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
