@@ -294,3 +294,124 @@ def test_dry_run_of_a_muon_rank_holds_the_planned_pieces_and_counts_the_planned_
     predicted.pop("peak_resident_bytes")
     assert predicted["comm_optim_all_to_all_bytes"] > 0
     assert {field: measured[field] for field in predicted} == predicted
+
+
+# DeepSeek-V3 (--arch deepseek): multi-head latent attention, its sigmoid router's group-limited routing.
+DEEPSEEK_V3 = ["--model", "deepseek-v3", "--arch", "deepseek"]
+TINY_DEEPSEEK = ["--model", "tiny", "--arch", "deepseek", "--dtype", "float64", "--batch-size", "16", "--layers", "4"]
+
+
+def latent_attention_parameters(c):
+    """DeepSeek-V2's equations 9 to 13 and 37 as matrices: q_down, its norm, q_up to every head's query (nope |
+    rope); kv_down to the latent and the shared rotary key, the latent's norm, kv_up to every head's key (nope)
+    and value; proj from the values."""
+    heads, query = c.n_head, c.qk_nope_head_dim + c.qk_rope_head_dim
+    return (c.d_model * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * query
+            + c.d_model * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
+            + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim * c.d_model)
+
+
+def test_deepseek_v3_preset_is_671b_with_37b_activated_per_token():
+    """The preset built by model.py (on the meta device, as the planner reads it) holds DeepSeek-V3's parameters
+    written out from its shapes: 3 dense layers, 58 MoE layers of 256 routed experts and a shared one, latent
+    attention, untied embedding and head: 671B, of which a token meets 37B (its 8 routed experts of each MoE
+    layer, everything else whole), the paper's figures (DeepSeek-V3 technical report, section 1)."""
+    args = cli.parse_args(DEEPSEEK_V3)
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    planned = sum(math.prod(shape) for _, shape in plan.model_parameters(plan.config_key(c)))
+    moe_layers = sum(c.is_moe(layer) for layer in range(c.n_layer))
+    assert (c.n_layer, moe_layers, c.n_experts, c.top_k) == (61, 58, 256, 8)
+    expert = 3 * c.d_model * c.d_expert  # SwiGLU: gate, up, down
+    mlp = {"dense": 3 * c.d_model * c.d_ff, "moe": c.n_experts * c.d_model + (c.n_experts + 1) * expert}
+    block = latent_attention_parameters(c) + 2 * c.d_model
+    written = (c.n_layer * block + (c.n_layer - moe_layers) * mlp["dense"] + moe_layers * mlp["moe"]
+               + 2 * c.padded_vocab_size * c.d_model + c.d_model)
+    assert planned == written
+    activated = written - moe_layers * (c.n_experts - c.top_k) * expert
+    assert abs(planned / 671e9 - 1) < 0.001 and abs(activated / 37e9 - 1) < 0.02, (planned, activated)
+
+
+def test_latent_attention_replicates_its_down_projections_over_tp_and_sums_their_gradients():
+    """tp.split_latent_attention: q_up and kv_up split by heads, proj by its inputs, q_down, kv_down and their
+    norms whole on every rank. The planner's replicated weights (whose gradients tp sums in every backward) are
+    the attention's parameters it does not shard, and a tp rank holds the sharded ones' half besides them."""
+    args = cli.parse_args([*TINY_DEEPSEEK, "--tp", "2"])
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    attention = [(name, math.prod(shape)) for name, shape in plan.model_parameters(plan.config_key(c))
+                 if name.startswith("blocks.0.attn.")]
+    whole = [numel for name, numel in attention if not plan.tp_sharded(name)]
+    assert {name.split(".")[3] for name, _ in attention if not plan.tp_sharded(name)} == {
+        "q_down", "q_down_norm", "kv_down", "kv_down_norm"}
+    assert sorted(plan.attention_of(c).summed_over_tp(c)) == sorted(whole)
+    dense, _, _ = plan.rank_parameters(c, plan.layout_of(args, 2), 0)
+    held = sum(numel for name, numel in dense if name.startswith("blocks.0.attn."))
+    assert held == sum(whole) + (latent_attention_parameters(c) - sum(whole)) // 2
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather", "alltoall"])
+def test_latent_attention_cp_carries_keys_of_head_dim_and_values_of_v_head_dim(mode):
+    """cp.py's three ways with latent attention's keys (nope + rope features a head) and narrower values: every
+    formula counts K and V of their own widths, and the heads' output (alltoall) of the values'."""
+    args = cli.parse_args([*TINY_DEEPSEEK, "--cp", "2", "--cp-mode", mode])
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    assert c.head_dim == c.qk_nope_head_dim + c.qk_rope_head_dim and c.v_head_dim < c.head_dim
+    tokens = 16 * c.seq_len // 2  # one micro-batch (the default) of 16 sequences, half of each
+    q = k = tokens * c.n_head * c.head_dim * 8  # float64
+    v = out = tokens * c.n_head * c.v_head_dim * 8
+    per_layer = {"ring": {"send_recv": (2 - 1) * (k + v) + (2 - 1) * (k + v) + 2 * (k + v)},
+                 "allgather": {"all_gather": 2 * (k + v), "reduce_scatter": k + v},
+                 "alltoall": {"all_to_all": 2 * (q + k + v + out) // 2}}[mode]
+    predicted = plan.predict(args, 2)
+    for kind, sent in per_layer.items():
+        assert predicted[f"comm_cp_{kind}_bytes"] == [c.n_layer * sent] * 2
+
+
+def test_latent_attention_on_one_cpu_keeps_the_softmax_probabilities_and_on_cuda_does_not():
+    """One device's core: PyTorch's CPU flash kernel wants values as wide as the keys, so latent attention runs the
+    composite, which keeps b x heads x s x s probabilities (and copies of q, k, v); CUDA's memory-efficient
+    kernel keeps q, k, v (a view of kv_up's output), the output and its log-sum-exp. Doubling the sequence
+    doubles the CUDA figure's blocks, not the CPU's."""
+    def block_bytes(seq, device):
+        args = cli.parse_args([*TINY_DEEPSEEK, "--seq-len", str(seq)])
+        c = cli.model_config(args, cli.data_vocab_size(args))
+        return plan.block_activations(c, plan.layout_of(args, 1, device), 0), c
+    (cpu, c), (cuda, _) = block_bytes(16, "cpu"), block_bytes(16, "cuda")
+    tokens, wide = 16 * 16, 8
+    copies = tokens * (c.q_dim + c.kv_dim + c.v_dim) * wide
+    kept = tokens * (c.q_dim + c.kv_dim + c.n_head * (c.qk_nope_head_dim + c.v_head_dim)) * wide
+    assert cpu - cuda == copies + 16 * c.n_head * 16 ** 2 * wide - kept - tokens * (c.v_dim + c.n_head) * wide
+    assert block_bytes(32, "cuda")[0] == 2 * cuda and block_bytes(32, "cpu")[0] > 2 * cpu
+
+
+def test_ep_all_to_all_splits_inside_and_across_nodes_by_where_the_peers_are():
+    """ep over 16 ranks on nodes of 4 (no pipeline: an ep group is 16 consecutive ranks): a rank sends each peer
+    as much under balanced routing, so 3 of its 15 peers' share stays inside its node. With 4 expert groups (4
+    experts each) a group's experts lie on one node, and a token, choosing 2 groups, reaches at most 2 nodes."""
+    args = cli.parse_args(["--model", "tiny", "--arch", "deepseek", "--batch-size", "16", "--experts", "16",
+                           "--top-k", "4", "--expert-groups", "4", "--group-top-k", "2", "--ep", "16"])
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    layout = plan.layout_of(args, 16)
+    prediction = plan.predict_stage(c, layout, 0)
+    traffic = {group: sum(counter.values()) for group, counter in prediction["traffic"].items()}
+    where = plan.coordinates(layout, 5)
+    inside, across = plan.node_split(layout, prediction, where, 4)
+    assert (inside, across) == (traffic["ep"] * 3 // 15, traffic["dense"] + traffic["ep"] - traffic["ep"] * 3 // 15)
+    assert plan.expert_nodes(c, layout, where, 4) == plan.ExpertNodes(nodes=4, near=3, peers=15, group_nodes=1,
+                                                                      token_nodes=2)
+
+
+def test_deepseek_v3_layout_puts_each_ep_rank_on_a_node_of_its_own():
+    """DeepSeek-V3's layout (pp 16, ep 64, ZeRO-1 over dp 128 on 2048 GPUs) in mesh.py's order (tp fastest, then
+    cp, pp, dp): a stage's ranks are 16 apart, so its ep group of 64 lies on 64 nodes, one rank on each, and
+    all of its all-to-all crosses nodes; a group's 32 experts lie on 8 nodes and a token may reach 8, where
+    DeepSeek-V3 places each group on one node of 8 GPUs (at most 4 nodes a token)."""
+    args = cli.parse_args([*DEEPSEEK_V3, "--pp", "16", "--ep", "64", "--zero", "1", "--batch-size", "15360",
+                           "--micro-batches", "120", "--dtype", "bfloat16", "--recompute", "full"])
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    layout = plan.layout_of(args, 2048, "cuda")
+    where = plan.first_of_stage(layout, 5)
+    assert plan.group_members(layout, where, ("ep",))[:3] == [5, 21, 37]
+    assert plan.expert_nodes(c, layout, where, 8) == plan.ExpertNodes(nodes=64, near=0, peers=63, group_nodes=8,
+                                                                      token_nodes=8)
+    inside, across = plan.node_split(layout, plan.predict_stage(c, layout, 5), where, 8)
+    assert inside == 0 and across > 0

@@ -28,10 +28,11 @@ assembles each: a fake peer would answer with this rank's own, so each peer's ar
 lays them out (muon_held), this rank's own checked against the planner's on the way. Who assembles what,
 and so the traffic and the step's buffers, are then the real run's.
 
-Expert parallelism is refused, and so is expert tensor parallelism: a rank learns how many tokens it will
-receive from its peers (--ep), or how many rows the peers splitting its experts received (--expert-tp),
-which a fake peer never says. Experts without them run, under tp too (each tp rank routes its own part of
-the tokens, a split it knows alone), routed by whatever the skipped router product holds.
+Experts are routed as tools/plan.py assumes, balanced (`balanced_experts`): each rank hands its tokens'
+(token, expert) assignments to the experts in turn, so each expert gets the same share, and its peers,
+which never say how many rows they send it (--ep) or received for the experts it splits with them
+(--expert-tp), are answered for as balanced peers: with this rank's own counts. The router still runs (its
+products skipped), and what it keeps for backward is the real run's; only its choice is replaced.
 """
 import argparse
 import json
@@ -44,6 +45,7 @@ from torch.utils._pytree import tree_map
 from training import cli, muon
 from training.data import open_data
 from tools import plan
+import ep
 import train
 from mesh import Mesh
 
@@ -109,11 +111,6 @@ def check_dry_run(args, rank, world, data=None):
     checked = cli.check_args(args, world, data)
     if not 0 <= rank < world:
         raise cli.ConfigError(f"--rank {rank}: a rank of --world {world} is between 0 and {world - 1}")
-    if args.ep > 1:
-        raise cli.ConfigError(f"--ep {args.ep}: a dry run cannot know the tokens its fake peers would send")
-    if args.expert_tp > 1:
-        raise cli.ConfigError(f"--expert-tp {args.expert_tp}: a dry run cannot know the rows its fake peers "
-                              f"would gather for their experts")
     if args.resume:
         raise cli.ConfigError("--resume: a dry run starts from the initial values and writes nothing")
     return checked
@@ -152,6 +149,44 @@ def planned_peers(args, rank, world):
         dist.all_gather_object, dist.all_to_all_single = fake_gather, fake_all_to_all
 
 
+def balanced_choice(experts, n_experts):
+    """A router's choice (tokens, top_k) replaced by balanced routing's: the rank's assignments handed to the
+    experts in turn, (token i, choice j) to expert (i top_k + j) mod n_experts, so each expert gets the same
+    share (exactly, where the experts divide the assignments) and a token's top_k experts differ."""
+    return torch.arange(experts.numel(), device=experts.device).remainder(n_experts).view_as(experts)
+
+
+@contextmanager
+def balanced_experts():
+    """While a dry run steps: ep.py's routing balanced (balanced_choice; the router's gates and probabilities,
+    and what they keep for backward, are its own) and the collectives whose answers decide the shapes of
+    what travels answered as balanced peers would: the all-to-all of tokens per expert (ep) and expert-tp's
+    all-gather of them, the counts' integer tensors, with this rank's own."""
+    route, all_to_all, all_gather = ep.route, dist.all_to_all_single, dist.all_gather
+
+    def balanced_route(router_logits, top_k, *args, **kwargs):
+        gates, experts, probs = route(router_logits, top_k, *args, **kwargs)
+        return gates, balanced_choice(experts, router_logits.shape[-1]), probs
+
+    def counts_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if output_split_sizes is None and not input.is_floating_point():  # tokens per (source rank, expert)
+            output.copy_(input)
+            return None
+        return all_to_all(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    def counts_all_gather(tensors, tensor, *args, **kwargs):
+        if tensor.is_floating_point():
+            return all_gather(tensors, tensor, *args, **kwargs)
+        for received in tensors:  # rows per (source rank, expert) of each rank splitting the same experts
+            received.copy_(tensor)
+        return None
+    ep.route, dist.all_to_all_single, dist.all_gather = balanced_route, counts_all_to_all, counts_all_gather
+    try:
+        yield
+    finally:
+        ep.route, dist.all_to_all_single, dist.all_gather = route, all_to_all, all_gather
+
+
 def dry_run(args, rank, world, compute=False):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
     first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
@@ -162,16 +197,16 @@ def dry_run(args, rank, world, compute=False):
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     join_fake_world(rank, world)
     try:
-        with planned_peers(args, rank, world):
+        with planned_peers(args, rank, world), balanced_experts():
             trainer = DryRunTrainer(args, config, Mesh(shape), open_data(described, args.seed), device)
             with nullcontext() if compute or TorchDispatchMode is None else SkipArithmetic():
                 record = trainer.train_step(0)
     finally:
         dist.destroy_process_group()
-    predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
+    predicted = {field: values[rank] for field, values in plan.predict(args, world, device.type).items()
                  if field in MEMORY or field.startswith("comm_")}
     measured = {field: record[field] for field in (*predicted, *MEASURED_ONLY)}
-    peaks = plan.predict_peaks(args, world)
+    peaks = plan.predict_peaks(args, world, device.type)
     predicted["peak_resident_bytes"] = max(peaks["startup_peak_bytes"][rank], peaks["step_peak_bytes"][rank])
     return measured, predicted
 

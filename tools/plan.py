@@ -68,9 +68,12 @@ Where the numbers come from:
   all-to-all what leaves the rank.
 - Activations are the tensors autograd saves for backward, modelled per
   token and layer from what model.py's operators save (Korthikanti et al.,
-  2022, count them the same way for Megatron's block). Mixture-of-experts
-  traffic and activations assume balanced routing (each expert gets its
-  fair share of every rank's tokens).
+  2022, count them the same way for Megatron's block), per attention kind
+  (attention_of: CausalSelfAttention's grouped heads, DeepSeek's latent
+  attention) on the kernels of `--device` (cpu, as the tests run; cuda:
+  one device's latent attention on the memory-efficient kernel, not the
+  CPU's composite). Mixture-of-experts traffic and activations assume
+  balanced routing (each expert gets its fair share of every rank's tokens).
 
 - Peak resident memory (`predict_peaks`, the last line of the table, and
   `--json`'s `*_peak_bytes`): of start-up, of a step, of a checkpoint's save
@@ -85,7 +88,9 @@ Where the numbers come from:
 fits `--memory`, with their traffic inside a node and across nodes
 (`--gpus-per-node`, ranks laid out as mesh.py lays them: tp fastest, then
 cp, pp, dp, dp read as (copies, shards) under hybrid sharding; the experts'
-groups folded over each stage's ranks, expert-tp fastest, then ep), hybrid
+groups folded over each stage's ranks, expert-tp fastest, then ep; an
+all-to-all sending each peer as much, ep's, split by where the peers are;
+the stage sending most across standing for the layout), hybrid
 ones among them (ZeRO's shard group no larger than a node). With experts it
 tries every ep dividing both the experts and a stage's ranks, with experts
 whole (expert-tp 1) or split as tp splits the dense layers (expert-tp = tp).
@@ -146,6 +151,7 @@ class Layout:
     documents: bool = False  # packed documents (--document-mask): attention masked, positions per sequence
     optimizer: str = "adamw"  # --optimizer: "muon" steps the blocks' matrices with Muon (training/muon.py)
     muon_gather: bool = False  # --muon-assembly gather: every holder of a matrix assembles it, not one owner
+    device: str = "cpu"  # the kernels activations are modelled on: "cpu" (as tests run) or "cuda" (see latent_core)
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
@@ -200,8 +206,9 @@ class Layout:
 placement_of = functools.lru_cache(maxsize=None)(pp.Placement.of)  # (--search asks for the same ones often)
 
 
-def layout_of(args, world):
-    """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none)."""
+def layout_of(args, world, device="cpu"):
+    """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none), its
+    activations modelled on `device`'s kernels ("cpu" or "cuda")."""
     described = cli.describe_data(args)  # the data's meta.json, read once for both
     _, shape = cli.check_args(args, world, described)
     return Layout(world=world, dp=shape.dp, dp_shard=shape.dp_shard or shape.dp, tp=shape.tp, pp=shape.pp,
@@ -211,7 +218,7 @@ def layout_of(args, world):
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
                   bucket_bytes=int(args.bucket_mb * 2**20),
                   documents=cli.document_eos(args, data=described) is not None,
-                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather")
+                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather", device=device)
 
 
 # ---------------------------------------------------------------------------
@@ -231,13 +238,18 @@ def model_parameters(config_fields):
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
+# Parameters tensor parallelism leaves whole on every rank: norms, the position table, routers, a shared expert's
+# gate, and latent attention's down-projections (tp.split_latent_attention: each rank's copy feeds its heads alone).
+REPLICATED = ("norm", "pos_emb", "router", "shared_gate", "attn.q_down.", "attn.kv_down.")
+
+
 def tp_sharded(name):
-    """Whether tensor parallelism splits this parameter N ways (tp.py): the column-parallel q|k|v, fc (and
-    their biases), the row-parallel proj weights, the vocabulary-parallel embedding and head. Norms, the
-    position table, routers, a shared expert's gate and row-parallel biases are replicated."""
+    """Whether tensor parallelism splits this parameter N ways (tp.py): the column-parallel q|k|v (latent
+    attention's q_up and kv_up), fc (and their biases), the row-parallel proj weights, the vocabulary-parallel
+    embedding and head. REPLICATED's and row-parallel biases are not."""
     if name.endswith(("qkv.bias", "fc.bias")):
         return True
-    return name.endswith(".weight") and not any(part in name for part in ("norm", "pos_emb", "router", "shared_gate"))
+    return name.endswith(".weight") and not any(part in name for part in REPLICATED)
 
 
 def stage_of(name, layer_stage, placement):
@@ -370,7 +382,15 @@ def state_memory(params, group, layout, unused_check, replicas=1):
     """The State of one set of parameters, `group` ranks padding its buckets and sharing them (ZeRO's shard
     group: the averaging group, or its part under hybrid sharding, `replicas` such groups holding copies).
     The master weights count as parameters: the weights themselves where the dtypes agree, else a second
-    copy (of the whole parameters, or ZeRO's shard of them)."""
+    copy (of the whole parameters, or ZeRO's shard of them). (params: a tuple; the State is shared: read only.)"""
+    # (what leaves the state alike is left out of the cache's key: --search asks for each recomputation)
+    same = replace(layout, recompute="none", sp=False, cp_mode="ring", documents=False)
+    return layout_state(params, group, same, unused_check, replicas)
+
+
+@functools.lru_cache(maxsize=2**12)
+def layout_state(params, group, layout, unused_check, replicas):
+    """state_memory, computed; its steps(index) remembered (a sum over every bucket, which --search asks often)."""
     w, m, r, sizes = layout.weight_bytes, layout.master_bytes, layout.reduce_bytes, [numel for _, numel in params]
     if not sizes:
         return State(0, 0, 0, Counter(), Counter(), lambda index: 0)
@@ -403,7 +423,7 @@ def state_memory(params, group, layout, unused_check, replicas=1):
         if unused_check:
             replica_traffic["all_reduce"] += ring_bytes_sent("all_reduce", len(sizes), replicas)
     return State(param, grad, 2 * shard * m, traffic, replica_traffic,
-                 lambda index: sum(b.pieces(index, group) for b in buckets))
+                 functools.lru_cache(maxsize=None)(lambda index: sum(b.pieces(index, group) for b in buckets)))
 
 
 def zero_buckets(params, group, layout):
@@ -718,8 +738,8 @@ def tp_traffic(config, layout, layers, first, last):
             region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
-        for _ in range(2 * c.qk_norm):  # QK-norm: q_norm and k_norm met this rank's heads alone (sp or not), each
-            summed_gradients(c.head_dim)  # summed by tp.split_attention
+        for numel in attention_of(c).summed_over_tp(c):  # replicated weights that met this rank's heads alone
+            summed_gradients(numel)
         if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
             gate = c.is_moe(layer) and c.shared_expert_gate
             summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1) + gate * c.d_model)
@@ -737,12 +757,13 @@ def tp_traffic(config, layout, layers, first, last):
 
 
 def cp_traffic(config, layout, layers):
-    """Context parallelism's bytes per micro-batch (cp.py, each way's formula), with kv the bytes of this
-    rank's K (or V) shard and q of its Q shard:
+    """Context parallelism's bytes per micro-batch (cp.py, each way's formula), with k, v and q the bytes of this
+    rank's K, V and Q shards (V of its own width, c.v_dim: latent attention's values are narrower than its keys)
+    and o of the heads' output (n_head x v_head_dim features):
       ring       K and V go round the ring (N-1 passes) in forward and again in backward, where their
                  gradient accumulators also travel N passes (each block home)
       allgather  K and V all-gathered in forward and again in backward, dK and dV reduce-scattered:
-                 (N-1) kv each
+                 (N-1) (k + v) each
       alltoall   q, k, v to head shards and the output back, forward, and their gradients in backward:
                  (N-1)/N of each
     Recomputation runs the forward's part again. With packed documents the ring's figure is its most: a K/V
@@ -752,19 +773,19 @@ def cp_traffic(config, layout, layers):
     if n == 1:
         return Counter()
     c, a = config, layout.activation_bytes
-    kv = tokens_per_rank(c, layout) * c.kv_dim // layout.tp * a  # this rank's K (or V)
-    q = tokens_per_rank(c, layout) * c.q_dim // layout.tp * a
+    q, k, v, o = (tokens_per_rank(c, layout) * features // layout.tp * a
+                  for features in (c.q_dim, c.kv_dim, c.v_dim, c.n_head * c.v_head_dim))
     forward_passes = 1 if layout.recompute == "none" else 2  # both modes run the attention again
     if layout.cp_mode == "allgather":
-        return Counter(all_gather=len(layers) * (forward_passes + 1) * (n - 1) * 2 * kv,
-                       reduce_scatter=len(layers) * (n - 1) * 2 * kv)
+        return Counter(all_gather=len(layers) * (forward_passes + 1) * (n - 1) * (k + v),
+                       reduce_scatter=len(layers) * (n - 1) * (k + v))
     if layout.cp_mode == "alltoall":
         # Selective recomputation reruns the core only up to what it saves (the attention's inputs and output,
         # on head shards): checkpoint's recomputation stops there, before the output goes back.
-        recomputed = {"none": 0, "selective": q + 2 * kv, "full": 2 * q + 2 * kv}[layout.recompute]
-        return Counter(all_to_all=len(layers) * (n - 1) * (2 * (2 * q + 2 * kv) + recomputed) // n)
-    forward = (n - 1) * 2 * kv
-    backward = (n - 1) * 2 * kv + n * 2 * kv  # dK, dV travel in K's and V's dtype
+        recomputed = {"none": 0, "selective": q + k + v, "full": q + k + v + o}[layout.recompute]
+        return Counter(all_to_all=len(layers) * (n - 1) * (2 * (q + k + v + o) + recomputed) // n)
+    forward = (n - 1) * (k + v)
+    backward = (n - 1) * (k + v) + n * (k + v)  # dK, dV travel in K's and V's dtype
     return Counter(send_recv=len(layers) * (forward_passes * forward + backward))
 
 
@@ -827,12 +848,45 @@ def pp_traffic(config, layout, stage):
 
 def block_activations(c, layout, layer):
     """Bytes one block saves for backward in one micro-batch's forward, term by term (Korthikanti et al.,
-    2022, section 4, count Megatron's block the same way: b*s*h units, sharded by t where tp splits them)."""
+    2022, section 4, count Megatron's block the same way: b*s*h units, sharded by t where tp splits them).
+    Under selective recomputation, what it keeps: its attention core's own tensors go (recomputed_block)."""
     t, a = layout.tp, layout.activation_bytes
     tokens = tokens_per_rank(c, layout)
     sharded = tokens // t if layout.sp else tokens  # the residual stream: a sequence shard under sp
-    h, q, wide = c.d_model, c.q_dim, max(a, 4)
     norm = sharded * norm_activations(c, layout)
+    attention = attention_of(c).activations(c, layout, tokens).kept
+    if c.is_moe(layer):
+        mlp = moe_activations(c, layout, tokens)
+    else:  # fc's input, and the MLP's own
+        mlp = tokens * c.d_model * a + mlp_activations(c, tokens, t, a)
+    return 2 * norm + attention + mlp
+
+
+class AttentionSaved(NamedTuple):
+    """What an attention layer saves for backward in one micro-batch: `kept` until its backward (under
+    selective recomputation without its core's own tensors), `core` those the core keeps of its own, which
+    selective recomputation drops and holds again while the core is recomputed in backward."""
+    kept: int
+    core: int
+
+
+class Attention(NamedTuple):
+    """How the planner reads one of model.py's attention layers: its activations (c, layout, tokens) ->
+    AttentionSaved, and the elements of each weight tensor parallelism replicates and sums the gradient of
+    over the group in every backward (c -> [elements]), beyond the block's norms."""
+    activations: Callable
+    summed_over_tp: Callable
+
+
+def attention_of(c):
+    """model.py's attention of this config: LatentAttention (kv_lora_rank) or CausalSelfAttention."""
+    return LATENT_ATTENTION if c.kv_lora_rank else GROUPED_ATTENTION
+
+
+def grouped_attention_activations(c, layout, tokens):
+    """CausalSelfAttention (grouped-query heads, q | k | v fused in qkv), under the layout's recomputation."""
+    t, a = layout.tp, layout.activation_bytes
+    h, q, wide = c.d_model, c.q_dim, max(a, 4)
     attention = (tokens * h * a                            # qkv's input (gathered under sp)
                  + tokens * (q + 2 * c.kv_dim) // t * a    # q | k | v, which the attention core keeps
                  + tokens * q // t * a                     # the core's output
@@ -844,8 +898,118 @@ def block_activations(c, layout, layer):
     if proj_copies_heads(c, layout):
         attention += tokens * q // t * a
     attention += head_norm_activations(c, layout, tokens) + document_mask_bytes(c, layout)
-    mlp = moe_activations(c, layout, tokens) if c.is_moe(layer) else tokens * h * a + mlp_activations(c, tokens, t, a)
-    return 2 * norm + attention + mlp
+    # The core's own: its log-sum-exp (and a mask), and its output unless proj reads it in place
+    core = tokens * c.n_head // t * wide + document_mask_bytes(c, layout)
+    if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
+        core += tokens * q // t * a
+    return AttentionSaved(attention - core if layout.recompute == "selective" else attention, core)
+
+
+def qk_norm_weights(c):
+    """QK-norm's q_norm and k_norm (c.qk_norm) met this rank's heads alone, sp or not: tp.split_attention sums
+    their gradients."""
+    return [c.head_dim] * 2 * c.qk_norm
+
+
+GROUPED_ATTENTION = Attention(grouped_attention_activations, qk_norm_weights)
+
+
+def latent_attention_activations(c, layout, tokens):
+    """model.py's LatentAttention (DeepSeek-V2, section 2.1): what each of its operators saves, per token.
+    Replicated over tp and on every token of the micro-batch (gathered under sp): the input x that q_down and
+    kv_down read; the queries' bottleneck (q_down_norm, an RMSNorm, and q_up's input); the latent (kv_down_norm,
+    whose input is a view of kv_down's output latent | shared rotary key, and kv_up's input); the cos and sin
+    of the two rotations (of the rope features alone). This rank's heads: the core's inputs (q and k, made by
+    torch.cat, and v, a view of kv_up's output, so that whole output) and what the core keeps (latent_core);
+    proj's input, the heads' outputs, unless it is the core's own output read in place."""
+    t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
+    x = tokens * c.d_model * a
+    queries = 0
+    if c.q_lora_rank:
+        queries = rms_norm_activations(tokens, c.q_lora_rank, c.q_lora_rank, a) + tokens * c.q_lora_rank * a
+    latent = (rms_norm_activations(tokens, c.kv_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim, a)
+              + tokens * c.kv_lora_rank * a)
+    rotations = 2 * position_rows(layout) * (c.seq_len // layout.cp) * c.rotary_dim * wide
+    inputs = tokens * (c.q_dim + c.kv_dim + c.n_head * (c.qk_nope_head_dim + c.v_head_dim)) // t * a
+    outputs = tokens * c.v_dim // t * a
+    core = LATENT_CORES[latent_core(c, layout)]
+    own = core.own(c, layout, tokens)
+    selective = layout.recompute == "selective"  # the checkpoint keeps the core's inputs, not its own tensors
+    proj_input = 0 if core.output_in_place and c.n_head // t == 1 and not selective else outputs
+    kept = x + queries + latent + rotations + proj_input
+    if selective or core.keeps_inputs:
+        kept += inputs
+    return AttentionSaved(kept if selective else kept + own, own)
+
+
+def rms_norm_activations(tokens, width, input_width, a):
+    """An RMSNorm over `width` features (norm_activations, PyTorch's composite on CPUs): x/rms and 1/rms in
+    float32 or wider, and its input: itself, which may be a view of `input_width` features a token (its whole
+    storage), or narrower than float32, a copy of it cast up."""
+    wide = max(a, 4)
+    kept_input = input_width * a if a == wide else width * wide
+    return tokens * (width * wide + wide + kept_input)
+
+
+class LatentCore(NamedTuple):
+    """An attention core given latent attention's q, k (head_dim features) and v (v_head_dim): own (c, layout,
+    tokens) -> the bytes it keeps of its own; keeps_inputs: whether it keeps q, k and v themselves too;
+    output_in_place: whether what it keeps of its output is the tensor proj reads (in place, one head a rank)."""
+    own: Callable
+    keeps_inputs: bool
+    output_in_place: bool
+
+
+def latent_core(c, layout):
+    """Which core runs: context parallelism's (cp.py: 'ring', 'allgather', 'alltoall'), or on one device PyTorch's
+    scaled_dot_product_attention: a fused kernel ('fused') where the device has one for these widths (CPU's
+    flash kernel wants values as wide as the keys; CUDA's memory-efficient one takes them narrower), else its
+    written-out composite ('math')."""
+    if layout.cp > 1:
+        return layout.cp_mode
+    return "fused" if layout.device == "cuda" or c.v_head_dim == c.head_dim else "math"
+
+
+def kernel_output(c, layout, tokens):
+    """What a fused core keeps of its own: its output (this rank's heads, v_head_dim features each) and its
+    log-sum-exp per head; on one device, with packed documents, the mask it was given (document_mask_bytes)."""
+    t, a = layout.tp, layout.activation_bytes
+    return (tokens * c.v_dim // t * a + tokens * c.n_head // t * max(a, 4)) + document_mask_bytes(c, layout)
+
+
+def head_shard_copies(c, layout, tokens):
+    """Ulysses's core (cp_mode alltoall): its head-shard copies of q, k and v, and kernel_output."""
+    copies = tokens * (c.q_dim + c.kv_dim + c.v_dim) // layout.tp * layout.activation_bytes
+    return copies + kernel_output(c, layout, tokens)
+
+
+def math_core(c, layout, tokens):
+    """PyTorch's composite attention (at::_scaled_dot_product_attention_math), in float32 or wider: q scaled and
+    k transposed and scaled (copies), v as its batched product reads it, and the softmax's probabilities,
+    b x heads x s x s (the causal or document mask is added to the scores in place, and not kept). v is a
+    contiguous copy, but with one head a rank, in its own dtype, the product reads it in place: a view of
+    kv_up's output, so that whole output."""
+    t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
+    v = tokens * c.v_dim // t * wide
+    if c.n_head // t == 1 and a == wide:
+        v = tokens * c.n_head * (c.qk_nope_head_dim + c.v_head_dim) // t * a
+    scores = layout.micro_batch * c.n_head // t * c.seq_len ** 2 * wide
+    return tokens * (c.q_dim + c.kv_dim) // t * wide + v + scores
+
+
+LATENT_CORES = {"fused": LatentCore(kernel_output, True, True), "math": LatentCore(math_core, False, False),
+                "ring": LatentCore(kernel_output, True, True), "allgather": LatentCore(kernel_output, True, True),
+                "alltoall": LatentCore(head_shard_copies, False, False)}
+
+
+def latent_replicated_weights(c):
+    """tp.split_latent_attention replicates q_down, q_down_norm (with a query bottleneck), kv_down and
+    kv_down_norm: each rank's copy feeds its heads alone, so their gradients are summed over the group."""
+    queries = [c.q_lora_rank * c.d_model, c.q_lora_rank] if c.q_lora_rank else []
+    return [*queries, (c.kv_lora_rank + c.qk_rope_head_dim) * c.d_model, c.kv_lora_rank]
+
+
+LATENT_ATTENTION = Attention(latent_attention_activations, latent_replicated_weights)
 
 
 def head_norm_activations(c, layout, tokens):
@@ -916,7 +1080,7 @@ def mlp_activations(c, rows, t, a, d_ff=None):
 def moe_activations(c, layout, tokens):
     """An MoE layer as ep.py computes it, balanced, on a rank holding `tokens` of the micro-batch:
     - the router: its input, the arriving tokens (tp without sp keeps its part of them as a view, so their
-      whole storage), and per routed token (routed_tokens) the probabilities and choices, and where the
+      whole storage), and per routed token (routed_tokens) the scores (SCORES_KEPT) and choices, and where the
       gates are renormalised (norm_topk_prob) the top-k probabilities and their sum that divides them;
     - per (token, expert) assignment it sends: the indices that sort and return it, the mask that kept it,
       its gate, the output that came back and its weighted copy;
@@ -931,8 +1095,8 @@ def moe_activations(c, layout, tokens):
     assignments = routed * c.top_k
     rows = assignments * layout.expert_tp
     renormalised = c.norm_topk_prob * (c.top_k + 1)
-    router = (arriving * h * a + routed * ((c.n_experts + renormalised) * wide + c.top_k * INT64)
-              + balance_statistics(c, layout))
+    router = (arriving * h * a + routed * ((SCORES_KEPT[c.router_scoring](c) + renormalised) * wide
+                                           + c.top_k * INT64) + balance_statistics(c, layout))
     # (the gates are cast to the tokens' dtype)
     sent = assignments * (2 * h * a + a + 2 * INT64 + BOOL)
     experts = rows * h * a + mlp_activations(c, rows, layout.expert_tp, a, c.d_expert)
@@ -942,6 +1106,11 @@ def moe_activations(c, layout, tokens):
         gate = c.shared_expert_gate * arriving * (1 + h) * a
         shared = gathered + mlp_activations(c, tokens, t, a, c.d_shared) + gate
     return router + sent + experts + shared
+
+
+# What the router's scores keep per routed token (ep.py's SCORES), in elements: the softmax its output; DeepSeek-V3's
+# sigmoid its output, and the division that makes them the probabilities (scores / their sum) the sum.
+SCORES_KEPT = {"softmax": lambda c: c.n_experts, "sigmoid": lambda c: c.n_experts + 1}
 
 
 def balance_statistics(c, layout):
@@ -956,11 +1125,8 @@ def recomputed_block(c, layout, layer):
     if layout.recompute == "full":  # only the block's input, the residual stream
         kept = (tokens // layout.tp if layout.sp else tokens) * c.d_model * layout.weight_bytes
         return kept, full
-    if layout.recompute == "selective":  # the core's log-sum-exp goes (and a mask), and its output unless proj
-        core = tokens * c.n_head // layout.tp * max(layout.activation_bytes, 4) + document_mask_bytes(c, layout)
-        if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
-            core += tokens * c.q_dim // layout.tp * layout.activation_bytes
-        return full - core, core
+    if layout.recompute == "selective":  # (full: what it keeps without its core's own, which it holds again)
+        return full, attention_of(c).activations(c, layout, tokens).core
     return full, 0
 
 
@@ -1125,9 +1291,9 @@ def predict_stage(config, layout, stage):
     # (the model-parallel part is the same under every ZeRO stage and shard group, which --search varies)
     model_traffic, activations, recomputation = model_parallel_stage(
         config_key(config), replace(layout, zero=0, dp_shard=layout.dp), stage)
-    traffic = {"dense": states["dense"].traffic + states["tied"].traffic, "expert": states["expert"].traffic,
+    traffic = {"dense": states["dense"].traffic + states["tied"].traffic, "expert": Counter(states["expert"].traffic),
                "dense_replicas": states["dense"].replica_traffic + states["tied"].replica_traffic,
-               "expert_replicas": states["expert"].replica_traffic,
+               "expert_replicas": Counter(states["expert"].replica_traffic),
                **{group: Counter(counter) for group, counter in model_traffic.items()}}
     traffic["pp"] += tied_sum_traffic(tied, layout)
     return dict(param_bytes=sum(s.param for s in states.values()), grad_bytes=sum(s.grad for s in states.values()),
@@ -1212,10 +1378,10 @@ def comm_fields(traffic):
             for dim, kinds in train.COMM_KINDS.items() for kind in kinds}
 
 
-def predict(args, world):
+def predict(args, world, device="cpu"):
     """{field: [value of rank 0, rank 1, ...]} for the run train.py would make of args on `world` ranks:
     log.jsonl's memory and traffic fields, and recompute_bytes (see activation_peak)."""
-    layout = layout_of(args, world)
+    layout = layout_of(args, world, device)
     config = cli.model_config(args, cli.data_vocab_size(args))
     stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
     ranks = []
@@ -1298,10 +1464,10 @@ def written_by(layout, where, expert):
     return where["dp"] == where["cp"] == 0
 
 
-def predict_peaks(args, world):
+def predict_peaks(args, world, device="cpu"):
     """{field: [bytes of rank 0, rank 1, ...]}: each rank's peak resident memory at start-up, during a step,
     while a checkpoint is saved and while one is loaded, and the largest of the four (peak_bytes)."""
-    layout = layout_of(args, world)
+    layout = layout_of(args, world, device)
     config = cli.model_config(args, cli.data_vocab_size(args))
     stages = [(predict_stage(config, layout, stage), working_sets(config, layout, stage)) for stage in range(layout.pp)]
     ranks = []
@@ -1324,7 +1490,8 @@ def working_sets(config, layout, stage):
                 zero=sum(zero_working(p, g, layout) for p, g in groups.values()),
                 piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
                 norm=max(norm_working(p, g, layout) for p, g in groups.values()),
-                moment={kind: state_memory(p, g, layout, False).optim // 2 for kind, (p, g) in groups.items()},
+                moment={kind: state_memory(p, g, layout, kind == "expert", layout.replicas).optim // 2
+                        for kind, (p, g) in groups.items()},
                 muon=muon_ranks(config, layout, stage))
 
 
@@ -1418,13 +1585,26 @@ def grid_coordinates(layout, where, experts=False):
     return {axis: (size, indices[axis]) for axis, size in sizes.items()}
 
 
+def grid_axes(axes):
+    """The grid's axes a group spans ('dp' is both parts, 'expert_dp' both of its own), and whether they are
+    the experts' grid's."""
+    parts = {"dp": ("dp_replicate", "dp_shard"), "expert_dp": ("dp_replicate", "expert_dp_shard")}
+    axes = {part for axis in axes for part in parts.get(axis, (axis,))}
+    return axes, any(axis in EXPERT_AXES for axis in axes)
+
+
+def expert_place_rank(layout, place):
+    """The rank at a place of the experts' grid (pp-major, then each stage's ranks in order): (dp, pp, cp x tp)
+    row-major."""
+    stage, cp_tp = layout.stage, layout.cp * layout.tp
+    return (place % stage // cp_tp * layout.pp + place // stage) * cp_tp + place % cp_tp
+
+
 def crosses_nodes(layout, where, axes, gpus_per_node):
     """Whether the group of the rank at `where` spanning `axes` (grid_coordinates' names; 'dp' is both parts,
     'expert_dp' both of its own) holds ranks of more than one node: a node holds consecutive ranks, and the
     group's lie between its lowest (its axes' indices 0) and its highest (their last)."""
-    parts = {"dp": ("dp_replicate", "dp_shard"), "expert_dp": ("dp_replicate", "expert_dp_shard")}
-    axes = {part for axis in axes for part in parts.get(axis, (axis,))}
-    experts = any(axis in EXPERT_AXES for axis in axes)
+    axes, experts = grid_axes(axes)
     stride, lowest, span = 1, 0, 0
     for axis, (size, index) in reversed(grid_coordinates(layout, where, experts).items()):
         if axis in axes:
@@ -1433,23 +1613,81 @@ def crosses_nodes(layout, where, axes, gpus_per_node):
             lowest += index * stride
         stride *= size
     ends = [lowest, lowest + span]
-    if experts:  # a place in the experts' grid, pp-major, to its rank: (dp, pp, cp x tp) row-major
-        stage, cp_tp = layout.stage, layout.cp * layout.tp
-        ends = [(place % stage // cp_tp * layout.pp + place // stage) * cp_tp + place % cp_tp for place in ends]
+    if experts:  # a place in the experts' grid to its rank
+        ends = [expert_place_rank(layout, place) for place in ends]
     return ends[0] // gpus_per_node != ends[1] // gpus_per_node
 
 
+def group_members(layout, where, axes):
+    """The ranks of the group of the rank at `where` spanning `axes`, in the order of their indices along them
+    (mesh.group_ranks' order: for ep, ep rank 0 first)."""
+    axes, experts = grid_axes(axes)
+    stride, lowest, offsets = 1, 0, [0]
+    for axis, (size, index) in reversed(grid_coordinates(layout, where, experts).items()):
+        if axis in axes:
+            offsets = [i * stride + offset for i in range(size) for offset in offsets]
+        else:
+            lowest += index * stride
+        stride *= size
+    places = sorted(lowest + offset for offset in offsets)
+    return [expert_place_rank(layout, place) for place in places] if experts else places
+
+
+# Groups whose traffic is an all-to-all sending each peer as much (balanced routing's rows): the share going to
+# peers on the rank's own node stays inside it. (A ring collective's group that crosses nodes is counted across.)
+EVEN_ALL_TO_ALL = ("ep", "tp_rows", "expert_tp")
+
+
+def inside_share(layout, where, axes, gpus_per_node):
+    """(peers on the node of the rank at `where`, peers) in its group spanning `axes`."""
+    me, members = rank_of(layout, where), group_members(layout, where, axes)
+    peers = [rank for rank in members if rank != me]
+    return sum(rank // gpus_per_node == me // gpus_per_node for rank in peers), len(peers)
+
+
 def node_split(layout, stage_prediction, where, gpus_per_node):
-    """(bytes sent per step inside the node, across nodes) by the rank at `where`."""
+    """(bytes sent per step inside the node, across nodes) by the rank at `where`: a group's traffic inside when
+    the group lies in the rank's node, else across, but for the all-to-alls of EVEN_ALL_TO_ALL, split by where
+    the peers are."""
     inside = across = 0
     for group, counter in rank_traffic(stage_prediction, layout, where).items():
-        if not counter:
+        sent, axes = sum(counter.values()), TRAFFIC_GROUPS[group]
+        if not sent:
             continue
-        if crosses_nodes(layout, where, TRAFFIC_GROUPS[group], gpus_per_node):
-            across += sum(counter.values())
-        else:
-            inside += sum(counter.values())
+        if not crosses_nodes(layout, where, axes, gpus_per_node):
+            inside += sent
+            continue
+        near, peers = inside_share(layout, where, axes, gpus_per_node) if group in EVEN_ALL_TO_ALL else (0, 1)
+        inside += sent * near // peers
+        across += sent - sent * near // peers
     return inside, across
+
+
+class ExpertNodes(NamedTuple):
+    """Where the experts of one MoE layer lie for the rank at `where` (its ep group): the nodes its ep group
+    spans, the share of its dispatch's peers on its own node, and for group-limited routing (n_group,
+    topk_group) the most nodes one group's experts lie on and the most a token's top_k experts can reach."""
+    nodes: int
+    near: int
+    peers: int
+    group_nodes: int
+    token_nodes: int
+
+
+def expert_nodes(config, layout, where, gpus_per_node):
+    """ExpertNodes of the rank at `where`: ep rank k holds experts [k E/ep, (k+1) E/ep) (ep.py) and group g of
+    DeepSeek-V3's routing the experts [g E/n_group, (g+1) E/n_group) (model.best_groups_only), so a group's
+    experts lie on the nodes of the ep ranks holding them. A token's top_k experts lie in at most topk_group
+    groups: at most the topk_group groups spanning most nodes, and never more than top_k nodes."""
+    members = group_members(layout, where, ("ep",))
+    node_of_ep_rank = [rank // gpus_per_node for rank in members]
+    per_rank, per_group = config.n_experts // layout.ep, config.n_experts // config.n_group
+    nodes_of_group = [len({node_of_ep_rank[expert // per_rank] for expert in range(g * per_group, (g + 1) * per_group)})
+                      for g in range(config.n_group)]
+    widest = sorted(nodes_of_group, reverse=True)[:config.topk_group]
+    nodes = len(set(node_of_ep_rank))
+    near, peers = inside_share(layout, where, ("ep",), gpus_per_node)
+    return ExpertNodes(nodes, near, peers, max(nodes_of_group), min(config.top_k, nodes, sum(widest)))
 
 
 # ---------------------------------------------------------------------------
@@ -1475,6 +1713,10 @@ def parse_args(argv=None):
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("--world", type=int, required=True, help="ranks (GPUs) of the run")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (inside: fast links)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="whose kernels the activations are modelled on: cpu (exact for runs on CPUs) or cuda (where "
+                        "they differ: latent attention on one device runs CUDA's memory-efficient kernel, not the "
+                        "CPU's composite, which keeps the softmax's s x s probabilities)")
     p.add_argument("--json", action="store_true", help="print the prediction as log.jsonl's fields, per rank")
     p.add_argument("--search", action="store_true",
                    help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ZeRO, hybrid sharding, "
@@ -1512,7 +1754,7 @@ def first_of_stage(layout, stage):
 def print_table(args, plan_args):
     """One row per pipeline stage (its first rank: others differ at most by ZeRO's step counters, and under
     Muon by the pieces of matrices they hold and assemble: print_muon), the busiest first."""
-    layout = layout_of(args, plan_args.world)
+    layout = layout_of(args, plan_args.world, plan_args.device)
     config = cli.model_config(args, cli.data_vocab_size(args))
     print(describe(layout, args, config))
     rows = []
@@ -1534,6 +1776,7 @@ def print_table(args, plan_args):
         print(f"{who:18s} {memory}{total / scale:9.2f} | {inside / scale:.2f}, {across / scale:.2f}; "
               f"{by_kind or 'none'}")
     print_muon(config, layout, unit, scale)
+    print_expert_nodes(config, layout, plan_args.gpus_per_node)
     busiest = rows[0][1]
     prediction = predict_stage(config, layout, busiest)
     peaks = stage_peaks(config, layout, busiest, prediction)
@@ -1544,6 +1787,27 @@ def print_table(args, plan_args):
           f"the interpreter and PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step "
           f"{peaks['step_peak_bytes'] / scale:.2f}, checkpoint save {peaks['save_peak_bytes'] / scale:.2f}, load "
           f"{peaks['load_peak_bytes'] / scale:.2f}")
+
+
+def print_expert_nodes(config, layout, gpus_per_node):
+    """With experts over several ep ranks, where a token's experts lie (expert_nodes, for the first rank of the
+    last stage: every ep group lies alike): the nodes of its ep group, the share of the dispatch staying inside
+    the node, and under group-limited routing the nodes a token can reach. ep.py sends each (token, expert)
+    pair on its own (no copy per node forwarded inside it, as DeepSeek-V3's kernels do), so under balanced
+    routing the limit leaves the bytes as they are: it bounds the nodes a token reaches."""
+    if not config.n_experts or layout.ep == 1:
+        return
+    where = first_of_stage(layout, layout.placement.last_rank)
+    nodes = expert_nodes(config, layout, where, gpus_per_node)
+    print(f"experts: an ep group of {layout.ep} ranks on {nodes.nodes} of the nodes ({gpus_per_node} GPUs each); "
+          f"{nodes.near} of a rank's {nodes.peers} dispatch peers on its own node, so {nodes.near}/{nodes.peers} of "
+          f"its all-to-all stays inside")
+    if config.n_group > 1:
+        print(f"group-limited routing: {config.n_experts // config.n_group} experts a group on at most "
+              f"{nodes.group_nodes} node(s); a token's {config.top_k} experts lie on at most {nodes.token_nodes} of "
+              f"the {nodes.nodes} node(s) ({config.topk_group} of {config.n_group} groups; without the limit "
+              f"{min(config.top_k, nodes.nodes)}). Each (token, expert) pair travels on its own, so the limit "
+              f"bounds the nodes a token reaches, not the bytes")
 
 
 def print_muon(config, layout, unit, scale):
@@ -1567,7 +1831,7 @@ def powers_of_two(limit):
     return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
 
 
-def candidate_layouts(args, world, gpus_per_node):
+def candidate_layouts(args, world, gpus_per_node, device="cpu"):
     """Every (tp, pp, cp, ep, expert-tp, zero, dp_shard, recompute) train.py accepts for these flags on `world`
     ranks, tp within a node (its collectives are on every block's critical path) and sequence parallelism on
     with tp (the same traffic for less memory); the experts' split folded over each stage's ranks
@@ -1586,7 +1850,7 @@ def candidate_layouts(args, world, gpus_per_node):
                                     "expert_tp": expert_tp, "zero": zero, "dp_shard": dp_shard,
                                     "recompute": recompute, "sp": tp > 1})
                                 try:
-                                    yield candidate, layout_of(candidate, world)
+                                    yield candidate, layout_of(candidate, world, device)
                                 except (cli.ConfigError, ValueError):
                                     continue
 
@@ -1670,13 +1934,23 @@ def muon_floor(config, layout):
     return max(floors)
 
 
+def busiest_traffic(layout, stages, gpus_per_node):
+    """(across, inside): the bytes a step sends across nodes and inside one by the rank of the stage that sends
+    most across (busiest_of_stage's; a pipeline is as slow as its slowest stage: with dense first layers, not
+    the stage holding most)."""
+    return max(node_split(layout, prediction, busiest_of_stage(layout, stage, prediction), gpus_per_node)[::-1]
+               for stage, prediction in enumerate(stages))
+
+
 def search(args, plan_args):
-    """The layouts whose every GPU's peak (device_peak) fits --memory, least traffic across nodes first. Under
-    Muon, those that cannot fit (muon_floor) are left out before their assembly is planned, and so are those
-    too large to plan here (MUON_SEARCH_PIECES), which are counted."""
+    """The layouts whose every GPU's peak (device_peak) fits --memory, least traffic across nodes first (of the
+    stage sending most across, busiest_traffic). Under Muon, those that cannot fit (muon_floor) are left out
+    before their assembly is planned, and so are those too large to plan here (MUON_SEARCH_PIECES), which are
+    counted."""
     config = cli.model_config(args, cli.data_vocab_size(args))
     fits, too_large = [], 0
-    for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node):
+    for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node,
+                                                 plan_args.device):
         if layout.optimizer == "muon":
             if muon_floor(config, layout) > plan_args.memory:
                 continue
@@ -1685,10 +1959,9 @@ def search(args, plan_args):
                 continue
         stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
         peaks = [device_peak(config, layout, stage, stages[stage]) for stage in range(layout.pp)]
-        worst = max(range(layout.pp), key=peaks.__getitem__)
-        where, memory = busiest_of_stage(layout, worst, stages[worst]), peaks[worst]
+        memory = max(peaks)
         if memory <= plan_args.memory:
-            inside, across = node_split(layout, stages[worst], where, plan_args.gpus_per_node)
+            across, inside = busiest_traffic(layout, stages, plan_args.gpus_per_node)
             fits.append((across, inside, memory, layout))
     fits.sort(key=lambda fit: fit[:3])
     if too_large:
@@ -1712,7 +1985,8 @@ def main(argv=None):
         if plan_args.search:
             search(args, plan_args)
         elif plan_args.json:
-            print(json.dumps({**predict(args, plan_args.world), **predict_peaks(args, plan_args.world)}))
+            print(json.dumps({**predict(args, plan_args.world, plan_args.device),
+                              **predict_peaks(args, plan_args.world, plan_args.device)}))
         else:
             print_table(args, plan_args)
     except cli.ConfigError as e:
