@@ -442,17 +442,18 @@ class LatentAttention(nn.Module):
         self.frequencies = partial(rotary_frequencies, config, self.rope)
         self.rotary_gain, self.softmax_gain = yarn_gains(config)
         self.core = causal_attention  # the swappable seam (see the module docstring)
+        self.compressed = unchanged  # a second seam: where tensor parallelism's region begins (tp.py)
 
     def forward(self, x, pos, documents=None):
-        batch, seq = x.shape[:2]  # under sequence parallelism x is gathered already (tp.py enters the region here)
-        q = self.q_up(self.q_down_norm(self.q_down(x)))
         latent, k_rope = self.kv_down(x).split([self.kv_down_norm.normalized_shape[0], self.rope], dim=-1)
-        kv = self.kv_up(self.kv_down_norm(latent))
-        # Heads are read off the up-projections' outputs, so a rank holding some of them (tensor parallelism)
-        # runs this unchanged; (batch, heads, seq, features) from here.
+        q_latent, latent, k_rope = self.compressed(self.q_down_norm(self.q_down(x)), self.kv_down_norm(latent), k_rope)
+        q, kv = self.q_up(q_latent), self.kv_up(latent)
+        # Shapes are read off the up-projections' outputs, so a rank holding some of the heads (tensor
+        # parallelism), whose compressed tokens are gathered (sequence parallelism), runs this unchanged.
+        batch, seq = q.shape[:2]
         q_nope, q_rope = q.view(batch, seq, -1, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], -1)
         k_nope, v = kv.view(batch, seq, -1, self.nope + self.v_head_dim).transpose(1, 2).split(
-            [self.nope, self.v_head_dim], -1)
+            [self.nope, self.v_head_dim], -1)  # (batch, heads, seq, features) from here
         frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
         q_rope = rotary(q_rope, pos, frequencies, self.rotary_gain)
         k_rope = rotary(k_rope.unsqueeze(1), pos, frequencies, self.rotary_gain)  # one head, for every head
@@ -460,6 +461,10 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         y = self.core(q, k, v, documents)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def unchanged(*tensors):
+    return tensors
 
 
 class KVCache:

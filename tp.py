@@ -507,21 +507,30 @@ def split_experts(moe, group, columns=("fc",), row="proj"):
 
 
 def split_latent_attention(attention, plan, config, columns=("q_up", "kv_up"), row="proj",
-                           replicated=("q_down", "q_down_norm", "kv_down", "kv_down_norm")):
+                           down=("q_down", "q_down_norm", "kv_down", "kv_down_norm")):
     """DeepSeek's multi-head latent attention (model.py's LatentAttention): the up-projections column-parallel
     by heads (a head's query, and its key | value, are contiguous features), the output projection
-    row-parallel, and the down-projections with their norms replicated inside the region: the region is
-    entered once, at the attention's input. Each rank's copy of a replicated layer feeds that rank's heads
-    alone (the shared rotary key included), so its gradient is a partial sum, summed over the group
-    (`gradients_summed`), and the input's gradient leaves through f (or the reduce-scatter) as from any
-    column-parallel layer."""
-    share_region_entry(attention, plan)
+    row-parallel, and the down-projections with their norms outside the region, as a norm is (`plan.norm`:
+    replicated; under sequence parallelism applied to this rank's tokens, their gradients summed).
+
+    The region is entered by what they output, the compressed tokens (the queries' and the keys' and values'
+    latents and the shared rotary key), together (`enter_together`): one all-reduce in backward, or under
+    sequence parallelism one all-gather forward, of q_lora_rank + kv_lora_rank + qk_rope_head_dim features a
+    token (DeepSeek-V3's 2,112) instead of d_model's (7,168), and each rank down-projects its own tokens only.
+    """
+    for name in down:
+        plan.norm(getattr(attention, name))
+    attention.compressed = partial(enter_together, plan=plan)
     query_head = config.qk_nope_head_dim + config.qk_rope_head_dim
     for name, head in zip(columns, (query_head, config.qk_nope_head_dim + config.v_head_dim)):
         setattr(attention, name, ColumnParallelLinear(getattr(attention, name), plan, entered=True, head_dim=head))
     setattr(attention, row, RowParallelLinear(getattr(attention, row), plan))
-    for name in replicated:
-        gradients_summed(getattr(attention, name), plan.group)
+
+
+def enter_together(*tensors, plan):
+    """The tensors (batch, seq, features each) into the region as one: concatenated, plan.enter, split again."""
+    together = plan.enter(torch.cat(tensors, dim=-1))
+    return together.split([t.shape[-1] for t in tensors], dim=-1)
 
 
 # ---------------------------------------------------------------------------
