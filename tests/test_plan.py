@@ -333,8 +333,9 @@ def test_deepseek_v3_preset_is_671b_with_37b_activated_per_token():
 
 def test_latent_attention_replicates_its_down_projections_over_tp_and_sums_their_gradients():
     """tp.split_latent_attention: q_up and kv_up split by heads, proj by its inputs, q_down, kv_down and their
-    norms whole on every rank. The planner's replicated weights (whose gradients tp sums in every backward) are
-    the attention's parameters it does not shard, and a tp rank holds the sharded ones' half besides them."""
+    norms whole on every rank, as norms: under sp the planner's replicated weights (whose gradients tp sums in
+    every backward) are the attention's parameters it does not shard, without sp none; a tp rank holds the
+    sharded ones' half besides them."""
     args = cli.parse_args([*TINY_DEEPSEEK, "--tp", "2"])
     c = cli.model_config(args, cli.data_vocab_size(args))
     attention = [(name, math.prod(shape)) for name, shape in plan.model_parameters(plan.config_key(c))
@@ -342,7 +343,9 @@ def test_latent_attention_replicates_its_down_projections_over_tp_and_sums_their
     whole = [numel for name, numel in attention if not plan.tp_sharded(name)]
     assert {name.split(".")[3] for name, _ in attention if not plan.tp_sharded(name)} == {
         "q_down", "q_down_norm", "kv_down", "kv_down_norm"}
-    assert sorted(plan.attention_of(c).summed_over_tp(c)) == sorted(whole)
+    assert plan.attention_of(c).summed_over_tp(c, plan.layout_of(args, 2)) == []  # whole gradients without sp
+    with_sp = cli.parse_args([*TINY_DEEPSEEK, "--tp", "2", "--sp"])
+    assert sorted(plan.attention_of(c).summed_over_tp(c, plan.layout_of(with_sp, 2))) == sorted(whole)
     dense, _, _ = plan.rank_parameters(c, plan.layout_of(args, 2), 0)
     held = sum(numel for name, numel in dense if name.startswith("blocks.0.attn."))
     assert held == sum(whole) + (latent_attention_parameters(c) - sum(whole)) // 2

@@ -731,14 +731,15 @@ def tp_traffic(config, layout, layers, first, last):
             send("all_reduce", enter, 1)
         if layout.sp and c.position == "learned":
             summed_gradients(c.max_seq_len * c.d_model)  # the whole position table's
+    entering_attention = tokens_per_rank(c, layout) * attention_of(c).entering(c) * layout.weight_bytes
     for layer in layers:
-        region(enter, leave, again, again)  # attention
+        region(entering_attention, leave, again, again)  # attention
         mlp = not c.is_moe(layer) or c.n_shared_experts  # a dense MLP, or the shared expert, split alike
         if mlp:  # recomputed up to the last tensor backward needs: with a gate, the output its product keeps
             region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
-        for numel in attention_of(c).summed_over_tp(c):  # replicated weights that met this rank's heads alone
+        for numel in attention_of(c).summed_over_tp(c, layout):  # replicated weights that met only some tokens
             summed_gradients(numel)
         if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
             gate = c.is_moe(layer) and c.shared_expert_gate
@@ -872,10 +873,12 @@ class AttentionSaved(NamedTuple):
 
 class Attention(NamedTuple):
     """How the planner reads one of model.py's attention layers: its activations (c, layout, tokens) ->
-    AttentionSaved, and the elements of each weight tensor parallelism replicates and sums the gradient of
-    over the group in every backward (c -> [elements]), beyond the block's norms."""
+    AttentionSaved, the elements of each weight tensor parallelism replicates and sums the gradient of over
+    the group in every backward (c, layout -> [elements]), beyond the block's norms, and the features a token
+    enters the tensor-parallel region with (c -> features)."""
     activations: Callable
     summed_over_tp: Callable
+    entering: Callable
 
 
 def attention_of(c):
@@ -905,30 +908,35 @@ def grouped_attention_activations(c, layout, tokens):
     return AttentionSaved(attention - core if layout.recompute == "selective" else attention, core)
 
 
-def qk_norm_weights(c):
+def qk_norm_weights(c, layout):
     """QK-norm's q_norm and k_norm (c.qk_norm) met this rank's heads alone, sp or not: tp.split_attention sums
     their gradients."""
     return [c.head_dim] * 2 * c.qk_norm
 
 
-GROUPED_ATTENTION = Attention(grouped_attention_activations, qk_norm_weights)
+GROUPED_ATTENTION = Attention(grouped_attention_activations, qk_norm_weights, lambda c: c.d_model)
 
 
 def latent_attention_activations(c, layout, tokens):
     """model.py's LatentAttention (DeepSeek-V2, section 2.1): what each of its operators saves, per token.
-    Replicated over tp and on every token of the micro-batch (gathered under sp): the input x that q_down and
-    kv_down read; the queries' bottleneck (q_down_norm, an RMSNorm, and q_up's input); the latent (kv_down_norm,
-    whose input is a view of kv_down's output latent | shared rotary key, and kv_up's input); the cos and sin
-    of the two rotations (of the rope features alone). This rank's heads: the core's inputs (q and k, made by
-    torch.cat, and v, a view of kv_up's output, so that whole output) and what the core keeps (latent_core);
-    proj's input, the heads' outputs, unless it is the core's own output read in place."""
+    Before tp's region, on this rank's tokens (1/tp of them under sp; tp.split_latent_attention): the input x
+    that q_down and kv_down read; the queries' bottleneck norm (q_down_norm, an RMSNorm); the latent's norm
+    (kv_down_norm, whose input is a view of kv_down's output latent | shared rotary key). Replicated over tp,
+    on every token of the micro-batch: the compressed tokens (queries' latent | latent | rotary key, made by
+    torch.cat and gathered under sp), of which q_up's and kv_up's inputs are views (on one rank of tp, the
+    norms' outputs themselves: nothing enters a region); the cos and sin of the two
+    rotations (of the rope features alone). This rank's heads: the core's inputs (q and k, made by torch.cat,
+    and v, a view of kv_up's output, so that whole output) and what the core keeps (latent_core); proj's
+    input, the heads' outputs, unless it is the core's own output read in place."""
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
-    x = tokens * c.d_model * a
-    queries = 0
-    if c.q_lora_rank:
-        queries = rms_norm_activations(tokens, c.q_lora_rank, c.q_lora_rank, a) + tokens * c.q_lora_rank * a
-    latent = (rms_norm_activations(tokens, c.kv_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim, a)
-              + tokens * c.kv_lora_rank * a)
+    own_tokens = tokens // t if layout.sp else tokens
+    x = own_tokens * c.d_model * a
+    queries = rms_norm_activations(own_tokens, c.q_lora_rank, c.q_lora_rank, a) if c.q_lora_rank else 0
+    latent = rms_norm_activations(own_tokens, c.kv_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim, a)
+    if t > 1:  # q_up's and kv_up's inputs: views of the compressed tokens, concatenated to enter the region
+        latent += tokens * compressed_features(c) * a
+    else:  # the norms' own outputs (without a query bottleneck, x itself, counted already)
+        latent += tokens * (c.q_lora_rank + c.kv_lora_rank) * a
     rotations = 2 * position_rows(layout) * (c.seq_len // layout.cp) * c.rotary_dim * wide
     inputs = tokens * (c.q_dim + c.kv_dim + c.n_head * (c.qk_nope_head_dim + c.v_head_dim)) // t * a
     outputs = tokens * c.v_dim // t * a
@@ -1002,14 +1010,22 @@ LATENT_CORES = {"fused": LatentCore(kernel_output, True, True), "math": LatentCo
                 "alltoall": LatentCore(head_shard_copies, False, False)}
 
 
-def latent_replicated_weights(c):
-    """tp.split_latent_attention replicates q_down, q_down_norm (with a query bottleneck), kv_down and
-    kv_down_norm: each rank's copy feeds its heads alone, so their gradients are summed over the group."""
+def latent_replicated_weights(c, layout):
+    """tp.split_latent_attention treats q_down, q_down_norm (with a query bottleneck), kv_down and kv_down_norm
+    as norms: replicated, and under sp applied to this rank's tokens alone, their gradients summed."""
+    if not layout.sp:
+        return []
     queries = [c.q_lora_rank * c.d_model, c.q_lora_rank] if c.q_lora_rank else []
     return [*queries, (c.kv_lora_rank + c.qk_rope_head_dim) * c.d_model, c.kv_lora_rank]
 
 
-LATENT_ATTENTION = Attention(latent_attention_activations, latent_replicated_weights)
+def compressed_features(c):
+    """What a token enters latent attention's tensor-parallel region with (LatentAttention.compressed): the
+    queries' latent (x itself without a query bottleneck), the keys' and values' latent, the shared rotary key."""
+    return (c.q_lora_rank or c.d_model) + c.kv_lora_rank + c.qk_rope_head_dim
+
+
+LATENT_ATTENTION = Attention(latent_attention_activations, latent_replicated_weights, compressed_features)
 
 
 def head_norm_activations(c, layout, tokens):
