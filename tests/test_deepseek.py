@@ -3,7 +3,8 @@ through every dimension, each layout equal to the single device in float64 and t
 
 Latent attention's keys have qk_nope_head_dim + qk_rope_head_dim features a head and its values v_head_dim
 (the tiny preset's 8 + 4 and 6), so every way of context parallelism carries keys and values of two widths;
-under tensor parallelism its down-projections are replicated and their gradients summed over the group.
+under tensor parallelism its down-projections act outside the region, as norms do, and its compressed tokens
+enter the region together.
 """
 import dataclasses
 import math

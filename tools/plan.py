@@ -239,7 +239,7 @@ def model_parameters(config_fields):
 
 
 # Parameters tensor parallelism leaves whole on every rank: norms, the position table, routers, a shared expert's
-# gate, and latent attention's down-projections (tp.split_latent_attention: each rank's copy feeds its heads alone).
+# gate, and latent attention's down-projections (tp.split_latent_attention treats them as norms).
 REPLICATED = ("norm", "pos_emb", "router", "shared_gate", "attn.q_down.", "attn.kv_down.")
 
 
