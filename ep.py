@@ -20,9 +20,9 @@ whole micro-batch (`aux_loss`), and/or a bias on the choice moved towards balanc
 
 Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -> (tokens, d)), its router
 (any attribute name: `router=`), `top_k`; optionally `norm_topk_prob` (False: gates not renormalised), a
-shared expert (`shared=`) and its sigmoid gate (`shared_gate=`, Qwen2-MoE's), a `route_bias` buffer
-with `bias_update_rate`, and DeepSeek-V3's router settings `scoring` ("sigmoid"), `groups` ((n_group,
-topk_group)) and `routed_scaling_factor`. Names stay the single device's, so checkpoints match. The glue, per MoE layer:
+shared expert (`shared=`) and its gate (`shared_gate=`, Qwen2-MoE's), a `route_bias` with `bias_update_rate`,
+DeepSeek-V3's `scoring` ("sigmoid"), `groups` ((n_group, topk_group)), `routed_scaling_factor`. Names stay
+the single device's, so checkpoints match. The glue, per MoE layer:
     layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert",
                               shared_gate="shared_expert_gate")
 (stats_group: every rank that routes tokens of its own, for the balancing statistics.)

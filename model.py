@@ -406,7 +406,7 @@ class CausalSelfAttention(nn.Module):
 LATENT_NORM_EPS = 1e-6
 
 
-def low_rank(config, d_in, rank, d_out):
+def low_rank(d_in, rank, d_out):
     """x -> up(norm(down(x))) through a bottleneck of `rank` features, RMS-normed there; rank 0: up(x) alone.
     (down, norm, up), the first two identities without a bottleneck."""
     if not rank:
@@ -418,14 +418,14 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2, 2024, section 2.1; DeepSeek-V3's): the same seams as
     CausalSelfAttention (`core`, positions passed in), other projections.
 
-    Keys and values come from one compressed latent of kv_lora_rank features a token (kv_down, normed, then
-    kv_up to every head's unrotated key part and its value): the latent, not the heads' keys and values, is
-    what an inference cache keeps. Rotary positions cannot pass through that compression (a rotation depends
-    on the position, the up-projection does not), so each head's query and key have a second part of
-    qk_rope_head_dim features that is rotated: the query's from the query's own projection, the key's one set
-    from kv_down, shared by every head. A head's query and key have qk_nope_head_dim + qk_rope_head_dim
-    features (DeepSeek-V3: 128 + 64), its value v_head_dim (128). Queries go through a low-rank bottleneck of
-    their own (q_lora_rank; none in DeepSeek-V2-Lite).
+    Keys and values come from one compressed latent of kv_lora_rank features a token (kv_down, normed, then kv_up to
+    every head's unrotated key part and its value): the latent, not the heads' keys and values, is what an inference
+    cache need keep (KVCache here keeps the heads', as it does for every attention). Rotary positions cannot pass
+    through that compression (a rotation depends on the position, the up-projection does not), so each head's query
+    and key have a second part of qk_rope_head_dim features that is rotated: the query's from the query's own
+    projection, the key's one set from kv_down, shared by every head. A head's query and key have qk_nope_head_dim +
+    qk_rope_head_dim features (DeepSeek-V3: 128 + 64), its value v_head_dim (128). Queries go through a low-rank
+    bottleneck of their own (q_lora_rank; none in DeepSeek-V2-Lite).
 
     The scores are scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), the core's default for q's width,
     times YaRN's softmax gain, which multiplies q here.
@@ -434,7 +434,7 @@ class LatentAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.nope, self.rope, self.v_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-        self.q_down, self.q_down_norm, self.q_up = low_rank(config, config.d_model, config.q_lora_rank, config.q_dim)
+        self.q_down, self.q_down_norm, self.q_up = low_rank(config.d_model, config.q_lora_rank, config.q_dim)
         self.kv_down = nn.Linear(config.d_model, config.kv_lora_rank + self.rope, bias=False)  # latent | shared key
         self.kv_down_norm = nn.RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope + self.v_head_dim), bias=False)
