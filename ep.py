@@ -15,17 +15,17 @@ ranks of an expert-parallel group holds E/N experts, and tokens travel to their 
 3. compute: each local expert runs on the tokens it received (none: not run, its gradient stays None);
 4. combine: the reverse all-to-all brings the outputs home, weighted by their gates and added into place.
 
-Routing is dropless unless a capacity factor is given. Balance: the Switch loss E * sum_i f_i P_i over the
-whole micro-batch (`aux_loss`), and/or a bias on the choice moved towards balance after every step (`load`).
+Dropless unless a capacity factor is given. Balance: the Switch loss E * sum_i f_i P_i over the micro-batch
+(`aux_loss`), or per sequence (`balance=`), and/or a bias on the choice moved after every step (`load`).
 
 Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -> (tokens, d)), its router
 (any attribute name: `router=`), `top_k`; optionally `norm_topk_prob` (False: gates not renormalised), a
 shared expert (`shared=`) and its gate (`shared_gate=`, Qwen2-MoE's), a `route_bias` with `bias_update_rate`,
 DeepSeek-V3's `scoring` ("sigmoid"), `groups` ((n_group, topk_group)), `routed_scaling_factor`. Names stay
-the single device's, so checkpoints match. The glue, per MoE layer:
+the single device's, so checkpoints match. The glue, per MoE layer (stats_group: every rank that routes
+tokens of its own, for the balancing statistics):
     layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert",
                               shared_gate="shared_expert_gate")
-(stats_group: every rank that routes tokens of its own, for the balancing statistics.)
 Gradients: the router's (and all outside the experts) are averaged over the ranks holding different data;
 an expert's are summed over the ranks holding the same expert and divided by the ranks the loss averages.
 Folded over tensor parallelism (the ep ranks are tp ranks): pass `tokens=ShardedTokens(tp_group)` under
@@ -138,6 +138,21 @@ class WholeExperts:
         return outputs
 
 
+class MicroBatchBalance:
+    """The Switch loss balances the whole micro-batch: one unit, whose counts are those summed over stats_group.
+    (SequenceBalance, after the banner, balances each sequence.)"""
+
+    scope = "batch"  # model.py's aux_loss_scope
+
+    def __init__(self, stats_group):
+        self.stats_group = stats_group
+
+    def statistics(self, layer, x, probs, experts, counts):
+        """(assignments per expert over all ranks, this rank's probabilities summed, the ranks sharing them),
+        the first two with a row per unit balanced."""
+        return counts.unsqueeze(0), probs.sum(0, keepdim=True), dist.get_world_size(self.stats_group)
+
+
 class ExpertParallelMoE(nn.Module):
     """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks routing distinct
     tokens (for the balancing statistics). Made from a single-device MoE layer (the contract in the module
@@ -150,8 +165,10 @@ class ExpertParallelMoE(nn.Module):
     """
 
     def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared",
-                 tokens=OwnTokens(), expert_tp=WholeExperts(), shared_gate="shared_gate"):
+                 tokens=OwnTokens(), expert_tp=WholeExperts(), shared_gate="shared_gate", balance=None):
         super().__init__()
+        self.balance = balance or MicroBatchBalance(stats_group)
+        refuse_other_balance(moe, self.balance)
         self.n_experts, self.top_k = len(moe.experts), moe.top_k
         self.norm_topk_prob = getattr(moe, "norm_topk_prob", True)
         # DeepSeek-V3's router, where the layer has it (after the banner): sigmoid scores, groups, gate scale
@@ -188,32 +205,34 @@ class ExpertParallelMoE(nn.Module):
         gates, experts, probs = route(router(tokens), self.top_k, self.route_bias, self.norm_topk_prob,
                                       self.scoring, self.groups, self.routed_scaling_factor)
         keep = within_capacity(experts, self.n_experts, self.capacity_factor)  # all (dropless) by default
-        self.aux_loss = self._load_balancing_loss(probs, experts, keep)
+        self.aux_loss = self._load_balancing_loss(probs, experts, keep, x)
         out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
         shared = getattr(self, self.shared_name)  # on x as it came (a sequence shard under sp: tp.py gathers it)
         return out if shared is None else out + gated_shared_expert(shared, getattr(self, self.shared_gate_name), x)
 
-    def _load_balancing_loss(self, probs, experts, keep):
-        """This rank's share of the Switch loss E * sum_i f_i P_i over the whole micro-batch, f_i the fraction of
-        token assignments that went to expert i, P_i its mean router probability.
+    def _load_balancing_loss(self, probs, experts, keep, x):
+        """This rank's share of the Switch loss E * sum_i f_i P_i over the micro-batch (`balance`: of each
+        sequence, averaged), f_i the fraction of token assignments that went to expert i, P_i its mean router
+        probability; and the step's statistics (tokens per expert and dropped, over stats_group).
 
-        f_i and the token count are summed over stats_group (no gradient flows
-        through them), the probabilities over the ranks sharing this rank's loss
-        (tensor parallelism), each differentiating its own tokens'. Each of the
-        N ranks the loss is averaged over contributes E * N * sum_i f_i * (sum
-        of its p_ti) / T: averaged, as data parallelism averages the losses,
-        that is exactly E * sum_i f_i P_i, value and gradient.
+        f_i and the token count are summed over the ranks sharing the unit
+        balanced (no gradient flows through them), the probabilities over the
+        ranks sharing this rank's loss (tensor parallelism), each differentiating
+        its own tokens'. Each of the N ranks holding part of a unit contributes
+        E * N * sum_i f_i * (sum of its p_ti) / T: averaged, as data parallelism
+        averages the losses, that is exactly E * sum_i f_i P_i, value and gradient.
         """
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts).to(probs.dtype)
-        stats = torch.cat([counts, torch.tensor([len(probs), (~keep).sum()], dtype=probs.dtype, device=probs.device)])
+        stats = torch.cat([counts, (~keep).sum().to(probs.dtype).view(1)])
         dist.all_reduce(stats, group=self.stats_group)
-        counts, n_tokens, dropped = stats[:-2], stats[-2], stats[-1]
+        counts, dropped = stats[:-1], stats[-1]
         self.tokens_per_expert, self.dropped = counts.long().tolist(), int(dropped)
         if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += counts.long()
-        f = counts / (n_tokens * self.top_k)
-        n_ranks = dist.get_world_size(self.stats_group) // self.tokens.size
-        return self.n_experts * n_ranks * (f * self.tokens.total(probs.sum(0))).sum() / n_tokens
+        counts, prob_sums, n_ranks = self.balance.statistics(self, x, probs, experts, counts)  # (units, E) each
+        tokens = counts.sum(-1, keepdim=True) / self.top_k  # each unit's, over every rank
+        f, p = counts / (tokens * self.top_k), self.tokens.total(prob_sums) / tokens
+        return self.n_experts * (n_ranks // self.tokens.size) * (f * p).sum(-1).mean()
 
     def _dispatch_compute_combine(self, tokens, gates, experts, keep):
         n = dist.get_world_size(self.ep_group)
@@ -277,6 +296,36 @@ def best_groups_only(choice, n_group, topk_group):
     worth = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
     best = torch.zeros_like(worth, dtype=torch.bool).scatter_(-1, worth.topk(topk_group, dim=-1).indices, True)
     return grouped.masked_fill(~best.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+class SequenceBalance(MicroBatchBalance):
+    """DeepSeek-V3's sequence-wise balance loss (its equations 17-20): the Switch loss of each sequence of the
+    micro-batch, averaged. `group`: the ranks holding parts of the same sequences (context and tensor
+    parallelism's), over which each sequence's counts are summed. The layer's input is (sequences, tokens,
+    d_model), its rows the same sequences on every rank of the group."""
+
+    scope = "sequence"
+
+    def __init__(self, group):
+        self.group = group
+
+    def statistics(self, layer, x, probs, experts, counts):
+        n = x.shape[0]
+        sequence = layer.tokens.enter(torch.arange(n, device=x.device).repeat_interleave(x[0].numel() // x.shape[-1]))
+        pairs = sequence.unsqueeze(1) * layer.n_experts + experts  # (sequence, expert) of each assignment
+        counts = torch.bincount(pairs.flatten(), minlength=n * layer.n_experts).view(n, -1).to(probs.dtype)
+        dist.all_reduce(counts, group=self.group)
+        prob_sums = torch.zeros_like(counts).index_add(0, sequence, probs)
+        return counts, prob_sums, dist.get_world_size(self.group)
+
+
+def refuse_other_balance(moe, balance):
+    """The layer balances per sequence (model.py's aux_loss_scope) but was given no group for it, or the reverse."""
+    scope = getattr(moe, "aux_loss_scope", "batch")
+    if scope != balance.scope:
+        raise ValueError(f"the MoE layer's balance loss is over each {scope}, but balance={type(balance).__name__}: "
+                         f"pass balance=SequenceBalance(group) (group: the ranks holding parts of the same "
+                         f"sequences) for 'sequence', nothing for 'batch'")
 
 # The capacity limit, folding over tensor parallelism, expert tensor parallelism, model.py's glue, the
 # self-check.
@@ -461,7 +510,7 @@ def is_expert_parameter(name):
 
 def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, **options):
     """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here);
-    options: ExpertParallelMoE's `tokens` and `expert_tp`."""
+    options: ExpertParallelMoE's `tokens`, `expert_tp` and `balance`."""
     for block in model.blocks:
         if hasattr(getattr(block, "mlp", None), "experts"):
             block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor, **options)

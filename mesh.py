@@ -11,7 +11,9 @@ Attention and every dense layer use this grid:
   sequence);
 - dense-gradient group (dp x cp): the ranks holding the same dense
   parameter shard, over which dense gradients are averaged;
-- stage (dp x cp x tp): every rank of a pipeline stage.
+- stage (dp x cp x tp): every rank of a pipeline stage;
+- sequence (cp x tp): the ranks holding parts of the same sequences (ep.py's
+  balance loss per sequence sums its counts over them).
 
 Expert parallelism does not multiply the world: it is folded over the
 stage's ranks (Megatron-LM's "MoE parallel folding", torchtitan's expert
@@ -80,6 +82,7 @@ GROUPS = {  # group name -> the grid's (or the experts' grid's) axes its ranks d
     "dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "tp": ("tp",),
     "dense": ("dp", "cp"),
     "stage": ("dp", "cp", "tp"),
+    "sequence": ("cp", "tp"),
     "ep": ("ep",), "expert_tp": ("expert_tp",),
     "expert": ("expert_dp",),
 }

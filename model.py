@@ -104,6 +104,7 @@ class GPTConfig:
     topk_group: int = 1          # chosen within its topk_group best groups (see `route`)
     routed_scaling_factor: float = 1.0  # the chosen experts' gates multiplied by it (DeepSeek-V3: 2.5)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss (0: none)
+    aux_loss_scope: str = "batch"  # that loss over each micro-batch, or each "sequence" of it (DeepSeek-V3's)
     bias_update_rate: float = 0.0  # step of the routing bias towards balance per training step (0: none)
 
     def __post_init__(self):
@@ -128,7 +129,8 @@ class GPTConfig:
         for name, value, allowed in [("position", self.position, ("learned", "rope")),
                                      ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, tuple(ACTIVATIONS)),
                                      ("rope_type", self.rope_type, ("llama3", "yarn")),
-                                     ("router_scoring", self.router_scoring, tuple(SCORES))]:
+                                     ("router_scoring", self.router_scoring, tuple(SCORES)),
+                                     ("aux_loss_scope", self.aux_loss_scope, ("batch", "sequence"))]:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
         if self.position == "rope" and self.rotary_dim % 2:
@@ -587,16 +589,19 @@ def gated_shared_expert(shared, gate, x):
 
 
 def load_balancing_loss(probs, experts, n_experts):
-    """Switch Transformer auxiliary loss: E * sum_i f_i * P_i.
+    """Switch Transformer auxiliary loss: E * sum_i f_i * P_i, for probs (tokens, E) and the chosen experts
+    (tokens, k); given (sequences, tokens, ...), each sequence's, averaged: DeepSeek-V3's sequence-wise balance
+    loss (its equations 17-20).
 
     f_i is the fraction of the (token, choice) assignments that went to expert
     i (no gradient: it comes from an argmax), P_i the mean router probability
     of expert i. It equals 1 when routing is perfectly uniform and grows as
     tokens pile onto a few experts.
     """
-    counts = torch.bincount(experts.flatten(), minlength=n_experts)
-    f = counts.to(probs.dtype) / experts.numel()
-    return n_experts * (f * probs.mean(0)).sum()
+    assignments = experts.flatten(-2)
+    counts = torch.zeros(*assignments.shape[:-1], n_experts, dtype=probs.dtype, device=probs.device)
+    f = counts.scatter_add_(-1, assignments, torch.ones_like(assignments, dtype=probs.dtype)) / assignments.shape[-1]
+    return n_experts * (f * probs.mean(-2)).sum(-1).mean()
 
 
 class MoE(nn.Module):
@@ -615,8 +620,8 @@ class MoE(nn.Module):
     shifts which experts are chosen, and after every training step
     `update_route_biases` moves it by bias_update_rate towards balance, from
     the tokens each expert received during the step (`load`). With DeepSeek-V3's sigmoid scores the
-    auxiliary loss takes their normalised s', so it is that paper's balance loss (its equation 17), over the
-    micro-batch's tokens rather than each sequence's.
+    auxiliary loss takes their normalised s', so it is that paper's balance loss (its equation 17), and with
+    aux_loss_scope "sequence" it is taken over each sequence and averaged, as that paper's is.
     """
 
     def __init__(self, config: GPTConfig):
@@ -625,6 +630,7 @@ class MoE(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob  # (Hugging Face's Qwen MoE blocks' attribute name)
         self.scoring, self.groups = config.router_scoring, (config.n_group, config.topk_group)  # (ep.py reads them)
         self.routed_scaling_factor = config.routed_scaling_factor
+        self.aux_loss_scope = config.aux_loss_scope  # (ep.py reads it)
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(config, config.d_expert) for _ in range(config.n_experts))
         self.shared = MLP(config, config.d_shared) if config.n_shared_experts else None
@@ -638,7 +644,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         gates, experts, probs = route(self.router(tokens), self.top_k, self.route_bias, self.norm_topk_prob,
                                       self.scoring, self.groups, self.routed_scaling_factor)
-        self.aux_loss = load_balancing_loss(probs, experts, len(self.experts))
+        # the loss over the micro-batch's tokens, or each sequence's (x: (sequences, tokens, d_model))
+        tokens_by = x.shape[:-1] if self.aux_loss_scope == "sequence" else tokens.shape[:-1]
+        self.aux_loss = load_balancing_loss(probs.view(*tokens_by, -1), experts.view(*tokens_by, -1), len(self.experts))
         if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += torch.bincount(experts.flatten(), minlength=len(self.experts))
         out = (torch.zeros_like(tokens) if self.shared is None

@@ -511,16 +511,18 @@ def parallelize(model, mesh, args, values, device, precision):
 def expert_parallel(model, mesh, args):
     """ep.py's MoE layers in place of the model's; returns them. The experts are folded over the stage's ranks
     (mesh.py): every rank of the stage routes tokens of its own, so the load-balancing statistics span
-    the stage; under tensor parallelism the tokens arrive shared with the tp group (ep.py's ShardedTokens
-    with sequence parallelism, ReplicatedTokens without), and --expert-tp splits the experts."""
+    the stage (per sequence, the loss's span the cp and tp ranks holding parts of the same sequences); under
+    tensor parallelism the tokens arrive shared with the tp group (ep.py's ShardedTokens with sequence
+    parallelism, ReplicatedTokens without), and --expert-tp splits the experts."""
     if not model.config.n_experts:
         return []
     tp_group = mesh.groups["tp"]
     tokens = (ep.OwnTokens() if mesh.size("tp") == 1 else ep.ShardedTokens(tp_group) if args.sp
               else ep.ReplicatedTokens(tp_group))
     expert_tp = ep.SplitExperts(mesh.groups["expert_tp"]) if mesh.size("expert_tp") > 1 else ep.WholeExperts()
+    balance = ep.SequenceBalance(mesh.groups["sequence"]) if model.config.aux_loss_scope == "sequence" else None
     ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor,
-                             tokens=tokens, expert_tp=expert_tp)
+                             tokens=tokens, expert_tp=expert_tp, balance=balance)
     return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
 
 

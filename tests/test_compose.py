@@ -133,7 +133,8 @@ REFUSED = [
     (["--tp", "4"], "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4"),
     (["--tp", "2", "--arch", "llama", "--kv-heads", "1"],
      "--tp 2: key/value heads 1 does not divide by the tensor-parallel size 2"),
-    (["--shared-experts", "1"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),
+    (["--shared-experts", "1"], "--shared-experts, --balance and --aux-loss-scope shape mixture-of-experts layers: "
+                                "they need --experts"),
 ]
 
 

@@ -6,22 +6,26 @@ Latent attention's keys have qk_nope_head_dim + qk_rope_head_dim features a head
 under tensor parallelism its down-projections act outside the region, as norms do, and its compressed tokens
 enter the region together.
 """
+import copy
 import dataclasses
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ep
 from distributed import run_on_ranks
-from model import GPT, GPTConfig, best_groups_only, route, rotary_frequencies, yarn_gains
+from model import GPT, MoE, GPTConfig, best_groups_only, load_balancing_loss, route, rotary_frequencies, yarn_gains
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
 from training import cli
 
 DEEPSEEK = [*EQUIVALENCE, "--arch", "deepseek", "--layers", "4", "--steps", "2", "--batch-size", "16"]
-# Experts in both balancing ways: the auxiliary loss and the routing bias, moved after every step.
-EXPERTS = ["--experts", "4", "--top-k", "2", "--shared-experts", "1", "--balance", "both", "--bias-update-rate", "0.01"]
+# Experts in both balancing ways: DeepSeek-V3's balance loss per sequence and the routing bias, moved after
+# every step.
+EXPERTS = ["--experts", "4", "--top-k", "2", "--shared-experts", "1", "--balance", "both", "--bias-update-rate", "0.01",
+           "--aux-loss-scope", "sequence"]
 DOCUMENTS = ["--seq-len", "32", "--document-mask", "--eos-id", "16"]  # as tests/test_documents.py packs them
 
 # (ranks, the experiment's flags (the oracle's too), the layout's)
@@ -30,7 +34,7 @@ LAYOUTS = [
     (2, [], ["--tp", "2", "--sp", "--recompute", "full"]),
     (2, DOCUMENTS, ["--cp", "2", "--cp-mode", "ring"]),
     (2, DOCUMENTS, ["--cp", "2", "--cp-mode", "allgather", "--recompute", "selective"]),
-    (2, DOCUMENTS, ["--cp", "2", "--cp-mode", "alltoall"]),
+    (2, [*DOCUMENTS, *EXPERTS], ["--cp", "2", "--cp-mode", "alltoall", "--ep", "2"]),  # sequences' counts over cp
     (2, ["--micro-batches", "4"], ["--pp", "2", "--schedule", "zbv"]),  # backward split in two, a V of chunks
     # the router: folded over tp (without sp: the attention's tp without sp too), and limited to one group of
     # two experts a token, each group on its own rank
@@ -89,6 +93,64 @@ def test_ep_routes_as_model_py(scoring, groups, renormalise):
         assert torch.equal(a, b)
     masked = best_groups_only(logits, *groups)
     assert ((masked > -math.inf).sum(-1) == groups[1] * 16 // groups[0]).all()
+
+
+def test_the_sequence_wise_balance_loss_is_deepseek_v3s():
+    """Its equations 17-20, term by term, for each sequence of a micro-batch, averaged; the Switch loss over
+    the micro-batch is the same formula with the micro-batch as one sequence."""
+    generator = torch.Generator().manual_seed(0)
+    n_experts, top_k, sequences, length = 8, 2, 3, 10
+    scores = torch.rand(sequences, length, n_experts, generator=generator, dtype=torch.float64)
+    probs = scores / scores.sum(-1, keepdim=True)  # s'
+    experts = torch.rand(sequences, length, n_experts, generator=generator).topk(top_k, -1).indices
+    per_sequence = []
+    for s in range(sequences):
+        f = [n_experts / (top_k * length) * (experts[s] == i).sum().item() for i in range(n_experts)]  # eq. 18
+        p = [probs[s, :, i].sum().item() / length for i in range(n_experts)]  # eq. 20
+        per_sequence.append(sum(f_i * p_i for f_i, p_i in zip(f, p)))  # eq. 17, without its alpha
+    assert load_balancing_loss(probs, experts, n_experts).item() == pytest.approx(sum(per_sequence) / sequences,
+                                                                                  rel=1e-14)
+    whole = load_balancing_loss(probs.view(-1, n_experts), experts.view(-1, top_k), n_experts)
+    assert whole.item() != pytest.approx(sum(per_sequence) / sequences, rel=1e-3)  # a different loss
+
+
+def sequence_balance_worker():
+    """2 ranks sharing 3 sequences as tensor parallelism does (with sp: each holds half of every sequence;
+    without: the same tokens, each rank routing half of their rows, so the second sequence is split between
+    the ranks): the loss per micro-batch and per sequence, and the router's gradient, against model.py's MoE
+    on one device."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    data = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    errors = {}
+    for scope, balance in [("batch", None), ("sequence", ep.SequenceBalance(group))]:
+        config = GPTConfig(d_model=8, n_head=2, n_layer=1, vocab_size=16, n_experts=4, top_k=2,
+                           router_scoring="sigmoid", aux_loss_scope=scope)
+        torch.manual_seed(0)
+        reference = MoE(config).to(torch.float64)
+        reference(data)
+        reference.aux_loss.backward()
+        loss, gradient = reference.aux_loss.detach(), reference.router.weight.grad
+        reference.aux_loss = None  # (a tensor in the graph: the layer could not be copied)
+        for tokens, mine in [(ep.ShardedTokens(group), data.chunk(n, 1)[rank]), (ep.ReplicatedTokens(group), data)]:
+            layer = ep.ExpertParallelMoE(copy.deepcopy(reference), group, group, tokens=tokens, balance=balance)
+            layer.router.weight.grad = None
+            layer(mine)
+            layer.aux_loss.backward()
+            dist.all_reduce(layer.router.weight.grad)  # (tp.py sums the router's gradient over the tp ranks)
+            errors[scope, type(tokens).__name__] = max((layer.aux_loss - loss).abs().item(),
+                                                       (layer.router.weight.grad - gradient).abs().max().item())
+    return errors
+
+
+def test_the_balance_loss_per_sequence_sums_its_counts_over_the_ranks_sharing_it():
+    for errors in run_on_ranks(2, sequence_balance_worker):
+        assert len(errors) == 4 and max(errors.values()) < 1e-14, errors
+
+
+def test_a_layer_balancing_per_sequence_needs_the_ranks_sharing_them():
+    with pytest.raises(ValueError, match="pass balance=SequenceBalance"):
+        ep.ExpertParallelMoE(MoE(tiny_deepseek(aux_loss_scope="sequence")), None, None)
 
 
 # ---------------------------------------------------------------------------

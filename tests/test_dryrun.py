@@ -35,10 +35,10 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
     # its sigmoid router's group-limited routing over ep
     (50, ["--arch", "deepseek", "--tp", "2", "--sp", "--recompute", "selective", "--zero", "2"]),
     (7, ["--arch", "deepseek", "--cp", "2", "--experts", "4", "--top-k", "2", "--shared-experts", "1",
-         "--expert-groups", "2", "--group-top-k", "1", "--ep", "4", "--zero", "1"]),
+         "--expert-groups", "2", "--group-top-k", "1", "--ep", "4", "--zero", "1", "--aux-loss-scope", "sequence"]),
 ], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "qwen3-attention-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4",
         "tp2-experts-shared-recomputed-zero1", "ep4-expert-tp2-tp2-sp-zero1", "deepseek-tp2-sp-selective-zero2",
-        "deepseek-cp2-ep4-groups-zero1"])
+        "deepseek-cp2-ep4-groups-per-sequence-zero1"])
 def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, rank, flags):
     out = dry_run("--world", "64", "--rank", str(rank), "--json", *TINY, *flags, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -57,14 +57,15 @@ def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, r
 def test_one_rank_of_deepseek_v3_671b_on_2048_counts_what_plan_predicts():
     """DeepSeek-V3 671B's blocks (the preset: latent attention, 256 experts in 8 groups, sigmoid router), 8 of
     its layers on 8 pipeline stages: a rank of 2048 whose stage holds an MoE layer, with tp 8 and one expert
-    (ep 256, folded over the stage's dp x tp), short sequences so that the step is quick. Every counter is the
+    (ep 256, folded over the stage's dp x tp), balanced per sequence, short sequences so that the step is quick. Every counter is the
     planner's. Its peak is the planner's step's less at most AdamW's moments: the planner's is a step's once
     the moments exist, and this first step makes them only after the gradient norm, whose float64 squares of
     its largest piece (a whole expert matrix: it shards over its one rank) are its peak (glibc handing back
     what it frees, as in the test below)."""
     out = dry_run("--world", "2048", "--rank", "1250", "--json", "--model", "deepseek-v3", "--arch", "deepseek",
                   "--layers", "8", "--pp", "8", "--tp", "8", "--sp", "--ep", "256", "--zero", "1", "--seq-len", "64",
-                  "--batch-size", "256", "--dtype", "bfloat16", timeout=300, fixed_threshold=True)
+                  "--batch-size", "256", "--dtype", "bfloat16", "--aux-loss-scope", "sequence", timeout=300,
+                  fixed_threshold=True)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     measured, predicted = report["measured"], report["predicted"]

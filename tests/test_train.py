@@ -49,7 +49,9 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
     (2, ["--tp", "2", "--heads", "3", "--head-dim", "8"], "--tp 2: attention heads 3 does not divide by the "
                                                           "tensor-parallel size 2"),
     (2, ["--tp", "2", "--d-ff", "33"], "--tp 2: MLP hidden size 33 does not divide by the tensor-parallel size 2"),
-    (1, ["--balance", "bias"], "--shared-experts and --balance shape mixture-of-experts layers: they need --experts"),
+    (1, ["--balance", "bias"], "--shared-experts, --balance and --aux-loss-scope shape mixture-of-experts layers: "
+                               "they need --experts"),
+    (1, ["--aux-loss-scope", "sequence"], "--aux-loss-scope shape mixture-of-experts layers: they need --experts"),
     # Real-valued flags: a NaN, an infinity or a negative rate is refused here, not by the optimizer mid-launch.
     (1, ["--lr", "nan"], "--lr must be a finite number, at least 0, got nan"),
     (1, ["--lr", "inf"], "--lr must be a finite number, at least 0, got inf"),

@@ -1130,8 +1130,16 @@ SCORES_KEPT = {"softmax": lambda c: c.n_experts, "sigmoid": lambda c: c.n_expert
 
 
 def balance_statistics(c, layout):
-    """What the load-balancing loss keeps: the layer's fractions per expert, and the counts summed over ranks."""
-    return (2 * c.n_experts + 2) * max(layout.activation_bytes, 4)
+    """What the load-balancing loss keeps (ep.py), per unit it balances (the micro-batch, or each of its
+    sequences): each expert's fraction f_i and the unit's token count. Per sequence also what summing each
+    sequence's probabilities keeps (an index_add): each routed token's sequence, and the probabilities, which
+    a softmax's output already holds but DeepSeek-V3's sigmoid scores divide into a tensor of their own."""
+    wide = max(layout.activation_bytes, 4)
+    per_unit = (c.n_experts + 1) * wide
+    if c.aux_loss_scope == "batch":
+        return per_unit
+    probs = c.n_experts * wide if c.router_scoring == "sigmoid" else 0
+    return layout.micro_batch * per_unit + routed_tokens(c, layout) * (INT64 + probs)
 
 
 def recomputed_block(c, layout, layer):

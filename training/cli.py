@@ -186,6 +186,8 @@ def parse_args(argv=None):
     p.add_argument("--balance", choices=("aux", "bias", "both"), default="aux",
                    help="expert balancing: the Switch auxiliary loss, DeepSeek-V3's routing bias, or both")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--aux-loss-scope", choices=("batch", "sequence"), default="batch",
+                   help="the auxiliary loss balances each micro-batch (Switch), or each sequence (DeepSeek-V3)")
     p.add_argument("--bias-update-rate", type=float, default=1e-3,
                    help="step of the routing bias towards balance after every training step (--balance bias, both)")
     p.add_argument("--capacity-factor", type=float, default=0.0,
@@ -343,8 +345,9 @@ def check_experts(args, config):
         raise ConfigError(f"--tp {args.tp}: the shared expert's hidden size {config.d_shared} does not divide by it")
     if not 0 <= args.capacity_factor < math.inf or (args.capacity_factor and not experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
-    if not experts and (args.shared_experts or args.balance != "aux"):
-        raise ConfigError("--shared-experts and --balance shape mixture-of-experts layers: they need --experts")
+    if not experts and (args.shared_experts or args.balance != "aux" or args.aux_loss_scope != "batch"):
+        raise ConfigError("--shared-experts, --balance and --aux-loss-scope shape mixture-of-experts layers: they "
+                          "need --experts")
 
 
 def check_numbers(args):
@@ -514,7 +517,7 @@ def model_config(args, vocab_size):
     """The model the flags describe (a ConfigError if they describe none); vocab_size: the data's."""
     shape_given = shape_flags(args)
     # Mixtures of experts: how they are balanced is a training choice, with a model from anywhere.
-    moe = dict(aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0,
+    moe = dict(aux_loss_coef=args.aux_loss_coef if args.balance != "bias" else 0.0, aux_loss_scope=args.aux_loss_scope,
                bias_update_rate=args.bias_update_rate if args.balance != "aux" else 0.0)
     if args.init_from and shape_given:
         raise ConfigError(f"{', '.join(shape_given)}: --init-from {args.init_from} sets the model's shape from its "
