@@ -180,13 +180,13 @@ def test_a_diverging_run_exits_with_the_message_on_every_rank(tmp_path):
 
 # -- workers killed: torchrun restarts them, --resume auto continues ------------------------
 
-@pytest.mark.parametrize("world,flags", [(2, []), (8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts", "4"])],
-                         ids=["dp2", "tp2-pp2-ep2"])
-def test_workers_killed_twice_restart_and_end_as_if_never_killed(tmp_path, world, flags):
+# (steps: enough that the second kill lands mid-run; 8 ranks on 2 cores step about ten times slower)
+@pytest.mark.parametrize("world,flags,steps", [(2, [], 300), (8, ["--tp", "2", "--pp", "2", "--ep", "2", "--experts",
+                                                                  "4"], 100)], ids=["dp2", "tp2-pp2-ep2"])
+def test_workers_killed_twice_restart_and_end_as_if_never_killed(tmp_path, world, flags, steps):
     """SIGKILL to a worker mid-step, twice: torchrun --max-restarts brings every worker up again, the
     process group forms again, and --resume auto continues from the last checkpoint; the log and the final
     weights equal an uninterrupted run's."""
-    steps = 300
     argv = [*EQUIVALENCE, *flags, "--steps", str(steps), "--checkpoint-interval", "7", "--resume", "auto"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "3",
            "--nproc_per_node", str(world), "train.py", *argv, "--out", str(tmp_path)]
