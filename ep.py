@@ -298,7 +298,7 @@ def best_groups_only(choice, n_group, topk_group):
     return grouped.masked_fill(~best.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
-class SequenceBalance(MicroBatchBalance):
+class SequenceBalance:
     """DeepSeek-V3's sequence-wise balance loss (its equations 17-20): the Switch loss of each sequence of the
     micro-batch, averaged. `group`: the ranks holding parts of the same sequences (context and tensor
     parallelism's), over which each sequence's counts are summed. The layer's input is (sequences, tokens,
@@ -310,8 +310,9 @@ class SequenceBalance(MicroBatchBalance):
         self.group = group
 
     def statistics(self, layer, x, probs, experts, counts):
+        """MicroBatchBalance's, with a row per sequence."""
         n = x.shape[0]
-        sequence = layer.tokens.enter(torch.arange(n, device=x.device).repeat_interleave(x[0].numel() // x.shape[-1]))
+        sequence = layer.tokens.enter(torch.arange(n, device=x.device).repeat_interleave(x.shape[1]))
         pairs = sequence.unsqueeze(1) * layer.n_experts + experts  # (sequence, expert) of each assignment
         counts = torch.bincount(pairs.flatten(), minlength=n * layer.n_experts).view(n, -1).to(probs.dtype)
         dist.all_reduce(counts, group=self.group)
