@@ -34,7 +34,8 @@ LAYOUTS = [
     (2, [], ["--tp", "2", "--sp", "--recompute", "full"]),
     (2, DOCUMENTS, ["--cp", "2", "--cp-mode", "ring"]),
     (2, DOCUMENTS, ["--cp", "2", "--cp-mode", "allgather", "--recompute", "selective"]),
-    (2, [*DOCUMENTS, *EXPERTS], ["--cp", "2", "--cp-mode", "alltoall", "--ep", "2"]),  # sequences' counts over cp
+    # (with experts balanced per sequence: their counts summed over cp, again when recomputed)
+    (2, [*DOCUMENTS, *EXPERTS], ["--cp", "2", "--cp-mode", "alltoall", "--ep", "2", "--recompute", "full"]),
     (2, ["--micro-batches", "4"], ["--pp", "2", "--schedule", "zbv"]),  # backward split in two, a V of chunks
     # the router: folded over tp (without sp: the attention's tp without sp too), and limited to one group of
     # two experts a token, each group on its own rank
