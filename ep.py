@@ -22,8 +22,7 @@ Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -
 (any attribute name: `router=`), `top_k`; optionally `norm_topk_prob` (False: gates not renormalised), a
 shared expert (`shared=`) and its gate (`shared_gate=`, Qwen2-MoE's), a `route_bias` with `bias_update_rate`,
 DeepSeek-V3's `scoring` ("sigmoid"), `groups` ((n_group, topk_group)), `routed_scaling_factor`. Names stay
-the single device's, so checkpoints match. The glue, per MoE layer (stats_group: every rank that routes
-tokens of its own, for the balancing statistics):
+the single device's, so checkpoints match. The glue, per MoE layer (stats_group: the ranks routing own tokens):
     layer = ExpertParallelMoE(layer, ep_group, stats_group, router="gate", shared="shared_expert",
                               shared_gate="shared_expert_gate")
 Gradients: the router's (and all outside the experts) are averaged over the ranks holding different data;
@@ -273,6 +272,8 @@ class ExpertParallelMoE(nn.Module):
 
 
 # ---- Beyond the article ----
+# DeepSeek-V3's router and its balance loss per sequence, the capacity limit, folding over tensor parallelism,
+# expert tensor parallelism, model.py's glue, the self-check.
 
 
 def sigmoid_scores(logits):
@@ -328,8 +329,6 @@ def refuse_other_balance(moe, balance):
                          f"pass balance=SequenceBalance(group) (group: the ranks holding parts of the same "
                          f"sequences) for 'sequence', nothing for 'batch'")
 
-# The capacity limit, folding over tensor parallelism, expert tensor parallelism, model.py's glue, the
-# self-check.
 
 def within_capacity(experts, n_experts, capacity_factor):
     """Which (token, choice) assignments are kept: all (dropless), or under a capacity factor the first
