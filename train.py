@@ -43,14 +43,16 @@ from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_,
 from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
-from training import checkpoint, flight, hf, muon, stragglers
+from training import checkpoint, flight, hf, integrity, muon, stragglers
 from training.dashboard import Dashboard, NoDashboard
-from training.cli import DTYPES, ConfigError, check_args, check_vocabulary, describe_data, document_eos, parse_args
+from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
 from training.data import open_data
-from training.launch import Preemption, exit_with_error, in_collective, init_distributed, rank_and_world, where
-from training.meter import (ActivationMeter, device_peak_bytes, optimizer_bytes, parameter_bytes,
-                            peak_resident_bytes, tensor_bytes)
+from training.launch import (Preemption, exit_with_error, first_problem, in_collective, init_distributed,
+                             rank_and_world, where)
+from training.meter import (ActivationMeter, device_memory_bytes, device_peak_bytes, optimizer_bytes,
+                            parameter_bytes, peak_resident_bytes, tensor_bytes)
 from training.profile import StepProfiler
+from training.tensorfile import DamagedFile
 
 PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
@@ -91,15 +93,18 @@ def run_training(args, recorder):
     rank, world = rank_and_world()
     described = describe_data(args)  # the data's meta.json, read once: the checks and the data opened take it
     config, shape = check_args(args, world, described)  # before any process group exists: a bad launch cannot hang
+    check_memory(args, world)  # and before anything is allocated
     if args.resume not in (None, "auto"):
         checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, below
     device = init_distributed(timedelta(seconds=args.timeout))
     # Checkpoints are written on a thread of their own, with a group of their own (see checkpoint.Saver).
     saver = checkpoint.Saver(dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)))
     args.resume = resume_from(args, world, saver.group, report=print if rank == 0 else lambda message: None)
+    if args.init_from and not args.resume:
+        check_folder(args.init_from, config, saver.group)
     mesh = Mesh(shape, timeout=timedelta(seconds=args.timeout))
     data = open_data(described, seed=args.seed)
-    check_vocabulary(data, rank, world)
+    check_tokens(data, rank, world)
     trainer = Trainer(args, config, mesh, data, device)
     log = RunLog(args, world, device, trainer, writes=rank == 0)
     log.begin(shape, data)
@@ -1179,6 +1184,34 @@ def run_name(args, world):
     return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}{split_experts}"
 
 
+def check_memory(args, world):
+    """A model whose parameters alone cannot fit a rank's device is refused before anything is allocated, by
+    tools/plan.py's count of the busiest rank's param_bytes under this layout (every rank counts the same)."""
+    from tools import plan  # (it imports this file: imported once this file is whole)
+    need, have = plan.largest_parameter_bytes(args, world), device_memory_bytes()
+    if need > have:
+        device = "its GPU" if torch.cuda.is_available() else "its share of the machine's memory"
+        raise ConfigError(f"the model's parameters alone take {need / 2**30:,.1f} GiB on the busiest rank of this "
+                          f"layout (tools/plan.py's param_bytes), and a rank has {have / 2**30:,.1f} GiB ({device}): "
+                          f"split them over more ranks (--tp, --pp, --zero 3) or train a smaller model")
+
+
+def check_folder(folder, config, group):
+    """The --init-from folder checked by every rank before training: each of its safetensors files against its
+    header and its tensors' shapes against its config.json (hf.HuggingFaceValues), and the files downloaded
+    into huggingface_hub's cache against the hashes their blobs are named by, hashed by the ranks of a node a
+    share each (training/integrity.py). Every rank raises the same DamagedFile, or none does."""
+    share = (int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    try:
+        hf.HuggingFaceValues(folder, config)
+        problem = integrity.hub_problem(folder, share)
+    except (DamagedFile, hf.UnsupportedModel) as e:
+        problem = f"--init-from {e}"
+    problem = first_problem(problem, group)
+    if problem:
+        raise DamagedFile(problem)
+
+
 def same_optimizer(saved, args):
     """A checkpoint resumes under the optimizer whose state it holds (Muon's momentum is not AdamW's moments)."""
     theirs = saved.manifest["args"].get("optimizer", "adamw")
@@ -1326,7 +1359,7 @@ def main(argv=None):
     rank, world = rank_and_world()
     try:
         train(args)
-    except (ConfigError, checkpoint.BadCheckpoint) as e:  # found bad before training, by every rank alike
+    except (ConfigError, checkpoint.BadCheckpoint, DamagedFile) as e:  # found before training, by every rank alike
         exit_with_error(str(e), rank, world, status=2)
     except NonFiniteStep as e:
         exit_with_error(str(e), rank, world, status=1)

@@ -310,18 +310,21 @@ def test_the_vocabulary_is_found_without_reading_the_token_files(tmp_path, monke
     assert vocab_size_of(without_meta) == 50257
 
 
-def test_largest_id_is_found_by_parts_that_cover_each_split(tmp_path):
-    """Ranks share the scan of the token files: part r of n covers the r-th slice of every split, the parts
-    together cover all of it, and the files are read in chunks (here of 7 tokens, so slices span several)."""
+def test_the_scan_of_ids_is_shared_by_parts_that_cover_each_file(tmp_path):
+    """Ranks share the scan of the token files: part r of n reads chunks r, r + n, ... of every file, the parts
+    together cover all of it, and each file's largest id is found (here chunks of 7 tokens, so that a split
+    has several)."""
     rng = np.random.default_rng(0)
     train, val = rng.integers(0, 1000, 103), rng.integers(0, 1000, 50)
     tf = TokenFile(write_token_dir(tmp_path, train, val))
-    assert tf.largest_id() == max(train.max(), val.max())
+    files = {str(tmp_path / "train.bin"): train, str(tmp_path / "val.bin"): val}
+    assert tf.scan() == ({file: ids.max() for file, ids in files.items()}, None)
     for n_parts in (1, 2, 3, 5):
-        parts = [tf.largest_id(part, n_parts, chunk=7) for part in range(n_parts)]
-        expected = [max(train[len(train) * r // n_parts:len(train) * (r + 1) // n_parts].max(),
-                        val[len(val) * r // n_parts:len(val) * (r + 1) // n_parts].max()) for r in range(n_parts)]
-        assert parts == expected
+        parts = [tf.scan(part, n_parts, chunk_bytes=7 * 2)[0] for part in range(n_parts)]
+        for part, largest in enumerate(parts):
+            mine = {file: [ids[i:i + 7].max() for i in range(7 * part, len(ids), 7 * n_parts)]
+                    for file, ids in files.items()}
+            assert largest == {file: max(chunks) for file, chunks in mine.items() if chunks}
 
 
 def test_a_text_file_has_the_byte_vocabulary_whatever_is_given(text_file):

@@ -30,6 +30,7 @@ from tools import convert, prepare
 from tools.prepare import CHUNKS_A_WORKER, PrepareError, Texts, encode_chunk, encoded_chunks
 from training import cli
 from training.data import TokenFile, load_data, read_meta, split_lengths, tokenizer_of, vocab_size_of
+from training.integrity import json_digest
 from training.tokenizer import TOKENIZER_FILES, Tokenizer, TokenizerError, fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,6 +334,7 @@ def test_every_kind_of_records_file_prepares_the_same_bytes(folders, tmp_path):
         meta = prepare.prepare([str(path)], folders["gpt2"], str(out), val=5, chunk_docs=4,
                                workers=2 if suffix == ".parquet" else 1)
         stored = hashlib.sha256(b"text\0" + hashlib.sha256(path.read_bytes()).digest())
+        assert meta.pop("sha256") == json_digest(meta)  # (of the whole of meta.json: inputs_sha256 differs)
         assert meta.pop("inputs_sha256") == stored.hexdigest()
         outputs[suffix] = meta, (out / "train.bin").read_bytes(), (out / "val.bin").read_bytes()
     assert all(output == outputs[".jsonl"] for output in outputs.values())
@@ -606,8 +608,9 @@ def test_load_data_reads_the_prepared_directory(folders, tmp_path, name):
         windows = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.int64), 17)
         for row in data.batch(split, 0, 4, 16).numpy():
             assert (windows == row).all(1).any()
-    assert data.largest_id() == max(np.fromfile(os.path.join(out, f"{s}.bin"), dtype=meta["dtype"]).max()
-                                    for s in ("train", "val"))
+    assert data.scan() == ({os.path.join(out, f"{s}.bin"): np.fromfile(os.path.join(out, f"{s}.bin"),
+                                                                        dtype=meta["dtype"]).max()
+                            for s in ("train", "val")}, None)
 
 
 def test_a_nanogpt_directory_still_loads_as_uint16(tmp_path):

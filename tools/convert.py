@@ -28,8 +28,8 @@ import torch
 
 from model import GPT, GPTConfig
 from training import hf
-from training.checkpoint import (HASH_CHUNK, TORCH_DTYPES, BadCheckpoint, Checkpoint, SafetensorsFile,
-                                 checkpoint_at, path_for, write_manifest, write_safetensors)
+from training.checkpoint import HASH_CHUNK, BadCheckpoint, Checkpoint, checkpoint_at, path_for, write_manifest
+from training.tensorfile import TORCH_DTYPES, DamagedFile, SafetensorsFile, write_safetensors
 from training.hf import ARCHITECTURES, UnsupportedModel, hf_from_config
 from training.tokenizer import TOKENIZER_FILES, folder_of_run
 
@@ -61,7 +61,15 @@ def import_file(file, run_dir):
     weights alone: the run then starts at step 0 with a fresh optimizer). Returns its path."""
     plain = SafetensorsFile(file)
     meta = plain.metadata
-    step = int(meta.get("step", 0))
+    try:
+        step, skipped = int(meta.get("step", 0)), int(meta.get("skipped_steps", 0))
+        run_args, steps = json.loads(meta.get("args", "{}")), json.loads(meta.get("optimizer_steps", "{}"))
+    except ValueError as e:
+        raise DamagedFile(f"{file}: its metadata's step, args or optimizer_steps cannot be read ({e})") from None
+    unread = [entry for entry, info in plain.header.items() if info["dtype"] not in TORCH_DTYPES]
+    if unread:
+        raise DamagedFile(f"{file}: tensor {unread[0]!r} is {plain.header[unread[0]]['dtype']}, which model.py's "
+                          f"state dict never holds")
     folder = path_for(run_dir, step)
     os.makedirs(folder, exist_ok=True)
     copied = "rank-00000.safetensors"
@@ -75,10 +83,8 @@ def import_file(file, run_dir):
         pieces.append(dict(name=name, key=key, part=0, start=0, end=numel, file=copied, entry=entry))
         if key == "model":
             tensors[name] = dict(shape=info["shape"], dtype=info["dtype"], split=None)
-    record = dict(layouts=tensors, steps=json.loads(meta.get("optimizer_steps", "{}")), pieces=pieces,
-                  files={copied: dict(bytes=size, sha256=sha256)})
-    write_manifest(folder, [record], dict(step=step, skipped_steps=int(meta.get("skipped_steps", 0)),
-                                          args=json.loads(meta.get("args", "{}"))))
+    record = dict(layouts=tensors, steps=steps, pieces=pieces, files={copied: dict(bytes=size, sha256=sha256)})
+    write_manifest(folder, [record], dict(step=step, skipped_steps=skipped, args=run_args))
     return folder
 
 
@@ -245,7 +251,7 @@ def main(argv=None):
             export_hf(args.checkpoint, args.folder, args.dtype and getattr(torch, args.dtype),
                       int(args.max_shard_gb * 10**9))
             print(f"wrote {args.folder}")
-    except (BadCheckpoint, UnsupportedModel) as e:
+    except (BadCheckpoint, UnsupportedModel, DamagedFile) as e:
         sys.exit(f"python -m tools.convert: error: {e}")
 
 

@@ -1309,9 +1309,7 @@ def predict_stage(config, layout, stage):
     The traffic's groups (TRAFFIC_GROUPS): "dense" and "expert" (data parallelism's, ZeRO's shard groups
     under hybrid sharding), "dense_replicas" and "expert_replicas" (hybrid sharding's all-reduces over the
     copies), the model-parallel dimensions', and the MoE layers' other groups (moe_traffic)."""
-    dense, expert, tied = rank_parameters(config, layout, stage)
-    states = {kind: state_memory(params, layout.shard_group(kind), layout, kind == "expert", layout.replicas)
-              for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
+    states = stage_states(config, layout, stage)
     # (the model-parallel part is the same under every ZeRO stage and shard group, which --search varies)
     model_traffic, activations, recomputation = model_parallel_stage(
         config_key(config), replace(layout, zero=0, dp_shard=layout.dp), stage)
@@ -1324,6 +1322,21 @@ def predict_stage(config, layout, stage):
                 optim_bytes=sum(s.optim for s in states.values()), activation_peak_bytes=activations,
                 recompute_bytes=recomputation, traffic=traffic,
                 steps={kind: state.steps for kind, state in states.items()}, muon=muon_ranks(config, layout, stage))
+
+
+def stage_states(config, layout, stage):
+    """{"dense", "expert", "tied": State} of the parameters the ranks of one pipeline stage hold."""
+    dense, expert, tied = rank_parameters(config, layout, stage)
+    return {kind: state_memory(params, layout.shard_group(kind), layout, kind == "expert", layout.replicas)
+            for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
+
+
+def largest_parameter_bytes(args, world):
+    """The most param_bytes any rank of the run would hold (its weights, and their master copy where the dtypes
+    differ): what train.py checks against a device's memory before it allocates anything."""
+    layout = layout_of(args, world)
+    config = cli.model_config(args, cli.data_vocab_size(args))
+    return max(sum(state.param for state in stage_states(config, layout, stage).values()) for stage in range(layout.pp))
 
 
 @functools.lru_cache(maxsize=2**14)

@@ -18,6 +18,9 @@ describes them (training/data.py reads it):
     documents, tokens                   per split: {"train": ..., "val": ...}
     field, val, seed, inputs_sha256     how the inputs were read and split, and their files' SHA-256 (the
                                         bytes as stored: compressed ones compressed)
+    files                               per file written: its bytes and the SHA-256 of each 64 MiB chunk,
+                                        which training checks, the ranks a share of the chunks each
+    sha256                              of meta.json's own contents (training/integrity.py)
 
 The validation split takes whole documents, never part of one: --val is a fraction of them (rounded to the
 nearest count) or a count, picked by a shuffle seeded by --seed.
@@ -46,6 +49,7 @@ import zlib
 import numpy as np
 
 from training.chat import ChatError, ChatTemplate, end_ids
+from training.integrity import chunk_digests, json_digest
 from training.tokenizer import Tokenizer, TokenizerError
 
 PROG = "python -m tools.prepare"
@@ -487,7 +491,9 @@ def prepare(inputs, tokenizer_folder, out, val=0.1, seed=0, field="text", worker
                 field=field, val=val, seed=seed, inputs_sha256=inputs_sha256, chat=chat, loss_mask=kind.loss_mask)
     # Until here everything went under .partial names: an interrupted run leaves the directory as it was.
     for name in written_files(kind.loss_mask):
+        meta.setdefault("files", {})[name] = chunk_digests(os.path.join(out, name + ".partial"))
         os.replace(os.path.join(out, name + ".partial"), os.path.join(out, name))
+    meta["sha256"] = json_digest(meta)  # (training/integrity.py: what tells them damaged from intact)
     write_json(os.path.join(out, "meta.json"), meta)
     return meta
 

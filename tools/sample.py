@@ -44,6 +44,7 @@ from training.chat import ChatError, ChatTemplate
 from training.checkpoint import TORCH_DTYPES, BadCheckpoint, Checkpoint, checkpoint_at
 from training.data import tokenizer_of
 from training.hf import UnsupportedModel
+from training.tensorfile import DamagedFile
 from training.tokenizer import Tokenizer, TokenizerError, fingerprint, folder_of_run
 
 PROG = "python -m tools.sample"
@@ -307,7 +308,7 @@ def main(argv=None):
         model = load(DTYPES.get(args.dtype), device)
         texts = [tokenizer.decode(new) for new in continuations(
             model, ids, prompter.stop_id, args.samples, args.max_new_tokens, args.temperature, args.top_k, args.seed)]
-    except (SampleError, BadCheckpoint, UnsupportedModel, TokenizerError) as e:
+    except (SampleError, BadCheckpoint, UnsupportedModel, TokenizerError, DamagedFile) as e:
         sys.exit(f"{PROG}: error: {e}")
     print("\n---\n".join(texts))
 

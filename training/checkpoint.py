@@ -21,6 +21,7 @@ A checkpoint is a folder, runs/<name>/checkpoint-<step>/, named by the step it r
                   part `part` (0 when not split) of tensor `name`'s `key` ("model": the weights, or an
                   optimizer state such as "exp_avg"), in `file` under `entry`
         files     {file: {bytes, sha256}}: what tells a damaged file apart
+        sha256    of the manifest's own contents (training/integrity.py): what tells a damaged manifest apart
 
 Why not torch.distributed.checkpoint: it describes each piece as a rectangular block of the full tensor
 (offsets and lengths per dimension). ZeRO's pieces are ranges of a flattened tensor-parallel slice, which
@@ -41,21 +42,20 @@ import json
 import os
 import re
 import shutil
-import struct
 import threading
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
+from training.integrity import json_digest, json_digest_matches
+from training.launch import first_problem
+from training.tensorfile import DTYPES, TORCH_DTYPES, SafetensorsFile, planned, write_safetensors
+
 NAME = re.compile(r"checkpoint-(\d+)")
 MANIFEST = "manifest.json"
 HASH_CHUNK = 64 * 2**20
 READ_CHUNK = 2**22  # elements of a whole tensor converted at a time
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
-TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
 
 
 class BadCheckpoint(ValueError):
@@ -71,85 +71,6 @@ def checkpoints(run_dir):
     found = [(int(m.group(1)), name) for name in os.listdir(run_dir) if (m := NAME.fullmatch(name))] \
         if os.path.isdir(run_dir) else []
     return [os.path.join(run_dir, name) for _, name in sorted(found, reverse=True)]
-
-
-# ---------------------------------------------------------------------------
-# safetensors files, written and read a tensor (or a range of one) at a time
-# ---------------------------------------------------------------------------
-# Not with the safetensors library (the tests check these files with it): it costs memory here. Measured
-# with safetensors 0.8 on a 1 GiB file of four 256 MiB F32 pieces, each way in a process of its own,
-# alternated three times:
-# - a rank resuming, 3 pieces read into tensors allocated beforehand: SafetensorsFile peaks (VmHWM) 257 MiB
-#   above them, in 0.5-0.7 s. safe_open maps the file, and the pages read stay in the process's resident
-#   memory while the file is open (836 MiB peak, 772 MiB held; 0.1 s): a rank would hold all it reads.
-#   Opened afresh for each read, 515 MiB; its backend="pread" reads whole tensors: 513 MiB, and 386 MiB
-#   for half of each piece, where SafetensorsFile takes 130 MiB.
-# - tools/convert.py's export, eight 128 MiB tensors each computed when written: save_file wants them all at
-#   once, 1026 MiB, where write_safetensors peaks at 259 MiB: it holds a tensor at a time, not a model.
-# The Saver's files are written by write_safetensors too: save_file, then an fsync and a second pass to hash
-# the file, took as long (1.8-6.7 s for 1 GiB, against 1.6-5.6 s, eight runs each) and leaves the file
-# readable by its owner alone (mode 0600: safetensors 0.8 writes through a temporary file).
-
-def write_safetensors(path, entries, metadata=None):
-    """Write entries [(entry, (shape, dtype, tensor))] as a safetensors file, to a temporary name, flushed
-    and renamed into place; returns (bytes, sha256). A tensor is on the CPU, or a function giving it when it
-    is written, so that a converter holds one tensor at a time."""
-    header = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for entry, (shape, dtype, _) in entries:
-        nbytes = shape.numel() * dtype.itemsize
-        header[entry] = dict(dtype=DTYPES[dtype], shape=list(shape), data_offsets=[offset, offset + nbytes])
-        offset += nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)  # the data begins 8-byte aligned, as readers that map the file want it
-    digest = hashlib.sha256()
-    with open(path + ".tmp", "wb") as f:
-        for chunk in (struct.pack("<Q", len(text)), text):
-            f.write(chunk)
-            digest.update(chunk)
-        for _, (_, _, tensor) in entries:
-            data = memoryview((tensor() if callable(tensor) else tensor).contiguous().view(-1).view(torch.uint8)
-                              .numpy())
-            f.write(data)
-            digest.update(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    return 8 + len(text) + offset, digest.hexdigest()
-
-
-def planned(entries):
-    """[(entry, tensor)] as write_safetensors wants them: largest elements first (each tensor then starts
-    aligned to its element size), with its shape and dtype beside it."""
-    entries = sorted(entries, key=lambda e: -e[1].dtype.itemsize)
-    return [(entry, (t.shape, t.dtype, t)) for entry, t in entries]
-
-
-class SafetensorsFile:
-    """A safetensors file, read a range of elements at a time (read from the file, not mapped: a process
-    that maps a file counts every page it touches as its own until it lets the mapping go; figures above)."""
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            self.header = json.loads(f.read(length))
-        self.metadata = self.header.pop("__metadata__", {})
-        self.data_start = 8 + length
-
-    def read(self, entry, start=0, end=None):
-        """Elements [start, end) of the flattened tensor `entry` (end None: to its end)."""
-        info = self.header[entry]
-        dtype = TORCH_DTYPES[info["dtype"]]
-        end = torch.Size(info["shape"]).numel() if end is None else end
-        values = torch.empty(end - start, dtype=dtype)
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + info["data_offsets"][0] + start * dtype.itemsize)
-            f.readinto(memoryview(values.view(torch.uint8).numpy()))
-        return values
-
-    def tensor(self, entry):
-        return self.read(entry).view(self.header[entry]["shape"])
 
 
 # ---------------------------------------------------------------------------
@@ -251,6 +172,7 @@ def write_manifest(folder, records, meta):
         manifest["steps"].update(record["steps"])
         manifest["pieces"] += record["pieces"]
         manifest["files"].update(record["files"])
+    manifest["sha256"] = json_digest(manifest)
     fsync_directory(folder)  # the files' renames reach the disk before the manifest can
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -289,16 +211,47 @@ def complete(path):
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         raise BadCheckpoint(f"{path}: incomplete, its write never finished (no {MANIFEST})")
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
-    except ValueError as e:  # written whole (renamed into place), so damaged later
-        raise BadCheckpoint(f"{path}: damaged, its {MANIFEST} is not readable ({e})") from e
+    except (ValueError, RecursionError) as e:  # written whole (renamed into place), so damaged later
+        raise BadCheckpoint(f"{path}: damaged, its {MANIFEST} is not readable ({str(e)[:120]})") from None
+    if not isinstance(manifest, dict) or not json_digest_matches(manifest):
+        raise BadCheckpoint(f"{path}: damaged, its {MANIFEST} does not match its SHA-256")
+    problem = manifest_problem(manifest)  # (a manifest written before it had a SHA-256 is checked field by field)
+    if problem:
+        raise BadCheckpoint(f"{path}: damaged, its {MANIFEST} {problem}")
     for file, info in manifest["files"].items():
         if not os.path.isfile(os.path.join(path, file)):
             raise BadCheckpoint(f"{path}: damaged, {file} is missing")
         if os.path.getsize(os.path.join(path, file)) != info["bytes"]:
             raise BadCheckpoint(f"{path}: damaged, {file} is not of its size")
     return manifest
+
+
+MANIFEST_FIELDS = dict(step=int, skipped_steps=int, args=dict, tensors=dict, steps=dict, pieces=list, files=dict)
+PIECE_FIELDS = dict(name=str, key=str, part=int, start=int, end=int, file=str, entry=str)
+
+
+def manifest_problem(manifest):
+    """What is wrong with a manifest's fields (None: nothing): each of the types the module's docstring gives,
+    every piece in a file the manifest lists, every file with its size and SHA-256."""
+    for field, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(field), kind):
+            return f"has no {field} (a {kind.__name__})"
+    for file, info in manifest["files"].items():
+        if os.path.basename(file) != file or not isinstance(info, dict) or type(info.get("bytes")) is not int \
+                or not isinstance(info.get("sha256"), str):
+            return f"misstates file {file!r}"
+    for piece in manifest["pieces"]:
+        if not isinstance(piece, dict) or any(not isinstance(piece.get(f), kind) for f, kind in PIECE_FIELDS.items()) \
+                or piece["file"] not in manifest["files"] or piece["name"] not in manifest["tensors"] \
+                or not 0 <= piece["start"] <= piece["end"]:
+            return f"misstates a piece ({str(piece)[:80]})"
+    for name, layout in manifest["tensors"].items():
+        if not isinstance(layout, dict) or not isinstance(layout.get("shape"), list) \
+                or layout.get("dtype") not in TORCH_DTYPES or not isinstance(layout.get("split"), (dict, type(None))):
+            return f"misstates tensor {name!r}"
+    return None
 
 
 def verify(path, share=(0, 1)):
@@ -324,10 +277,7 @@ def verify_together(path, group=None):
         verify(path, share)
     except BadCheckpoint as e:
         problem = str(e)
-    if group is not None:
-        problems = [None] * share[1]
-        dist.all_gather_object(problems, problem, group=group)
-        problem = next((p for p in problems if p), None)
+    problem = first_problem(problem, group)
     if problem:
         raise BadCheckpoint(problem)
 

@@ -2,7 +2,7 @@
 
 Each check raises ConfigError, with a message naming the flags at fault, on every rank alike: check_args
 before any process group exists (tools/plan.py asks it too, for the layouts it predicts), so a bad launch ends
-at once instead of hanging; check_vocabulary once the data is loaded, before the first step. The data's
+at once instead of hanging; check_tokens once the data is loaded, before the first step. The data's
 meta.json is read once (describe_data), and its record passed to every check and to the data opened.
 """
 import argparse
@@ -397,6 +397,8 @@ def check_data(args, data):
         lengths = data.split_lengths()
     except FileNotFoundError as e:
         raise ConfigError(f"--data {args.data}: no such file or directory ({e.filename})") from None
+    except ValueError as e:  # a token file of a size that is not its meta.json's, or not whole tokens
+        raise ConfigError(str(e)) from None
     for split, n_tokens in lengths.items():
         if n_tokens < args.seq_len + 1:
             raise ConfigError(f"--data {args.data}: the {split} split has {n_tokens} tokens, fewer than one "
@@ -437,14 +439,24 @@ def document_eos(args, vocab_size=None, data=None):
     return eos_id
 
 
-def check_vocabulary(data, rank, world):
-    """Token ids outside the vocabulary fail before training, on every rank: each rank scans its share of
-    the token files (1/world of each split: seconds even for billions of tokens), and they agree on the largest."""
-    largest = torch.tensor([data.largest_id(rank, world)], dtype=torch.int64)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    if largest.item() >= data.vocab_size:
-        raise ConfigError(f"--data {data.path} holds token id {largest.item()}, outside the vocabulary of "
-                          f"{data.vocab_size} (meta.json's or meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
+def check_tokens(data, rank, world):
+    """Token files that are damaged, or hold ids outside the vocabulary, fail before training, on every rank:
+    each rank scans its share of the token files (1/world of each: seconds even for billions of tokens),
+    hashing the chunks whose SHA-256 meta.json records, and they agree on what they found."""
+    found = [None] * world
+    dist.all_gather_object(found, data.scan(rank, world))
+    problem = next((problem for _, problem in found if problem), None)
+    if problem:
+        raise ConfigError(problem)
+    largest = {}
+    for files, _ in found:
+        for file, token_id in files.items():
+            largest[file] = max(largest.get(file, token_id), token_id)
+    outside = {file: token_id for file, token_id in largest.items() if token_id >= data.vocab_size}
+    if outside:
+        file, token_id = next(iter(outside.items()))
+        raise ConfigError(f"--data {file} holds token id {token_id}, outside the vocabulary of {data.vocab_size} "
+                          f"(meta.json's or meta.pkl's vocab_size, else --vocab-size, else GPT-2's)")
 
 
 def check_pipeline(args, n_layer):

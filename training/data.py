@@ -22,12 +22,15 @@ configuration be compared token for token with the single device.
   its meta.json; `open_data` opens the data one describes.
 """
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
 
 import numpy as np
 import torch
+
+from training.integrity import CHUNK_BYTES, json_digest_matches, recorded_chunks_problem
 
 SPLITS = {"train": 0, "val": 1}
 GPT2_VOCAB_SIZE = 50257  # a token directory without meta.json or meta.pkl: nanoGPT's default
@@ -99,9 +102,9 @@ class MarkovLanguage(Data):
         self.stationary = stationary_distribution(self.successors, self.probs)
         self.entropy_rate = float(-(self.stationary[:, None] * self.probs * np.log(self.probs)).sum())
 
-    def largest_id(self, part=0, n_parts=1):
+    def scan(self, part=0, n_parts=1):
         """Its tokens are the vocabulary's by construction: nothing to scan."""
-        return self.vocab_size - 1
+        return {}, None
 
     def transition_matrix(self):
         """The dense V x V matrix P: for tests on small vocabularies only (20 GB at V = 50304)."""
@@ -145,6 +148,12 @@ def read_meta(path):
         raise ValueError(f"--data {file}: its dtype must be one of {', '.join(TOKEN_DTYPES)}")
     if not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
         raise ValueError(f"--data {file}: its vocab_size must be a positive integer")
+    if not json_digest_matches(meta):
+        raise ValueError(f"--data {file}: damaged, its contents do not match its SHA-256")
+    for name, record in (meta.get("files") or {}).items():
+        problem = recorded_chunks_problem(record)
+        if problem or os.path.basename(name) != name:
+            raise ValueError(f"--data {file}: damaged, its record of {name} {problem or 'is outside the folder'}")
     return meta
 
 
@@ -178,6 +187,7 @@ class DataInfo:
     tokenizer: tuple | None = None  # (folder, SHA-256) of the tokenizer that made the ids: meta.json's
     loss_mask: bool = False  # train.mask and val.mask beside the ids: which tokens the loss counts (meta.json's)
     sources: tuple = ()  # a weighted mixture's ((DataInfo, weight), ...): --data A:0.7,B:0.3 or a JSON file
+    files: dict | None = None  # meta.json's {file: its size and its chunks' SHA-256} (training/integrity.py)
 
     @classmethod
     def read(cls, path=None, vocab_size=None):
@@ -203,7 +213,7 @@ class DataInfo:
         if meta is None:  # nanoGPT's directory: uint16 ids
             return cls(path, nanogpt_vocab_size(path, vocab_size), np.dtype(np.uint16))
         return cls(path, meta["vocab_size"], np.dtype(TOKEN_DTYPES[meta["dtype"]]), meta.get("eos_id"),
-                   tokenizer_in(meta), bool(meta.get("loss_mask")))
+                   tokenizer_in(meta), bool(meta.get("loss_mask")), files=meta.get("files"))
 
     @classmethod
     def mixture(cls, spec, sources):
@@ -228,7 +238,7 @@ class DataInfo:
             lengths = [info.split_lengths() for info, _ in self.sources]
             return {split: min(length[split] for length in lengths) for split in SPLITS}
         if os.path.isdir(self.path):
-            return {split: os.path.getsize(os.path.join(self.path, f"{split}.bin")) // self.dtype.itemsize
+            return {split: token_count(os.path.join(self.path, f"{split}.bin"), self.dtype, self.files)
                     for split in SPLITS}
         size = os.path.getsize(self.path)
         return {"train": int(size * 0.9), "val": size - int(size * 0.9)}  # the last tenth held out, as TokenFile does
@@ -274,12 +284,33 @@ def split_lengths(path):
     return DataInfo.read(path).split_lengths()
 
 
-def read_mask(path, split, n_tokens):
+def token_count(file, dtype, files=None):
+    """The tokens of `dtype` in the file (its size divided by theirs), or a ValueError naming the file where its
+    size is not a whole number of them, or not the size its meta.json records (`files`)."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(2, "No such file or directory", file)
+    size, recorded = os.path.getsize(file), (files or {}).get(os.path.basename(file))
+    if recorded is not None and size != recorded["bytes"]:
+        raise ValueError(f"--data {file}: damaged, {size:,} bytes where its meta.json records {recorded['bytes']:,}"
+                         f"{' (cut short?)' if size < recorded['bytes'] else ''}")
+    if size % dtype.itemsize:
+        raise ValueError(f"--data {file}: damaged, {size:,} bytes is not a whole number of {dtype.name} tokens "
+                         f"({dtype.itemsize} bytes each): cut short, or not of meta.json's dtype")
+    return size // dtype.itemsize
+
+
+def mapped(file, dtype, files=None):
+    """The tokens of the file, mapped (only what is read is loaded), its size checked first (token_count)."""
+    n = token_count(file, dtype, files)
+    return np.memmap(file, dtype=dtype, mode="r") if n else np.zeros(0, dtype=dtype)
+
+
+def read_mask(path, split, n_tokens, files=None):
     """The loss mask of a split (`split`.mask: one uint8 a token, 1 where the loss counts it), mapped."""
     file = os.path.join(path, f"{split}.mask")
     if not os.path.isfile(file):
         raise ValueError(f"--data {path}: its meta.json says it has a loss mask, and {split}.mask is missing")
-    mask = np.memmap(file, dtype=np.uint8, mode="r")
+    mask = mapped(file, np.dtype(np.uint8), files)
     if len(mask) != n_tokens:
         raise ValueError(f"--data {file}: {len(mask):,} flags for {n_tokens:,} tokens in {split}.bin")
     return mask
@@ -299,10 +330,11 @@ class TokenFile(Data):
         self.masks = None  # per split, where the data has a loss mask: which tokens the loss counts as targets
         if os.path.isdir(path):
             # Mapped, not read: only the windows of each batch are ever loaded.
-            self.tokens = {split: np.memmap(os.path.join(path, f"{split}.bin"), dtype=self.info.dtype, mode="r")
+            self.tokens = {split: mapped(os.path.join(path, f"{split}.bin"), self.info.dtype, self.info.files)
                            for split in SPLITS}
             if self.info.loss_mask:
-                self.masks = {split: read_mask(path, split, len(self.tokens[split])) for split in SPLITS}
+                self.masks = {split: read_mask(path, split, len(self.tokens[split]), self.info.files)
+                              for split in SPLITS}
         else:
             data = np.fromfile(path, dtype=np.uint8)
             cut = int(len(data) * 0.9)
@@ -329,15 +361,31 @@ class TokenFile(Data):
         starts = self.window_starts(split, step, n_seqs, length)
         return torch.from_numpy(np.stack([mask[s:s + length + 1] != 0 for s in starts]))
 
-    def largest_id(self, part=0, n_parts=1, chunk=1 << 24):
-        """The largest token id in the part-th of n_parts equal slices of each split (ranks share the scan;
-        read chunk by chunk, so a file larger than memory is fine)."""
-        largest = 0
-        for tokens in self.tokens.values():
-            begin, end = len(tokens) * part // n_parts, len(tokens) * (part + 1) // n_parts
-            for start in range(begin, end, chunk):
-                largest = max(largest, int(tokens[start:min(start + chunk, end)].max()))
-        return largest
+    def files(self):
+        """{file: (its tokens or mask values, mapped; whether they are ids)} of what the scan reads."""
+        if not os.path.isdir(self.path):
+            return {self.path: (np.concatenate(list(self.tokens.values())), True)}
+        files = {os.path.join(self.path, f"{split}.bin"): (self.tokens[split], True) for split in SPLITS}
+        return files | {os.path.join(self.path, f"{split}.mask"): (mask, False) for split, mask in (self.masks or {}).items()}
+
+    def scan(self, part=0, n_parts=1, chunk_bytes=CHUNK_BYTES):
+        """({file: the largest id in this part's share of it}, the first damaged chunk's problem or None): the
+        share is chunks part, part + n_parts, ... of each file (so ranks share the scan; read chunk by chunk,
+        so a file larger than memory is fine), each hashed where meta.json records its chunks' SHA-256 (and
+        then of the size it records, else of chunk_bytes)."""
+        largest, problem = {}, None
+        for file, (values, ids) in self.files().items():
+            record = (self.info.files or {}).get(os.path.basename(file))
+            step = (record or {}).get("chunk_bytes", chunk_bytes) // values.dtype.itemsize
+            for index in range(part, -(-len(values) // step), n_parts):
+                chunk = values[index * step:(index + 1) * step]
+                if ids:
+                    largest[file] = max(largest.get(file, 0), int(chunk.max()))
+                if record and problem is None and hashlib.sha256(chunk).hexdigest() != record["sha256"][index]:
+                    problem = (f"--data {file}: damaged, bytes {index * step * values.dtype.itemsize:,} to "
+                               f"{(index * step + len(chunk)) * values.dtype.itemsize:,} do not match the SHA-256 "
+                               f"its meta.json records")
+        return largest, problem
 
 
 def mixture_weights(spec):
@@ -425,8 +473,9 @@ class Mixture(Data):
         self.seen = (step, counts)
         return {"tokens_seen_by_source": {name: int(n) * length for name, n in zip(self.names, counts)}}
 
-    def largest_id(self, part=0, n_parts=1):
-        return max(source.largest_id(part, n_parts) for source in self.sources)
+    def scan(self, part=0, n_parts=1):
+        scans = [source.scan(part, n_parts) for source in self.sources]
+        return {f: i for largest, _ in scans for f, i in largest.items()}, next((p for _, p in scans if p), None)
 
 
 def open_data(info, seed=0):

@@ -24,6 +24,7 @@ Three things translate:
   without loading a whole tensor (train.py's Share asks each rank's own elements, so a rank reads only
   what it will hold).
 """
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training import checkpoint
+from training.tensorfile import DamagedFile, SafetensorsFile
 from model import GPT, GPTConfig, pad_vocabulary, tied_name
 
 
@@ -247,8 +248,14 @@ def read_config(folder):
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise UnsupportedModel(f"{folder}: not a Hugging Face model folder (no config.json)")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, RecursionError) as e:
+        raise UnsupportedModel(f"{path}: damaged, not JSON ({str(e)[:120]})") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"{path}: damaged, a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def refuse(hf, setting, why):
@@ -261,14 +268,49 @@ def config_from_hf(hf, seq_len, **training):
     model_type = hf.get("model_type")
     if model_type not in TABLES:
         raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(TABLES)}")
-    fields = (gpt2_fields(hf) if model_type == "gpt2" else deepseek_fields(hf) if model_type == "deepseek_v3"
-              else llama_fields(hf, seq_len))
+    try:
+        fields = (gpt2_fields(hf) if model_type == "gpt2" else deepseek_fields(hf) if model_type == "deepseek_v3"
+                  else llama_fields(hf, seq_len))
+    except UnsupportedModel:
+        raise
+    except KeyError as e:
+        raise UnsupportedModel(f"{model_type}: its config.json has no {e}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:  # a setting of another type than its own
+        raise UnsupportedModel(f"{model_type}: a setting of its config.json is not of its type ({e})") from None
     vocab = hf["vocab_size"]
-    fields.update(vocab_size=vocab, padded_vocab_size=pad_vocabulary(vocab), seq_len=seq_len)
+    fields.update(vocab_size=vocab, padded_vocab_size=pad_vocabulary(vocab) if type(vocab) is int else vocab,
+                  seq_len=seq_len)
+    check_types(model_type, fields)
     try:
         return GPTConfig(**fields, **training)
     except ValueError as e:
         raise UnsupportedModel(f"{model_type}: {e}") from None
+
+
+SIZES = ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len")  # of at least 1; the others at least 0
+
+
+def check_types(model_type, fields):
+    """A config.json's settings must be of the types GPTConfig's fields are (a size a whole number, a rate a
+    finite number, a switch true or false): a damaged or hand-edited file fails here, in one line, rather
+    than as a traceback from deep in the model."""
+    for field in dataclasses.fields(GPTConfig):
+        if field.name not in fields:
+            continue
+        value, kind = fields[field.name], type(field.default)
+        if kind is int:
+            fine = type(value) is int and value >= (1 if field.name in SIZES else 0)
+        elif kind is float:
+            fine = type(value) in (int, float) and math.isfinite(value)
+        elif kind is bool or field.default is None:
+            fine = type(value) is bool
+        elif field.name == "moe_layers":
+            fine = all(type(i) is int for i in value)
+        else:
+            fine = isinstance(value, kind)
+        if not fine:
+            raise UnsupportedModel(f"{model_type}: its config.json makes model.py's {field.name} {str(value)[:40]!r}, "
+                                   f"not {'a positive' if field.name in SIZES else 'a'} {kind.__name__}")
 
 
 GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -668,22 +710,34 @@ EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
 # ---------------------------------------------------------------------------
 
 class Folder:
-    """A Hugging Face model folder's tensors, read a range of elements at a time."""
+    """A Hugging Face model folder's tensors, read a range of elements at a time. Opening it checks every
+    file against what it claims (training/tensorfile.py) and the index against the files: a shard it names
+    missing, a tensor in no shard or in another than the index says, a tensor in two shards is a DamagedFile."""
 
     def __init__(self, folder):
         self.folder, self.config = folder, read_config(folder)
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = read_weight_map(index)
+            files = sorted(set(weight_map.values()))
         elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-            files = ["model.safetensors"]
+            weight_map, files = {}, ["model.safetensors"]
         else:
             raise UnsupportedModel(f"{folder}: no model.safetensors nor model.safetensors.index.json")
         self.file_of = {}
         for name in files:
-            file = checkpoint.SafetensorsFile(os.path.join(folder, name))
-            self.file_of.update({entry: file for entry in file.header})
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise DamagedFile(f"{index}: names the shard {name}, which is not in the folder")
+            file = SafetensorsFile(os.path.join(folder, name))
+            for entry in file.header:
+                if entry in self.file_of:
+                    raise DamagedFile(f"{folder}: tensor {entry!r} is in two shards, "
+                                      f"{os.path.basename(self.file_of[entry].path)} and {name}")
+                self.file_of[entry] = file
+        for entry, name in weight_map.items():
+            if entry not in self.file_of or os.path.basename(self.file_of[entry].path) != name:
+                raise DamagedFile(f"{index}: tensor {entry!r} is in no shard (the index says {name}, which does "
+                                  f"not hold it)")
 
     def _entry(self, name):
         """The entry of tensor `name` (GPT-2's first release names its tensors without "transformer.")."""
@@ -701,6 +755,22 @@ class Folder:
         return self.file_of[entry].read(entry, start, end)
 
 
+def read_weight_map(index):
+    """model.safetensors.index.json's weight_map {tensor: shard file}, or DamagedFile."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (ValueError, RecursionError, AttributeError) as e:
+        raise DamagedFile(f"{index}: damaged, not a JSON object ({str(e)[:120]})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) and os.path.basename(file) == file
+                                                   for file in weight_map.values()):
+        raise DamagedFile(f"{index}: damaged, no weight_map of tensors and the shard files in the folder")
+    return weight_map
+
+
+VOCABULARY_TABLES = ("tok_emb.weight", "lm_head.weight")  # padded with zero rows past the vocabulary
+
+
 class HuggingFaceValues:
     """The values of model.py's tensors in a Hugging Face folder, for train.py's Share, as InitialValues
     and SavedValues give them: parameter(name, positions) reads the elements at flat `positions` of the
@@ -709,6 +779,27 @@ class HuggingFaceValues:
     def __init__(self, folder, config):
         self.folder, self.config = Folder(folder), config
         self.model_type = self.folder.config["model_type"]
+        self.check_shapes()
+
+    def check_shapes(self):
+        """Every tensor model.py reads from the folder must be of the shape its config.json gives: a folder
+        whose config and weights disagree would otherwise be read in the wrong places, or past a tensor's end."""
+        with torch.device("meta"):
+            model = GPT(self.config)
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update({name: model.get_buffer(name) for name in saved_buffers(model, self.model_type)})
+        for name, tensor in tensors.items():
+            parts = source(self.model_type, tied_name(name, self.config), self.config)
+            rows = self.config.vocab_size if name in VOCABULARY_TABLES else tensor.shape[0]
+            inner, found = list(tensor.shape[1:]), [self.folder.shape(n) for n in parts.names]
+            part_rows = [shape[-1] if parts.transposed and shape else shape[0] if shape else 0 for shape in found]
+            wanted = [inner + [r] if parts.transposed else [r] + inner for r in part_rows]
+            if found != wanted or sum(part_rows) != rows:
+                what = f"{list(found[0])}" if len(found) == 1 else f"{', '.join(str(list(f)) for f in found)}"
+                raise UnsupportedModel(
+                    f"{self.folder.folder}: {' | '.join(parts.names)} {'is' if len(found) == 1 else 'are'} {what}, "
+                    f"where its config.json makes model.py's {name} {rows} rows of {inner or 'one value'}"
+                    f"{' (stored transposed)' if parts.transposed else ''}: its config and its weights disagree")
 
     def parameter(self, name, positions):
         """The elements at flat `positions` of model.py's tensor `name` (a parameter, or a buffer the folder

@@ -115,6 +115,16 @@ def exit_with_error(message, rank, world, status):
     sys.exit(status)
 
 
+def first_problem(problem, group=None):
+    """The first rank's problem (a message, or None for none) of every rank of `group`: so that every rank
+    raises the same error, or none does (None: this process alone)."""
+    if group is None:
+        return problem
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    return next((p for p in problems if p), None)
+
+
 def in_collective(error):
     """Whether the communication backend raised this (gloo's and NCCL's errors name themselves)."""
     return isinstance(error, dist.DistError) or any(backend in str(error) for backend in ("gloo", "NCCL"))

@@ -18,6 +18,8 @@ same on a CPU as on a GPU:
   out; they are recognised by identity, not by address, because ZeRO-3
   moves a parameter's memory each time it gathers it.
 """
+import os
+
 import torch
 
 
@@ -29,6 +31,14 @@ def peak_resident_bytes():
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except OSError:
         return 0
+
+
+def device_memory_bytes():
+    """The memory of this rank's device: its GPU's (LOCAL_RANK's), or on the CPU the machine's, shared by the
+    ranks torchrun started on it (LOCAL_WORLD_SIZE)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def device_peak_bytes(device):
