@@ -278,8 +278,8 @@ def test_data_that_cannot_train_is_refused_before_training(tmp_path):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_training_on_every_rank(tmp_path):
-    """Each rank scans its half of each split; the bad id is in the half of val that rank 1 scans, and
-    both ranks stop with the same message before training (nothing is written)."""
+    """The ranks share the scan of the token files (a chunk each in turn: tests/test_data.py), and both stop
+    with the same message, naming the file that holds the bad id, before training (nothing is written)."""
     tokens, out = tmp_path / "tokens", tmp_path / "runs"
     tokens.mkdir()
     val = np.arange(100, dtype=np.uint16)
@@ -289,7 +289,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training_on_every_r
     result = torchrun(2, "train.py", *QUICK, "--data", str(tokens), "--out", str(out), timeout=120)
     assert result.returncode != 0
     for rank in range(2):
-        assert (f"[rank {rank}] train.py: error: --data {tokens} holds token id 60000, outside the vocabulary "
+        assert (f"[rank {rank}] train.py: error: --data {tokens / 'val.bin'} holds token id 60000, outside the vocabulary "
                 f"of 50257") in result.stderr, result.stderr[-2000:]
     assert not out.exists(), "nothing may be written before the data is found good"
 

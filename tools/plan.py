@@ -1317,7 +1317,7 @@ def predict_stage(config, layout, stage):
                "dense_replicas": states["dense"].replica_traffic + states["tied"].replica_traffic,
                "expert_replicas": Counter(states["expert"].replica_traffic),
                **{group: Counter(counter) for group, counter in model_traffic.items()}}
-    traffic["pp"] += tied_sum_traffic(tied, layout)
+    traffic["pp"] += tied_sum_traffic(rank_parameters(config, layout, stage)[2], layout)
     return dict(param_bytes=sum(s.param for s in states.values()), grad_bytes=sum(s.grad for s in states.values()),
                 optim_bytes=sum(s.optim for s in states.values()), activation_peak_bytes=activations,
                 recompute_bytes=recomputation, traffic=traffic,

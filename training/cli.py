@@ -439,12 +439,14 @@ def document_eos(args, vocab_size=None, data=None):
     return eos_id
 
 
-def check_tokens(data, rank, world):
+def check_tokens(data, rank=0, world=1):
     """Token files that are damaged, or hold ids outside the vocabulary, fail before training, on every rank:
     each rank scans its share of the token files (1/world of each: seconds even for billions of tokens),
     hashing the chunks whose SHA-256 meta.json records, and they agree on what they found."""
-    found = [None] * world
-    dist.all_gather_object(found, data.scan(rank, world))
+    found = [data.scan(rank, world)]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, data.scan(rank, world))
     problem = next((problem for _, problem in found if problem), None)
     if problem:
         raise ConfigError(problem)

@@ -238,8 +238,11 @@ class DataInfo:
             lengths = [info.split_lengths() for info, _ in self.sources]
             return {split: min(length[split] for length in lengths) for split in SPLITS}
         if os.path.isdir(self.path):
-            return {split: token_count(os.path.join(self.path, f"{split}.bin"), self.dtype, self.files)
-                    for split in SPLITS}
+            lengths = {split: token_count(os.path.join(self.path, f"{split}.bin"), self.dtype, self.files)
+                       for split in SPLITS}
+            for split, n_tokens in lengths.items() if self.loss_mask else ():
+                read_mask(self.path, split, n_tokens, self.files)  # (its length checked: a flag a token)
+            return lengths
         size = os.path.getsize(self.path)
         return {"train": int(size * 0.9), "val": size - int(size * 0.9)}  # the last tenth held out, as TokenFile does
 
@@ -259,8 +262,9 @@ def read_plain_pickle(path):
     try:
         with open(path, "rb") as f:
             return PlainValues(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
-        raise ValueError(f"--data {path}: refused ({e})") from None
+    except Exception as e:  # noqa: BLE001 (a damaged pickle fails in any way: a length of 2^60 is a MemoryError)
+        raise ValueError(f"--data {path}: refused, not a pickle of plain values ({type(e).__name__}: "
+                         f"{str(e)[:120]})") from None
 
 
 def nanogpt_vocab_size(path, vocab_size=None):

@@ -28,6 +28,7 @@ import os
 from tokenizers import Tokenizer as Backend
 
 from training.data import tokenizer_of
+from training.integrity import hub_problem
 
 class TokenizerError(ValueError):
     """A folder whose tokenizer cannot be read or used; the message names the folder or file."""
@@ -71,13 +72,17 @@ def special_id(kind, backend, id_configs, tokenizer_config):
             # one, so any serves as the end of a document. The first is the authors' first choice (the one
             # config.json names where it names a single id), and always the same one.
             value = value[0] if value else None
+        if value is not None and (type(value) is not int or value < 0):
+            raise TokenizerError(f"{kind}_token_id {str(value)[:40]!r} is not an id")
         if value is not None:
-            return int(value)
+            return value
     token = tokenizer_config.get(f"{kind}_token")
     if isinstance(token, dict):  # older files write the AddedToken out: {"content": "<s>", ...}
         token = token.get("content")
     if token is None:
         return None
+    if not isinstance(token, str):
+        raise TokenizerError(f"tokenizer_config.json's {kind}_token {str(token)[:40]!r} is not a token's text")
     token_id = backend.token_to_id(token)
     if token_id is None:
         raise TokenizerError(f"tokenizer_config.json's {kind}_token {token!r} is not in the vocabulary")
@@ -120,6 +125,9 @@ class Tokenizer:
             raise TokenizerError(f"{folder}: no tokenizer.json in the folder (a Hugging Face tokenizer; a "
                                  f"tokenizer.model alone is SentencePiece's own format, which transformers' "
                                  f"save_pretrained converts to tokenizer.json)")
+        problem = hub_problem(source)  # a download into huggingface_hub's cache: its files against their blobs' names
+        if problem:
+            raise TokenizerError(problem)
         try:
             backend = Backend.from_file(path)
         except Exception as e:  # the library's errors are plain Exceptions, saying what it could not parse
