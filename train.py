@@ -93,7 +93,7 @@ def run_training(args, recorder):
     rank, world = rank_and_world()
     described = describe_data(args)  # the data's meta.json, read once: the checks and the data opened take it
     config, shape = check_args(args, world, described)  # before any process group exists: a bad launch cannot hang
-    check_memory(args, world)  # and before anything is allocated
+    check_memory(args, world, config, described)  # and before anything is allocated
     if args.resume not in (None, "auto"):
         checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, below
     device = init_distributed(timedelta(seconds=args.timeout))
@@ -1184,11 +1184,11 @@ def run_name(args, world):
     return args.name or f"gpu{world}_tp{args.tp}_pp{args.pp}_cp{args.cp}_ep{args.ep}{split_experts}"
 
 
-def check_memory(args, world):
+def check_memory(args, world, config, data):
     """A model whose parameters alone cannot fit a rank's device is refused before anything is allocated, by
     tools/plan.py's count of the busiest rank's param_bytes under this layout (every rank counts the same)."""
     from tools import plan  # (it imports this file: imported once this file is whole)
-    need, have = plan.largest_parameter_bytes(args, world), device_memory_bytes()
+    need, have = plan.largest_parameter_bytes(args, world, config, data), device_memory_bytes()
     if need > have:
         device = "its GPU" if torch.cuda.is_available() else "its share of the machine's memory"
         raise ConfigError(f"the model's parameters alone take {need / 2**30:,.1f} GiB on the busiest rank of this "
@@ -1203,7 +1203,7 @@ def check_folder(folder, config, group):
     share each (training/integrity.py). Every rank raises the same DamagedFile, or none does."""
     share = (int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     try:
-        hf.HuggingFaceValues(folder, config)
+        hf.HuggingFaceValues(folder, config).check_shapes()
         problem = integrity.hub_problem(folder, share)
     except (DamagedFile, hf.UnsupportedModel) as e:
         problem = f"--init-from {e}"

@@ -202,13 +202,14 @@ def test_a_model_too_large_for_a_rank_is_refused_before_anything_is_allocated(ll
     config = json.loads(open(os.path.join(huge, "config.json")).read())
     (tmp_path / "huge" / "config.json").write_text(json.dumps(dict(config, hidden_size=10**9)))
     args = cli.parse_args(["--init-from", huge, "--seq-len", "16", "--batch-size", "2"])
+    config, data = cli.check_args(args, 1)[0], cli.describe_data(args)
     with pytest.raises(cli.ConfigError, match=r"parameters alone take [\d,.]+ GiB on the busiest rank") as refused:
-        train.check_memory(args, 1)
+        train.check_memory(args, 1, config, data)
     with torch.device("meta"):  # one rank holds every parameter, in float32 (the weights are their master)
-        expected = sum(p.numel() for p in GPT(cli.check_args(args, 1)[0]).parameters()) * 4
+        expected = sum(p.numel() for p in GPT(config).parameters()) * 4
     assert expected > 10**12 and f"{expected / 2**30:,.1f} GiB" in str(refused.value)
     monkeypatch.setattr(train, "device_memory_bytes", lambda: expected)
-    train.check_memory(args, 1)  # as large as the device: it fits
+    train.check_memory(args, 1, config, data)  # as large as the device: it fits
 
 
 def test_a_folder_whose_config_and_weights_disagree_is_refused(llama, tmp_path):

@@ -206,10 +206,11 @@ class Layout:
 placement_of = functools.lru_cache(maxsize=None)(pp.Placement.of)  # (--search asks for the same ones often)
 
 
-def layout_of(args, world, device="cpu"):
+def layout_of(args, world, device="cpu", data=None):
     """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none), its
-    activations modelled on `device`'s kernels ("cpu" or "cuda")."""
-    described = cli.describe_data(args)  # the data's meta.json, read once for both
+    activations modelled on `device`'s kernels ("cpu" or "cuda"); data: the data's DataInfo where it has been
+    read."""
+    described = data or cli.describe_data(args)  # the data's meta.json, read once for both
     _, shape = cli.check_args(args, world, described)
     return Layout(world=world, dp=shape.dp, dp_shard=shape.dp_shard or shape.dp, tp=shape.tp, pp=shape.pp,
                   cp=shape.cp, ep=shape.ep, expert_tp=shape.expert_tp, zero=args.zero,
@@ -1331,11 +1332,11 @@ def stage_states(config, layout, stage):
             for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
 
 
-def largest_parameter_bytes(args, world):
+def largest_parameter_bytes(args, world, config, data):
     """The most param_bytes any rank of the run would hold (its weights, and their master copy where the dtypes
-    differ): what train.py checks against a device's memory before it allocates anything."""
-    layout = layout_of(args, world)
-    config = cli.model_config(args, cli.data_vocab_size(args))
+    differ): what train.py checks against a device's memory before it allocates anything (config: the model,
+    data: its DataInfo, both as train.py has them)."""
+    layout = layout_of(args, world, data=data)
     return max(sum(state.param for state in stage_states(config, layout, stage).values()) for stage in range(layout.pp))
 
 

@@ -123,6 +123,7 @@ def load_hugging_face(folder, config, stored, dtype, device):
     """The model of a Hugging Face folder, in dtype (default: `stored`, its config's)."""
     model = allocate(config, dtype or stored, device)
     values = hf.HuggingFaceValues(folder, config)
+    values.check_shapes()
     # the weights, and the buffers the folder holds (DeepSeek-V3's routing biases; the others' stay zero)
     names = [name for name, _ in model.named_parameters()] + hf.saved_buffers(model, values.model_type)
     fill(model, names, values.parameter)

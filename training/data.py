@@ -149,7 +149,8 @@ def read_meta(path):
     if not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
         raise ValueError(f"--data {file}: its vocab_size must be a positive integer")
     if not json_digest_matches(meta):
-        raise ValueError(f"--data {file}: damaged, its contents do not match its SHA-256")
+        raise ValueError(f"--data {file}: damaged, its contents do not match its SHA-256 (edited by hand? then "
+                         f"delete its \"sha256\" field)")
     for name, record in (meta.get("files") or {}).items():
         problem = recorded_chunks_problem(record)
         if problem or os.path.basename(name) != name:
@@ -263,8 +264,7 @@ def read_plain_pickle(path):
         with open(path, "rb") as f:
             return PlainValues(f).load()
     except Exception as e:  # noqa: BLE001 (a damaged pickle fails in any way: a length of 2^60 is a MemoryError)
-        raise ValueError(f"--data {path}: refused, not a pickle of plain values ({type(e).__name__}: "
-                         f"{str(e)[:120]})") from None
+        raise ValueError(f"--data {path}: refused ({str(e)[:160] or type(e).__name__})") from None
 
 
 def nanogpt_vocab_size(path, vocab_size=None):

@@ -774,12 +774,13 @@ VOCABULARY_TABLES = ("tok_emb.weight", "lm_head.weight")  # padded with zero row
 class HuggingFaceValues:
     """The values of model.py's tensors in a Hugging Face folder, for train.py's Share, as InitialValues
     and SavedValues give them: parameter(name, positions) reads the elements at flat `positions` of the
-    full tensor, from the ranges of the files that hold them."""
+    full tensor, from the ranges of the files that hold them. check_shapes() first, where the folder's
+    config.json may not describe its weights (train.py's check_folder; tools/parity.py reads an export tensor
+    by tensor, to name each one that went wrong)."""
 
     def __init__(self, folder, config):
         self.folder, self.config = Folder(folder), config
         self.model_type = self.folder.config["model_type"]
-        self.check_shapes()
 
     def check_shapes(self):
         """Every tensor model.py reads from the folder must be of the shape its config.json gives: a folder
@@ -835,6 +836,7 @@ class HuggingFaceValues:
 def load_state_dict(folder, config):
     """model.py's whole state dict (on the CPU, float64) from a Hugging Face folder: for one device and tests."""
     values = HuggingFaceValues(folder, config)
+    values.check_shapes()
     with torch.device("meta"):
         model = GPT(config)
     state = {name: values.parameter(name, torch.arange(p.numel())).view(p.shape)
