@@ -43,7 +43,7 @@ from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_,
 from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
-from training import checkpoint, flight, hf, integrity, muon, stragglers
+from training import checkpoint, flight, hf, integrity, muon, stragglers, tensorfile
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
 from training.data import open_data
@@ -789,7 +789,7 @@ class Share:
         if name in self.tp_layouts:
             dim, blocks = self.tp_layouts[name]
             split = dict(dim=dim, blocks=list(blocks) if blocks else None, parts=self.parts(name))
-        return dict(shape=self.full_shape(name, shape), dtype=checkpoint.DTYPES[dtype], split=split)
+        return dict(shape=self.full_shape(name, shape), dtype=tensorfile.DTYPES[dtype], split=split)
 
     def part(self, name):
         """Which of a tensor's parts this rank holds (see layout): its tp (expert-tp) rank if it is split,

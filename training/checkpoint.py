@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from training.integrity import json_digest, json_digest_matches
 from training.launch import first_problem
-from training.tensorfile import DTYPES, TORCH_DTYPES, SafetensorsFile, planned, write_safetensors
+from training.tensorfile import TORCH_DTYPES, SafetensorsFile, planned, write_safetensors
 
 NAME = re.compile(r"checkpoint-(\d+)")
 MANIFEST = "manifest.json"

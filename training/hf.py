@@ -25,7 +25,6 @@ Three things translate:
   what it will hold).
 """
 import dataclasses
-import json
 import math
 import os
 import re
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from training.integrity import json_object
 from training.tensorfile import DamagedFile, SafetensorsFile
 from model import GPT, GPTConfig, pad_vocabulary, tied_name
 
@@ -248,14 +248,7 @@ def read_config(folder):
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise UnsupportedModel(f"{folder}: not a Hugging Face model folder (no config.json)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, RecursionError) as e:
-        raise UnsupportedModel(f"{path}: damaged, not JSON ({str(e)[:120]})") from None
-    if not isinstance(config, dict):
-        raise UnsupportedModel(f"{path}: damaged, a JSON {type(config).__name__}, not an object")
-    return config
+    return json_object(path, UnsupportedModel)
 
 
 def refuse(hf, setting, why):
@@ -757,11 +750,7 @@ class Folder:
 
 def read_weight_map(index):
     """model.safetensors.index.json's weight_map {tensor: shard file}, or DamagedFile."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-    except (ValueError, RecursionError, AttributeError) as e:
-        raise DamagedFile(f"{index}: damaged, not a JSON object ({str(e)[:120]})") from None
+    weight_map = json_object(index, DamagedFile).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(file, str) and os.path.basename(file) == file
                                                    for file in weight_map.values()):
         raise DamagedFile(f"{index}: damaged, no weight_map of tensors and the shard files in the folder")

@@ -22,6 +22,18 @@ CHUNK_BYTES = 64 * 2**20  # a multiple of every token and mask type's size: a ch
 READ_BYTES = 2**20  # read at a time while hashing
 
 
+def json_object(path, damaged=ValueError):
+    """The JSON object in the file at path, or damaged(a line naming the file) where it holds none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise damaged(f"{path}: damaged, not JSON ({str(e)[:120]})") from None
+    if not isinstance(value, dict):
+        raise damaged(f"{path}: damaged, a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def json_digest(contents, field="sha256"):
     """SHA-256 of a JSON object's contents, its keys sorted and its own `field` left out."""
     kept = {key: value for key, value in contents.items() if key != field}

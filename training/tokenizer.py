@@ -22,13 +22,12 @@ the folder's other files is read here:
   (byte-level, or byte fallback; a normalizer such as NFKC, or an unknown token, loses what it changes).
 """
 import hashlib
-import json
 import os
 
 from tokenizers import Tokenizer as Backend
 
 from training.data import tokenizer_of
-from training.integrity import hub_problem
+from training.integrity import hub_problem, json_object
 
 class TokenizerError(ValueError):
     """A folder whose tokenizer cannot be read or used; the message names the folder or file."""
@@ -37,16 +36,7 @@ class TokenizerError(ValueError):
 def read_json(folder, name):
     """The folder's JSON file `name`, or {} when it has none (every config file is optional)."""
     path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{path}: cannot be read as JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise TokenizerError(f"{path}: holds a {type(value).__name__}, not a JSON object")
-    return value
+    return json_object(path, TokenizerError) if os.path.isfile(path) else {}
 
 
 def fingerprint(folder):
