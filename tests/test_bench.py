@@ -3,7 +3,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from distributed import REPO
+
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
 
 
 def test_quick_benchmark_writes_summary_comparisons_figures_and_table(tmp_path):

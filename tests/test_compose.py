@@ -58,11 +58,13 @@ def row_name(world, flags):
 LLAMA_TABLE = [(world, *llama(flags, model)) for world, flags, model in TABLE]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("world,flags,model", TABLE, ids=[row_name(w, f) for w, f, _ in TABLE])
 def test_benchmark_table_configurations(tmp_path, world, flags, model):
     check(tmp_path, world, flags, model)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("world,flags,model", LLAMA_TABLE, ids=[row_name(w, f) for w, f, _ in LLAMA_TABLE])
 def test_benchmark_table_configurations_llama(tmp_path, world, flags, model):
     check(tmp_path, world, flags, model)
@@ -74,17 +76,20 @@ RECOMPUTED = [(world, [*flags, "--recompute", ("full", "selective")[i % 2]], mod
               for i, (world, flags, model) in enumerate((w, *llama(f, m, optimizer=())) for w, f, m in TABLE)]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("world,flags,model", RECOMPUTED, ids=[f"{row_name(w, f[:-2])}-{f[-1]}" for w, f, _ in RECOMPUTED])
 def test_benchmark_table_configurations_recomputed(tmp_path, world, flags, model):
     check(tmp_path, world, flags, model)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_tp2_pp2_cp2_ep2_on_16_ranks(tmp_path, arch):
     flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--sp"]
     check(tmp_path, 16, *(llama(flags, MOE) if arch == "llama" else (flags, MOE)), timeout=600)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["allgather", "alltoall"])
 def test_tp2_pp2_cp2_ep2_on_16_ranks_by_the_other_ways_of_cp(tmp_path, mode):
     """The same 16 ranks with cp's all-gather or all-to-all (each tp rank's 2 heads split over cp)."""
@@ -92,13 +97,14 @@ def test_tp2_pp2_cp2_ep2_on_16_ranks_by_the_other_ways_of_cp(tmp_path, mode):
     check(tmp_path, 16, flags, MOE, timeout=600)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", [pytest.param("gpt", marks=pytest.mark.full), "llama"])  # (llama: the fast tier's)
 def test_all_five_dimensions_on_32_ranks(tmp_path, arch):
     """dp=4 tp=2 pp=2 cp=2 and ep=2 (folded over the tp ranks): every dimension above one in the same run."""
     flags = ["--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2"]
     check(tmp_path, 32, *(llama(flags, MOE) if arch == "llama" else (flags, MOE)), timeout=900)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("flags", [["--zero", "1", "--tp", "2"], ["--zero", "3", "--tp", "2", "--sp"],
                                    ["--zero", "1", "--tp", "2", "--pp", "2"]], ids=lambda f: " ".join(f))
@@ -107,6 +113,7 @@ def test_zero_with_tensor_parallel(tmp_path, flags, arch):
     check(tmp_path, world, *(llama(flags, ()) if arch == "llama" else (flags, ())))
 
 
+@pytest.mark.full
 def test_stop_under_tp_pp_ep_resume_under_dp8(tmp_path):
     argv = [*BASE, *MOE, "--steps", "4"]
     first = run_on_ranks(8, train_worker, [*argv, "--tp", "2", "--pp", "2", "--ep", "2", "--stop-at", "2",
@@ -138,6 +145,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.full
 def test_every_refused_combination_fails_fast_on_every_rank(tmp_path):
     launches = []
     for i, (flags, message) in enumerate(REFUSED):  # all at once: they only parse flags and exit

@@ -417,6 +417,7 @@ def test_context_parallel_matches_single_device(tmp_path, world, flags, model, m
     assert_matches_plan(tmp_path, argv, world)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["allgather", "alltoall"])
 @pytest.mark.parametrize("flags,model", [
     # rotary, split heads (wide, with QK-norm: its weights' gradients summed over tp), sequence shards

@@ -21,6 +21,8 @@ from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
 from training import cli
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 DEEPSEEK = [*EQUIVALENCE, "--arch", "deepseek", "--layers", "4", "--steps", "2", "--batch-size", "16"]
 # Experts in both balancing ways: DeepSeek-V3's balance loss per sequence and the routing bias, moved after
 # every step.

@@ -22,6 +22,8 @@ from oracle import EQUIVALENCE
 from tools import diagnose
 from training import cli, stragglers
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 SKIP_RANK, SKIP_STEP = 1, 2
 
 

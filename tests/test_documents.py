@@ -18,6 +18,8 @@ from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
 from training import cli
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 EOS = "16"  # the synthetic language's most frequent id at the tiny preset: documents of about a dozen tokens
 PACKED = [*EQUIVALENCE, "--seq-len", "32", "--document-mask", "--eos-id", EOS]
 LLAMA = ["--arch", "llama", "--kv-heads", "2"]  # rotary positions restart at each document

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from distributed import REPO
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 TINY = ["--model", "tiny", "--batch-size", "32", "--dtype", "float32"]
 
 

@@ -21,6 +21,8 @@ from tools.bench import worker_pids
 from distributed import REPO, run_on_ranks, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 ARGV = [*EQUIVALENCE, "--steps", "6"]
 RUN = "gpu2_tp1_pp1_cp1_ep1"
 

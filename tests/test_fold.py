@@ -20,6 +20,8 @@ from training import cli
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 from planned import assert_matches_plan
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 BASE = [*EQUIVALENCE, "--experts", "4", "--top-k", "2"]
 
 # (ranks, flags, model flags): ep over tp with and without sp, over cp in its three modes, over dp, and over a

@@ -191,6 +191,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("arch,world,flags", LAYOUTS,
                          ids=[f"{arch}-{'-'.join(f.lstrip('-') for f in flags)}" for arch, _, flags in LAYOUTS])
 def test_layouts_train_as_one_device_from_the_folder(tmp_path, folders, arch, world, flags):
@@ -208,6 +209,7 @@ EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.
            ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, [])]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("arch,world,flags", EXPORTS,
                          ids=[f"{arch}-{'-'.join(f.lstrip('-') for f in flags) or 'one'}" for arch, _, flags in EXPORTS])
 def test_a_loaded_checkpoint_exports_bit_identically(tmp_path, folders, arch, world, flags):

@@ -19,6 +19,8 @@ from training import cli
 from training.checkpoint import TORCH_DTYPES, Checkpoint
 from training.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 LAYOUTS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"], "ep": ["--ep", "2"]}
 RESUMED_ON = {"tp": "pp", "pp": "ep", "ep": "tp"}  # each layout's step-2 checkpoint, resumed on another
 STEPS = ["--steps", "4", "--checkpoint-interval", "2", "--seq-len", "16"]

@@ -18,6 +18,8 @@ import pytest
 import hf_models
 from distributed import REPO
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 TINY = ["--model", "tiny", "--batch-size", "8", "--micro-batches", "2", "--steps", "2"]
 
 

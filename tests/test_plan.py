@@ -20,6 +20,8 @@ from distributed import REPO, run_on_ranks, torchrun
 from oracle import train_worker
 from planned import assert_matches_plan, logged_records
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 # Two steps of the tiny model, with buckets of 50 KB (several per rank: ZeRO's shards then cut parameters
 # into pieces, each with its own step count). Experts are chosen by every token (top-k = experts), so
 # routing is balanced by construction and the MoE's traffic and activations are exact too.

@@ -114,6 +114,7 @@ def test_pipeline_with_tensor_and_sequence_parallel(tmp_path):
         assert_matches_oracle(result, oracle([*BASE, "--micro-batches", "4"]))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("schedule", ["zb1", "zbv"])
 @pytest.mark.parametrize("flags,model", [
     (["--zero", "1"], []), (["--tp", "2", "--sp"], []), (["--cp", "2"], []),
@@ -129,6 +130,7 @@ def test_zero_bubble_with_other_dimensions(tmp_path, flags, model, schedule):
     assert_matches_plan(tmp_path, argv, 4)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("stages,micro,flags,model", [
     (3, 3, ["--zero", "1"], []), (4, 4, ["--tp", "2", "--sp"], []), (3, 6, ["--cp", "2"], []),
     (4, 4, ["--ep", "2"], ["--experts", "4", "--shared-experts", "1", "--balance", "both"])],

@@ -20,6 +20,8 @@ from distributed import run_on_ranks
 from oracle import train_worker
 from planned import assert_matches_plan, logged_records
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 # Two steps of the tiny model with two micro-batches: 8 data ranks x 2 micro-batches, 4 layers (two stages).
 BASE = ["--model", "tiny", "--layers", "4", "--batch-size", "16", "--micro-batches", "2", "--lr", "1e-2",
         "--warmup", "1", "--grad-clip", "0.05", "--eval-interval", "1000", "--log-interval", "1000"]

@@ -304,14 +304,16 @@ def test_the_pages_have_the_commands_they_should():
 
 
 def test_the_readme_installs_and_tests_as_ci_does():
-    """The front door keeps the whole install and the test command that .ci/run runs after it."""
+    """The front door keeps the whole install and both tiers' test commands, and .ci/run runs the install and
+    the whole suite's."""
     lines = [line for _, line in bash_lines(README)]
     install = next((line for line in lines if "pip install" in line), "")
     for step in ["python3 -m venv .venv", ". .venv/bin/activate", "pip install -r requirements.txt"]:
         assert step in install, f"README.md's install line lacks {step!r}: {install!r}"
-    assert "python -m pytest -q" in lines, "README.md has no line `python -m pytest -q`, .ci/run's test command"
+    for command in ("python -m pytest -q", "python -m pytest -q --full"):
+        assert command in lines, f"README.md has no line `{command}`, a tier's test command"
     with open(os.path.join(REPO, ".ci", "run")) as f:
-        assert "\npython -m pytest -q\n" in f.read(), ".ci/run no longer runs the README's test command"
+        assert "\npython -m pytest -q --full\n" in f.read(), ".ci/run no longer runs the whole suite"
 
 
 def test_the_readme_is_a_front_door():

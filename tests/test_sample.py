@@ -23,6 +23,8 @@ from training import cli
 from training.checkpoint import MANIFEST, Checkpoint, checkpoint_at
 from training.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 PROMPT = "the cat sat on"
 NEW = 24  # more than the tiny models' 16 positions with the prompt: the context is cropped too
 TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2", "--warmup", "1",

@@ -80,6 +80,7 @@ def test_refused_flags_say_why(world, flags, message):
     (["--batch-size", "3"], "--batch-size 3 must divide into --micro-batches 1 x 2 data ranks"),
     (["--lr", "nan"], "--lr must be a finite number, at least 0, got nan"),  # one line, not AdamW's traceback
 ])
+@pytest.mark.full
 def test_refused_flags_fail_fast_on_every_rank(tmp_path, flags, message):
     out = torchrun(2, "train.py", *QUICK, "--out", str(tmp_path), *flags, timeout=60)
     assert out.returncode != 0
@@ -152,6 +153,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.full
 def test_two_nodes_joined_by_c10d_rendezvous_match_single_device(tmp_path):
     """Two torchrun "nodes" of 2 processes each on this machine, joined as on a cluster: tp=2 inside a node
     (a node's ranks are consecutive, and tp varies fastest), dp=2 across the nodes."""
@@ -171,6 +173,7 @@ def test_two_nodes_joined_by_c10d_rendezvous_match_single_device(tmp_path):
     assert_matches_oracle(dict(losses=losses, state_dict=state_dict), oracle(EQUIVALENCE))
 
 
+@pytest.mark.full
 def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
     """The GPU-sized preset on a CPU: GPT-2's shape and vocabulary (a Markov language over 50304 tokens, its
     stationary distribution found without a dense 50304 x 50304 matrix); short sequences keep it quick."""
@@ -236,6 +239,7 @@ def test_vocabulary_flags(tmp_path):
     assert (config.vocab_size, config.padded_vocab_size) == (65, 128)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("world,flags,model", [(2, ["--cp", "2", "--zero", "3"], []),
                                               (4, ["--tp", "2", "--sp", "--ep", "2"], ["--experts", "4"])],
                          ids=["cp2-zero3", "tp2-sp-ep2"])

@@ -19,6 +19,8 @@ from distributed import run_on_ranks
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 from planned import assert_matches_plan
 
+pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
+
 PIPELINE = [*EQUIVALENCE, "--layers", "4", "--micro-batches", "4", "--batch-size", "16"]
 MOE = ["--experts", "4", "--top-k", "2"]
 

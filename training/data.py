@@ -16,7 +16,8 @@ configuration be compared token for token with the single device.
   type (uint16 or uint32), the vocabulary and the tokenizer that made them;
   or nanoGPT's, uint16 ids and optionally `meta.pkl` (its "vocab_size").
   The files are mapped, not read: only the windows of each batch are loaded,
-  and one scan, shared by the ranks, checks the ids.
+  and one scan, shared by the ranks, checks the ids and, against meta.json's
+  SHA-256 of each chunk, the bytes (a file cut short is refused by its size).
 - `DataInfo`: what is known of the data before any token is read (its
   vocabulary, the ids' type, the EOS id, the tokenizer), from one reading of
   its meta.json; `open_data` opens the data one describes.
