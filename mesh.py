@@ -1,75 +1,32 @@
 """The 5D rank grid: world = dp * pp * cp * tp, tp varying fastest, and the experts' grid folded over it.
 
-Ranks are laid out as `arange(world).view(dp, pp, cp, tp)`, so the dimension
-that talks most (tp, every layer) sits on neighbouring ranks, which on a GPU
-cluster means inside one node, and dp (once per step) spans the farthest.
-Attention and every dense layer use this grid:
+The article's "Putting It All Together" counts N = DP x TP x PP x EP GPUs. The grid here differs in two ways:
+context parallelism is an axis of its own (cp ranks split each sequence), and expert parallelism does not
+multiply the world: it is folded over each pipeline stage's dp x cp x tp ranks (Megatron-LM's "MoE parallel
+folding", torchtitan's expert mesh), so N = DP x PP x CP x TP and EP divides a stage's ranks.
 
-- one group per dimension: the ranks that differ only in that coordinate
-  (dp is also each rank's data rank: which slice of the global batch it
-  reads; the cp ranks of one data rank read the same samples and split the
-  sequence);
-- dense-gradient group (dp x cp): the ranks holding the same dense
-  parameter shard, over which dense gradients are averaged;
+Ranks are laid out as `arange(world).view(dp, pp, cp, tp)`: the dimension that talks most (tp, every layer)
+sits on neighbouring ranks, which on a GPU cluster means inside one node (the article's communication
+hierarchy), and dp (once per step) spans the farthest. Attention and every dense layer use this grid:
+
+- one group per dimension: the ranks that differ only in that coordinate (dp is also each rank's data rank:
+  which slice of the global batch it reads; the cp ranks of one data rank split the same samples' sequence);
+- dense (dp x cp): the ranks holding the same dense shard, over which dense gradients are averaged;
 - stage (dp x cp x tp): every rank of a pipeline stage;
-- sequence (cp x tp): the ranks holding parts of the same sequences (ep.py's
-  balance loss per sequence sums its counts over them).
+- sequence (cp x tp): the ranks holding parts of the same sequences (ep.py's balance loss per sequence).
 
-Expert parallelism does not multiply the world: it is folded over the
-stage's ranks (Megatron-LM's "MoE parallel folding", torchtitan's expert
-mesh). The MoE layers read a stage's dp x cp x tp ranks, in that row-major
-order, as a grid of their own, expert_dp x ep x expert_tp with expert_tp
-fastest:
+The MoE layers read a stage's ranks, in that row-major order, as expert_dp x ep x expert_tp, expert_tp
+fastest (`MeshShape.expert_axis_sizes`, with an example above it): ep spreads the experts (E/ep each,
+tokens exchanged by all-to-all), expert_tp splits each expert's matrices, and expert (expert_dp) groups the
+ranks holding the same expert shard, over which expert gradients are averaged.
 
-- ep: the ranks the experts are spread over (E/ep experts each), which
-  exchange tokens by all-to-all;
-- expert_tp: the ranks splitting each of those experts' matrices (1: whole
-  experts, DeepSeek-V3's choice);
-- expert (expert_dp): the ranks holding the same expert shard, over which
-  expert gradients are averaged.
+Hybrid sharding (`dp_shard`, `MeshShape.axis_sizes`): ZeRO shards over groups of dp_shard neighbouring
+data-parallel ranks and keeps copies across the dp / dp_shard such groups.
 
-So ep takes the stage's fastest ranks after expert_tp: with tp=8 inside a
-node, ep=8 is the node's 8 GPUs (64 were needed before folding). Inside the
-MoE layer every rank of the stage routes tokens no other rank routes (ep.py
-splits the tokens tp ranks share without sequence parallelism). For example
-8 ranks as dp=2, tp=4, with ep=4 (whole experts), and with ep=2, expert_tp=2:
-
-    rank                 0  1  2  3 | 4  5  6  7
-    attention  dp        0  0  0  0 | 1  1  1  1     tp groups [0-3], [4-7]
-    --ep 4     ep        0  1  2  3 | 0  1  2  3     ep groups [0-3], [4-7]; expert [0, 4], [1, 5], ...
-    --ep 2     ep        0  0  1  1 | 0  0  1  1     ep groups [0, 2], [1, 3], [4, 6], [5, 7]
-    --expert-tp 2 etp    0  1  0  1 | 0  1  0  1     expert_tp [0, 1], [2, 3], ...; expert [0, 4], [1, 5], ...
-
-The unfolded layout (ep an axis of its own between pp and cp, the experts
-split as tp splits the dense layers) is, without cp, `--expert-tp` equal to
-`--tp`: ep then takes the dp ranks next to the tp group, as it did.
-
-Hybrid sharding (`dp_shard`): ZeRO shards over groups of dp_shard
-neighbouring data-parallel ranks and keeps copies across the dp / dp_shard
-such groups, dp being read as (dp_replicate, dp_shard), dp_shard the faster:
-
-- ZeRO's shard groups: the dense and expert groups with dp narrowed to
-  dp_shard ("dense_shard": dp_shard x cp, "expert_shard": expert_dp narrowed
-  to the ranks of one replica);
-- "dp_replicate": the ranks holding copies of the same shards, one in each
-  shard group, which sum them once per step (the same ranks in both grids,
-  dp_replicate being the slowest part of each stage).
-
-For example 16 ranks as dp=8, tp=2 with dp_shard=4 (nodes of 8 GPUs): ranks
-0-7 are one node, dp ranks 0-3 of it; the shard groups are [0, 2, 4, 6],
-[1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15], each inside a node, and the
-replicas [0, 8], [2, 10], ... cross the nodes:
-
-    node 0:  rank  0  1 | 2  3 | 4  5 | 6  7      dp 0..3 (shard 0..3, replica 0)
-    node 1:  rank  8  9 |10 11 |12 13 |14 15      dp 4..7 (shard 0..3, replica 1)
-
-`mesh_shape` validates the sizes with no communication at all, so a bad
-launch fails with the same message on every rank instead of hanging in a
-collective.
-
-Groups are made with the default group's backends (unless `backend` says
-otherwise): on GPUs that is `cpu:gloo,cuda:nccl`, so every group takes CUDA
-tensors through NCCL and CPU tensors through gloo.
+`mesh_shape` validates the sizes with no communication at all, so a bad launch fails with the same message
+on every rank instead of hanging in a collective. Groups are made with the default group's backends (unless
+`backend` says otherwise): on GPUs `cpu:gloo,cuda:nccl`, so every group takes CUDA tensors through NCCL and
+CPU tensors through gloo.
 """
 from dataclasses import dataclass
 
@@ -123,11 +80,33 @@ class MeshShape:
     def sizes(self):
         return tuple(getattr(self, d) for d in DIMS)
 
+    # Hybrid sharding: dp is read as (dp_replicate, dp_shard), dp_shard the faster. ZeRO's shard groups are the
+    # dense and expert groups with dp narrowed to dp_shard ("dense_shard": dp_shard x cp, "expert_shard":
+    # expert_dp narrowed to the ranks of one replica); "dp_replicate" holds the copies of the same shards, one
+    # in each shard group, which sum them once per step (the same ranks in both grids). For example 16 ranks
+    # as dp=8, tp=2 with dp_shard=4 (nodes of 8 GPUs): the shard groups [0, 2, 4, 6], [1, 3, 5, 7],
+    # [8, 10, 12, 14], [9, 11, 13, 15] each stay inside a node, and the replicas [0, 8], [2, 10], ... cross:
+    #
+    #     node 0:  rank  0  1 | 2  3 | 4  5 | 6  7      dp 0..3 (shard 0..3, replica 0)
+    #     node 1:  rank  8  9 |10 11 |12 13 |14 15      dp 4..7 (shard 0..3, replica 1)
     def axis_sizes(self):
         """{axis: size} of the grid with dp read as (dp_replicate, dp_shard), slowest first."""
         shard = self.dp_shard or self.dp
         return {"dp_replicate": self.dp // shard, "dp_shard": shard, **{d: getattr(self, d) for d in DIMS[1:]}}
 
+    # The experts' grid: ep takes the stage's fastest ranks after expert_tp, so with tp=8 inside a node ep=8 is
+    # the node's 8 GPUs (64 were needed before folding). Every rank of the stage routes tokens no other rank
+    # routes (ep.py splits the tokens tp ranks share without sequence parallelism). 8 ranks as dp=2, tp=4, with
+    # ep=4 (whole experts, DeepSeek-V3's choice), and with ep=2, expert_tp=2:
+    #
+    #     rank                 0  1  2  3 | 4  5  6  7
+    #     attention  dp        0  0  0  0 | 1  1  1  1     tp groups [0-3], [4-7]
+    #     --ep 4     ep        0  1  2  3 | 0  1  2  3     ep groups [0-3], [4-7]; expert [0, 4], [1, 5], ...
+    #     --ep 2     ep        0  0  1  1 | 0  0  1  1     ep groups [0, 2], [1, 3], [4, 6], [5, 7]
+    #     --expert-tp 2 etp    0  1  0  1 | 0  1  0  1     expert_tp [0, 1], [2, 3], ...; expert [0, 4], [1, 5], ...
+    #
+    # The unfolded layout (ep an axis of its own between pp and cp, the experts split as tp splits the dense
+    # layers) is, without cp, --expert-tp equal to --tp: ep then takes the dp ranks next to the tp group.
     def expert_axis_sizes(self):
         """{axis: size} of the experts' grid, slowest first: pp, then each stage's ranks read as
         (expert_dp, ep, expert_tp), expert_dp itself as (dp_replicate, expert_dp_shard)."""
