@@ -10,9 +10,10 @@ equals the single device's) -> the training loop. Every global batch is a pure f
 (training/data.py) and is split over data ranks and micro-batches, so every configuration trains on
 the same tokens and must produce the same losses as one device.
 
-This file reads top to bottom: `train` (the loop), `Trainer` (one step), `parallelize` (the five
-dimensions, one call each, in a fixed order), what each rank holds (`Share`), what the step drives the
-same way whatever the layout (gradient averaging, the micro-batch runner), then the helpers.
+This file reads top to bottom: `train` (the loop), `parallelize` (the five dimensions, one call each, in a
+fixed order: "Putting It All Together"), `Trainer` (one step), each dimension's call, what each rank holds
+(`Share`), what the step drives the same way whatever the layout (gradient averaging, the micro-batch
+runner), then the helpers.
 
 Each run writes runs/<name>/config.json, runs/<name>/log.jsonl (one JSON record per step) and
 runs/<name>/checkpoint-<step>/ (sharded: each rank writes the pieces it holds, while training goes on;
@@ -142,6 +143,61 @@ def run_training(args, recorder):
     return dict(losses=log.losses, grad_norms=log.grad_norms, val_losses=log.val_losses,
                 entropy_floor=data.entropy_rate, trainer=trainer)
 
+
+# ---------------------------------------------------------------------------
+# parallelize: the model -> this rank's share of it, one dimension at a time
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Parallelized:
+    """What training needs to know of the dimensions `parallelize` applied."""
+    moe_layers: list                # every MoE layer (ep.py's), in order; a pipeline stage runs only its own
+    tp_layouts: dict                # {parameter name: (dim, blocks)} of those tensor parallelism split
+    positions: torch.Tensor | None  # this rank's token positions under context parallelism (None: all)
+    chunks: list | None             # this rank's model chunks under pipeline parallelism (None: the model)
+    optimizers: list                # dp.py's ZeRO instances, or one ReplicatedOptimizer: the same interface
+    grad_sync: "GradientSync"       # the data-parallel averaging of the gradients
+    tied: "TiedOutputLayer"         # the sum of a tied output layer's gradients over the pipeline's ends
+    share: "Share"                  # what this rank holds of each parameter, as positions in the full tensor
+
+
+def parallelize(model, mesh, args, values, device, precision):
+    """Apply the parallel dimensions to `model`, built on the meta device, in place, for this rank of `mesh`;
+    then allocate this rank's share of it on `device` and fill it from `values` (InitialValues, SavedValues).
+    """
+    # The article explains data, tensor, pipeline, context (sequence) and expert parallelism in that order;
+    # they are applied in another, each rewriting what the one before left: experts are placed first (tensor
+    # parallelism then splits the experts this rank holds), tensor and context parallelism rewrite the
+    # layers inside every block, the pipeline then keeps this rank's blocks (passing them context
+    # parallelism's positions), recomputation wraps what this rank will run, and data parallelism comes
+    # last, since it averages, or shards (ZeRO), whatever parameters this rank is left with. Until then the
+    # model is on the meta device (shapes without memory): nothing is allocated that this rank will not hold.
+    #
+    # "Expert Parallelism": each rank keeps E/ep experts of every MoE layer; tokens reach them by all-to-all.
+    moe_layers = expert_parallel(model, mesh, args)
+    # "Tensor Parallelism" (and "Sequence Parallelism, Flavor 1"): weight matrices split over the tp group,
+    # the experts' over the expert-tp group.
+    tp_layouts = tensor_parallel(model, mesh, args, moe_layers)
+    # "Sequence Parallelism, Flavor 2: Ring Attention": a zigzag shard of the sequence; attention in a ring.
+    positions = context_parallel(model, mesh, args, device)
+    # "Pipeline Parallelism": this rank keeps its stage's layers (V chunks of them with interleaving).
+    chunks = pipeline_parallel(model, mesh, args, positions)
+    # Not a dimension: compiled blocks, and activation recomputation around what runs (ring attention too).
+    if args.compile:
+        compile_blocks(model)
+    apply_recomputation(model, args.recompute)
+    # What this rank holds now exists: allocated on its device and filled (under ZeRO-3 only the shards,
+    # which ZeRO-3 fills itself).
+    share = Share(tp_layouts, mesh, values, device, precision.master, model.config)
+    share.materialize(model, fill=args.zero != 3)
+    # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
+    optimizers, grad_sync, tied = data_parallel(model, mesh, args, moe_layers, share, precision)
+    return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, tied, share)
+
+
+# ---------------------------------------------------------------------------
+# The run's log
+# ---------------------------------------------------------------------------
 
 class RunLog:
     """runs/<name>/: config.json, and log.jsonl with one record per step, written by rank 0 (elsewhere
@@ -463,55 +519,8 @@ class RankState:
 
 
 # ---------------------------------------------------------------------------
-# parallelize: the model -> this rank's share of it, one dimension at a time
+# parallelize's steps: one function a dimension
 # ---------------------------------------------------------------------------
-
-@dataclass
-class Parallelized:
-    """What training needs to know of the dimensions `parallelize` applied."""
-    moe_layers: list                # every MoE layer (ep.py's), in order; a pipeline stage runs only its own
-    tp_layouts: dict                # {parameter name: (dim, blocks)} of those tensor parallelism split
-    positions: torch.Tensor | None  # this rank's token positions under context parallelism (None: all)
-    chunks: list | None             # this rank's model chunks under pipeline parallelism (None: the model)
-    optimizers: list                # dp.py's ZeRO instances, or one ReplicatedOptimizer: the same interface
-    grad_sync: "GradientSync"       # the data-parallel averaging of the gradients
-    tied: "TiedOutputLayer"         # the sum of a tied output layer's gradients over the pipeline's ends
-    share: "Share"                  # what this rank holds of each parameter, as positions in the full tensor
-
-
-def parallelize(model, mesh, args, values, device, precision):
-    """Apply the parallel dimensions to `model`, built on the meta device, in place, for this rank of `mesh`;
-    then allocate this rank's share of it on `device` and fill it from `values` (InitialValues, SavedValues).
-    """
-    # The article explains data, tensor, pipeline, context (sequence) and expert parallelism in that order;
-    # they are applied in another, each rewriting what the one before left: experts are placed first (tensor
-    # parallelism then splits the experts this rank holds), tensor and context parallelism rewrite the
-    # layers inside every block, the pipeline then keeps this rank's blocks (passing them context
-    # parallelism's positions), recomputation wraps what this rank will run, and data parallelism comes
-    # last, since it averages, or shards (ZeRO), whatever parameters this rank is left with. Until then the
-    # model is on the meta device (shapes without memory): nothing is allocated that this rank will not hold.
-    #
-    # "Expert Parallelism": each rank keeps E/ep experts of every MoE layer; tokens reach them by all-to-all.
-    moe_layers = expert_parallel(model, mesh, args)
-    # "Tensor Parallelism" (and "Sequence Parallelism, Flavor 1"): weight matrices split over the tp group,
-    # the experts' over the expert-tp group.
-    tp_layouts = tensor_parallel(model, mesh, args, moe_layers)
-    # "Sequence Parallelism, Flavor 2: Ring Attention": a zigzag shard of the sequence; attention in a ring.
-    positions = context_parallel(model, mesh, args, device)
-    # "Pipeline Parallelism": this rank keeps its stage's layers (V chunks of them with interleaving).
-    chunks = pipeline_parallel(model, mesh, args, positions)
-    # Not a dimension: compiled blocks, and activation recomputation around what runs (ring attention too).
-    if args.compile:
-        compile_blocks(model)
-    apply_recomputation(model, args.recompute)
-    # What this rank holds now exists: allocated on its device and filled (under ZeRO-3 only the shards,
-    # which ZeRO-3 fills itself).
-    share = Share(tp_layouts, mesh, values, device, precision.master, model.config)
-    share.materialize(model, fill=args.zero != 3)
-    # "Data Parallelism", then "ZeRO": gradients averaged over the ranks holding the same parameters.
-    optimizers, grad_sync, tied = data_parallel(model, mesh, args, moe_layers, share, precision)
-    return Parallelized(moe_layers, tp_layouts, positions, chunks, optimizers, grad_sync, tied, share)
-
 
 def expert_parallel(model, mesh, args):
     """ep.py's MoE layers in place of the model's; returns them. The experts are folded over the stage's ranks
