@@ -39,7 +39,12 @@ import sys
 
 import pytest
 
+import torch
+
+import train
 from distributed import REPO
+from model import GPT
+from training import cli
 
 README = "README.md"
 PAGES = [README] + sorted(os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, "docs", "*.md")))
@@ -500,3 +505,23 @@ def test_the_reading_map_runs_each_dimension_as_its_docstring_says():
                 if command not in " ".join(docstring.split()):
                     problems.append(f"README.md:{line}: {script}'s docstring does not give `{command}`")
     assert not problems, "\n".join(problems)
+
+
+def test_the_reading_maps_first_figure_is_the_planners_and_the_articles():
+    """The first row's Llama 3 8B figure, as its command plans it: 16 bytes a parameter (the article's
+    count), the activations beside them, and their sum, each as the row states it (to the GiB)."""
+    from tools import plan
+    row = next(line for line in TEXTS[README].splitlines() if line.startswith("| Why do we need parallelism?"))
+    stated = re.search(r"([\d,]+) GiB = ([\d.]+) B parameters × the article's 16 bytes .*?= ([\d,]+) GiB, plus "
+                       r"([\d,]+) GiB of activations", row)
+    total, billions, states, activations = (float(g.replace(",", "")) for g in stated.groups())
+    args = train.parse_args(["--model", "llama3-8b", "--arch", "llama"])
+    predicted = {field: values[0] / 2**30 for field, values in plan.predict(args, 8).items()}
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in GPT(cli.model_config(args, cli.data_vocab_size(args))).parameters())
+    assert round(n_params / 1e9, 2) == billions
+    assert round(predicted["param_bytes"] + predicted["grad_bytes"] + predicted["optim_bytes"]) == states \
+        == round(n_params * 16 / 2**30)
+    assert round(predicted["activation_peak_bytes"]) == activations
+    assert round(sum(predicted[f] for f in ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes"))) \
+        == total
