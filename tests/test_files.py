@@ -313,8 +313,8 @@ def test_corrupted_token_folders_load_as_intact_or_are_refused(tmp_path):
     for split in ("train", "val"):
         np.arange(100, dtype=np.uint16).tofile(pickled / f"{split}.bin")
     (pickled / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 300, "itos": {0: "a"}}))
-    for what, (kind, _), _ in corrupt_each(str(pickled), "meta.pkl", rng, 20, lambda: token_load(str(pickled))):
-        assert kind in ("refused", "loaded"), what
+    results = corrupt_each(str(pickled), "meta.pkl", rng, 20, lambda: token_load(str(pickled)))  # (anything but
+    assert len(results) == 20  # a one-line refusal or a load, a traceback above all, fails `outcome`)
 
 
 # -- a checkpoint --------------------------------------------------------------------------------------

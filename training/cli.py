@@ -444,9 +444,9 @@ def check_tokens(data, rank=0, world=1):
     each rank scans its share of the token files (1/world of each: seconds even for billions of tokens),
     hashing the chunks whose SHA-256 meta.json records, and they agree on what they found."""
     found = [data.scan(rank, world)]
-    if world > 1:
-        found = [None] * world
-        dist.all_gather_object(found, data.scan(rank, world))
+    if world > 1:  # (each rank's share scanned once, then every rank has every share's findings)
+        found, mine = [None] * world, found[0]
+        dist.all_gather_object(found, mine)
     problem = next((problem for _, problem in found if problem), None)
     if problem:
         raise ConfigError(problem)

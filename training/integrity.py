@@ -110,9 +110,11 @@ def hub_blob_problem(path):
     return None
 
 
-def hub_problem(folder, share=(0, 1)):
-    """The first problem of the folder's files linked into huggingface_hub's cache, of share (i, n): the i-th
-    of every n such files, in name order (n ranks hash a folder once between them); None where none."""
-    linked = [name for name in sorted(os.listdir(folder)) if hub_blob(os.path.join(folder, name))]
+def hub_problem(folder, share=(0, 1), names=None):
+    """The first problem of the folder's files linked into huggingface_hub's cache (of `names` alone, where
+    given), of share (i, n): the i-th of every n such files, in name order (n ranks hash a folder once between
+    them); None where none."""
+    linked = [name for name in sorted(os.listdir(folder))
+              if (names is None or name in names) and hub_blob(os.path.join(folder, name))]
     index, count = share
     return next((p for name in linked[index::count] if (p := hub_blob_problem(os.path.join(folder, name)))), None)

@@ -62,9 +62,9 @@ def special_id(kind, backend, id_configs, tokenizer_config):
             # one, so any serves as the end of a document. The first is the authors' first choice (the one
             # config.json names where it names a single id), and always the same one.
             value = value[0] if value else None
-        if value is not None and (type(value) is not int or value < 0):
-            raise TokenizerError(f"{kind}_token_id {str(value)[:40]!r} is not an id")
         if value is not None:
+            if type(value) is not int or value < 0:
+                raise TokenizerError(f"{kind}_token_id {str(value)[:40]!r} is not an id")
             return value
     token = tokenizer_config.get(f"{kind}_token")
     if isinstance(token, dict):  # older files write the AddedToken out: {"content": "<s>", ...}
@@ -115,7 +115,9 @@ class Tokenizer:
             raise TokenizerError(f"{folder}: no tokenizer.json in the folder (a Hugging Face tokenizer; a "
                                  f"tokenizer.model alone is SentencePiece's own format, which transformers' "
                                  f"save_pretrained converts to tokenizer.json)")
-        problem = hub_problem(source)  # a download into huggingface_hub's cache: its files against their blobs' names
+        # a download into huggingface_hub's cache: the files read here against their blobs' names (not a model
+        # folder's weights, which train.py's check_folder hashes when it reads them)
+        problem = hub_problem(source, names=TOKENIZER_FILES + ("config.json",))
         if problem:
             raise TokenizerError(problem)
         try:
