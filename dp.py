@@ -1,34 +1,20 @@
 """Data parallelism: every rank holds the whole model and its own slice of the batch, and the gradients are
-averaged; then ZeRO-1, 2 and 3 shard what every rank would otherwise repeat.
-
-The article's sections "Data Parallelism" and "ZeRO" ("5D Parallelism from Scratch"). Averaging
-
-    g_avg = 1/N sum_i g_i        (g_i: the gradient of rank i's slice; N ranks)
-
-keeps the replicas identical after each optimizer step. Bucketing that all-reduce and overlapping it
-with backward is PyTorch's DDP (Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating Data
-Parallel Training"). ZeRO (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models", section 5) stops repeating the 2 + 2 + 12 bytes per parameter of
-mixed-precision Adam (weights, gradients, optimizer state; its Figure 1):
-
-    DataParallel  nothing sharded                         16     bytes per parameter
-    ZeRO1         the optimizer state sharded              4 + 12/N
-    ZeRO2         ... and the gradients                    2 + 14/N
-    ZeRO3         ... and the parameters (PyTorch's FSDP)      16/N
+averaged, g_avg = 1/N sum_i g_i (g_i: rank i's; N ranks), so that the replicas stay identical; then ZeRO-1,
+2 and 3 shard what every rank would otherwise repeat. The article's sections "Data Parallelism" and "ZeRO"
+("5D Parallelism from Scratch"); bucketing the all-reduce, overlapped with backward, is PyTorch's DDP (Li
+et al., 2020), and ZeRO is Rajbhandari et al., 2020 (its table of bytes per parameter: at ZeRO1).
 
 Contract for copying this file alone: a model offers its parameters, and for ZeRO-3 its `units`, the
 submodules whose parameters are gathered together, in forward order. The glue, replicated or sharded:
 
     sync = DataParallel(model.parameters(), group)  # find_unused_parameters=True: experts may get no token
-    optimizer = ReplicatedOptimizer(model.named_parameters(), torch.optim.AdamW, sync)
+    optimizer = torch.optim.AdamW(model.parameters())   # (p.grad: p's averaged gradient, in its bucket)
     # or: sync = optimizer = ZeRO1(model, group, torch.optim.AdamW)       (ZeRO2; ZeRO3 with units=...)
     with sync.no_sync(): loss(micro_batch).backward()   # every backward of a step but its last: accumulate
     loss(last_micro_batch).backward(); sync.finish_grad_sync()
-    clip_grad_norm_([optimizer], 1.0); optimizer.step(); optimizer.zero_grad()
+    optimizer.step(); optimizer.zero_grad()
 
-Nothing here knows the model. After the banner: precision, hybrid sharding, clipping, the self-check.
-
-Self-check: torchrun --nproc_per_node 4 dp.py
+Nothing here knows the model. Self-check: torchrun --nproc_per_node 4 dp.py
 """
 import copy
 import math
@@ -42,62 +28,83 @@ import torch
 import torch.distributed as dist
 
 
-# -- 1. The article's equation, g_avg = 1/N sum_i g_i, for every gradient as it comes ------------
+# -- 1. Buckets all-reduced while backward goes on (DDP's design; one gradient at a time: section 3) ----
 
-class AllReduceEveryGradient:
-    """Each gradient averaged over `group` as soon as backward has it: backward waits for each blocking
-    all-reduce, and many small tensors pay its latency many times. DataParallel averages without either."""
+class Bucket:
+    """A few parameters whose gradients travel together, in one flat buffer `grad` (p.grad is p's view of it:
+    DDP's gradient_as_bucket_view), padded to a multiple of the group size for ZeRO's equal shards."""
 
-    def __init__(self, params, group=None):
-        self.params = [p for p in params if p.requires_grad]
-        self.group, self.n_ranks, self.sync = group, dist.get_world_size(group), True
-        broadcast_parameters(self.params, group)  # the replicas start identical
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(_weakly(self._average))
+    def __init__(self, params, n_ranks, grad_dtype=None):
+        self.params, self.offsets, numel = params, {}, 0
+        for p in params:
+            self.offsets[p], numel = numel, numel + p.numel()
+        self.padded = math.ceil(numel / n_ranks) * n_ranks
+        self.grad = torch.empty(self.padded, dtype=grad_dtype or params[0].dtype, device=params[0].device)
+        self.grad_views = {p: self.view(self.grad, p) for p in params}
+        self.zero_grad()
+        for p in params:
+            if p.grad is not None:  # a gradient from before
+                self.grad_views[p].copy_(p.grad)
+            p.grad = self.grad_views[p] if is_allocated(self.grad) and self.grad.dtype == p.dtype else None
+        self.ready, self.launched, self.work = set(), False, None  # this step's: arrived; issued; in flight
 
-    def _average(self, p):
-        if self.sync:  # (inside no_sync the gradients add up, for the next backward outside it to average)
-            dist.all_reduce(p.grad, group=self.group)  # sum_i g_i
-            p.grad.div_(self.n_ranks)                  # 1/N
+    full = property(lambda self: len(self.ready) == len(self.params))  # every gradient has arrived
 
-    def no_sync(self):
-        return set_within(self, "sync", False)
+    def view(self, flat, p):  # p's place inside a flat buffer laid out like this bucket
+        return flat[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p)
 
-    def finish_grad_sync(self):
-        """Nothing to wait for: every average was taken inside backward."""
+    def grad_view(self, p):
+        return self.grad_views[p]
 
-    grads = property(lambda self: {p: p.grad for p in self.params})  # (what ReplicatedOptimizer steps with)
+    def add_grad(self, p, first):
+        """p's new gradient into its place: the step's first copied, the next micro-batches' added (a bucket
+        wider than the weights, grad_dtype, takes each gradient and drops it: see reduce_dtype)."""
+        view = self.grad_view(p)
+        if p.grad is not view:  # (else autograd added into the bucket itself)
+            view.copy_(p.grad) if first else view.add_(p.grad)
+            p.grad = view if view.dtype == p.dtype else None
+
+    def zero_grad(self):
+        self.grad.zero_()
 
 
-# -- 2. Buckets, reduced while backward goes on (DistributedDataParallel's design) ----------------
+def make_buckets(params, bucket_bytes, n_ranks, grad_dtype=None, kind=Bucket):
+    """Group params (already in gradient-arrival order) into buckets of about bucket_bytes of gradients."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and (size >= bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+            buckets.append(kind(current, n_ranks, grad_dtype))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * (grad_dtype or p.dtype).itemsize
+    if current:
+        buckets.append(kind(current, n_ranks, grad_dtype))
+    return buckets
+
 
 class DataParallel:
     """Average the gradients of `params` over `group`, bucket by bucket, overlapped with backward.
 
-    Gradients live in a few flat buckets (p.grad is a view into one), in reverse parameter order, the order
-    backward produces them. A bucket's all-reduce is launched, asynchronously, when its last gradient
-    arrives, while backward computes earlier layers': communication overlaps computation. Buckets launch in
-    order, alike on every rank, so the collectives match even where gradients come in another order or not
-    at all (an expert no token reached): backward's end launches the rest, a missing gradient as zero.
-    `finish_grad_sync()` waits and divides by N; inside `no_sync()` micro-batches' gradients add up.
-    `divide_by`: the ranks the loss is averaged over (experts: more than `group`); `find_unused_parameters`
-    (DDP's): a parameter no rank used keeps grad None, as in one process; `reduce_dtype`: Bucket.add_grad.
+    A gradient arrives (`_on_grad_ready`) -> its bucket is full -> its all-reduce is launched,
+    asynchronously (`_reduce`), while backward computes earlier layers' -> `finish_grad_sync()` waits and
+    divides by N (`_complete`); ZeRO-1 overrides those two. Buckets launch in order, alike on every rank, so
+    the collectives match where gradients come in another order or not at all (an expert no token
+    reached): backward's end launches the rest, a missing gradient as zero. Keywords: after the banner.
     """
 
-    keeps_full_gradients = True   # between backwards (ZeRO-2 and 3 do not)
+    bucket_kind = Bucket          # (ZeRO-2 and 3 free theirs between backwards)
     keeps_full_parameters = True  # between uses (ZeRO-3 does not)
 
-    def __init__(self, params, group=None, bucket_bytes=25 * 2**20, broadcast=True, divide_by=None,
-                 find_unused_parameters=False, reduce_dtype=None):
+    def __init__(self, params, group=None, bucket_bytes=25 * 2**20, *,  # beyond the article:
+                 broadcast=True, divide_by=None, find_unused_parameters=False, reduce_dtype=None):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.n_ranks = group, dist.get_world_size(group)
         self.divide_by = divide_by or self.n_ranks  # the N of 1/N sum_i g_i
         self.find_unused_parameters, self.reduce_dtype = find_unused_parameters, reduce_dtype
         self.sync, self.keep_incomplete = True, False  # inside no_sync, keep_incomplete_buckets: the reverse
-        self.end_of_backward_queued = False  # the running backward's end will launch what it left
-        self.arrived = set()                 # parameters that got a gradient on this rank this step
-        self.grads = {}                      # after finish_grad_sync: each parameter's averaged gradient
-        self.comm_bytes = Counter()          # bytes this rank sent, per collective kind
+        self.end_of_backward_queued = False   # the running backward's end will launch what it left
+        self.arrived, self.grads = set(), {}  # who got a gradient here this step; then each one's average
+        self.comm_bytes = Counter()           # bytes this rank sent, per collective kind
         if broadcast:
             broadcast_parameters(self.params, group)  # the replicas start identical
         self.buckets = self._make_buckets(bucket_bytes)  # (each parameter's p.grad now its view of one)
@@ -106,9 +113,8 @@ class DataParallel:
         for p in self.params:
             p.register_post_accumulate_grad_hook(_weakly(self._on_grad_ready))
 
-    def _make_buckets(self, bucket_bytes):
-        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks, self.keeps_full_gradients,
-                            self.reduce_dtype)
+    def _make_buckets(self, bucket_bytes):  # in backward's order: the parameters' reversed
+        return make_buckets(reversed(self.params), bucket_bytes, self.n_ranks, self.reduce_dtype, self.bucket_kind)
 
     def no_sync(self):  # accumulate gradients locally; the next backward outside this block averages them
         return set_within(self, "sync", False)
@@ -116,7 +122,7 @@ class DataParallel:
     def _on_grad_ready(self, p):  # p's hook: its gradient from this backward is complete
         self._expect_end_of_backward()
         bucket = self.bucket_of[p]
-        if self.sync and bucket.launched:  # a second backward since the buckets were reduced
+        if self.sync and bucket.launched:
             raise RuntimeError("a gradient arrived after its bucket was reduced: "
                                "wrap all but the last backward of a step in no_sync()")
         bucket.add_grad(p, first=p not in self.arrived)  # added to the earlier micro-batches'
@@ -125,18 +131,14 @@ class DataParallel:
             bucket.ready.add(p)
             self._launch_ready_buckets()
 
-    def _launch_ready_buckets(self):  # in order, those whose gradients have all arrived (alike on every rank)
-        while self.next_to_launch < len(self.buckets):
-            bucket = self.buckets[self.next_to_launch]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
+    def _launch_ready_buckets(self):  # in order, those whose gradients have all arrived
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].full:
+            self._launch(self.buckets[self.next_to_launch])
 
     def _launch(self, bucket):
-        with torch.profiler.record_function(f"dp.reduce bucket {self.next_to_launch}"):  # a profiler's trace names it
+        with torch.profiler.record_function(f"dp.reduce bucket {self.next_to_launch}"):  # (a trace's name)
             self._reduce(bucket)
-        bucket.launched = True
-        self.next_to_launch += 1
+        bucket.launched, self.next_to_launch = True, self.next_to_launch + 1
 
     def _reduce(self, bucket):
         bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)  # sum_i g_i
@@ -154,9 +156,8 @@ class DataParallel:
 
     def _launch_remaining(self, upto=None):  # all not yet launched (before `upto`), a missing gradient as zero
         for bucket in self.buckets[self.next_to_launch:upto]:
-            for p in bucket.params:
-                if p not in self.arrived:  # no gradient this step (what its view holds is an older step's)
-                    bucket.grad_view(p).zero_()
+            for p in set(bucket.params) - self.arrived:  # (what its view holds is an older step's)
+                bucket.grad_view(p).zero_()
             self._launch(bucket)
 
     def finish_grad_sync(self):
@@ -187,41 +188,42 @@ class DataParallel:
             p.grad = grad if grad is None or grad.dtype == p.dtype else None
 
     averaged_gradients = property(lambda self: [bucket.grad for bucket in self.buckets])  # ZeRO: its shards
-
     between_micro_batches = no_sync  # around every backward of a step but its last (ZeRO-2 reduces each)
 
-    def keep_incomplete_buckets(self):
-        """Launch only the buckets a backward completes (a pipeline rank's chunks each have a last backward)."""
+    def keep_incomplete_buckets(self):  # a pipeline's (pp.py): a rank's chunks each have a last backward
         return set_within(self, "keep_incomplete", True)
 
 
-# -- 3. ZeRO: each rank keeps 1/N of what data parallelism repeats on every rank ------------------
+# -- 2. ZeRO: each rank keeps 1/N of what data parallelism repeats on every rank ------------------
 
 class ZeRO1(DataParallel):
     """ZeRO stage 1 over `group`: the optimizer state sharded; this rank updates only its shards.
 
-    Rank r owns the r-th contiguous 1/N of each bucket, a `Shard` (its parameters views of one flat
-    buffer, `full_params`; `mine` this rank's place in it; `master` what the optimizer steps; `grad` this
-    rank's part of the averaged gradient). A ring all-reduce is a reduce-scatter and an all-gather: the
-    gradients are reduce-scattered, the shards stepped, the weights all-gathered, 2 Psi as DataParallel.
-    make_optimizer(pieces): the optimizer (say AdamW) over this rank's piece of each parameter (each with
-    its own step count, as on one device). `units`: submodules holding these parameters, in forward order.
-    `params` (default: module's) and `divide_by` give experts their own instance. After the banner:
-    `master_dtype`, `reduce_dtype`, `initial_values` (Shard), `replicate_group` (sum_over_replicas).
+    ZeRO (section 5) stops repeating mixed-precision Adam's 2 + 2 + 12 bytes per parameter (its Figure 1):
+
+        DataParallel  nothing sharded                         16     bytes per parameter
+        ZeRO1         the optimizer state sharded              4 + 12/N
+        ZeRO2         ... and the gradients                    2 + 14/N
+        ZeRO3         ... and the parameters (PyTorch's FSDP)      16/N
+
+    Rank r owns the r-th contiguous 1/N of each bucket, a `Shard`. A ring all-reduce is a reduce-scatter and
+    an all-gather: `_reduce` reduce-scatters the gradients, `_complete` keeps this rank's part of their
+    average, `step` steps the shards and all-gathers the weights: 2 Psi, as DataParallel sends.
+    make_optimizer(pieces): the optimizer (say AdamW) over this rank's piece of each parameter (each its
+    own step count, as on one device). `units`: the submodules holding these parameters, in forward order.
     """
 
-    def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, broadcast=True,
-                 params=None, divide_by=None, find_unused_parameters=False, master_dtype=None, reduce_dtype=None,
-                 initial_values=None, replicate_group=None):
+    def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, *,  # beyond the article:
+                 broadcast=True, params=None, divide_by=None, find_unused_parameters=False, master_dtype=None,
+                 reduce_dtype=None, initial_values=None, replicate_group=None):
         params = list(module.parameters() if params is None else params)
         mine = set(map(id, params))
         self.units = [unit for unit in units if any(id(p) in mine for p in unit.parameters())]
         self.names = {p: name for name, p in module.named_parameters()}
-        self.replicate_group, self.n_replicas = replicate_group, replicas(replicate_group)
-        super().__init__(params, group, bucket_bytes, broadcast, divide_by or dist.get_world_size(group) *
-                         self.n_replicas, find_unused_parameters, reduce_dtype or master_dtype)
-        if broadcast and replicate_group is not None:  # every shard group starts from the same weights
-            broadcast_parameters(self.params, replicate_group)
+        self.replicas = Replicas(replicate_group, params if broadcast else ())  # hybrid sharding's (else none)
+        super().__init__(params, group, bucket_bytes, broadcast=broadcast, divide_by=divide_by or
+                         dist.get_world_size(group) * self.replicas.n, find_unused_parameters=find_unused_parameters,
+                         reduce_dtype=reduce_dtype or master_dtype)
         self.rank = dist.get_rank(group)
         self.shards = {bucket: Shard(bucket, self, master_dtype, initial_values) for bucket in self.buckets}
         self.optimizer = make_optimizer([piece for shard in self.shards.values() for piece in shard.pieces.values()])
@@ -239,8 +241,8 @@ class ZeRO1(DataParallel):
         shard.grad.copy_(self._across_replicas(shard.reduced).div_(self.divide_by))
         shard.reduced = None
 
-    def _across_replicas(self, tensor, op=dist.ReduceOp.SUM):
-        return sum_over_replicas(self, tensor, op)  # hybrid sharding's second reduction
+    def _across_replicas(self, tensor):  # hybrid sharding's second reduction (without replicas: tensor itself)
+        return self.replicas.sum(tensor, self.comm_bytes)
 
     def _keep_used_grads(self, used):
         super()._keep_used_grads(used)
@@ -271,24 +273,30 @@ class ZeRO1(DataParallel):
         self.comm_bytes["all_gather"] += ring_bytes_sent("all_gather", shard.full_params.nbytes, self.n_ranks)
         return all_gather_flat(shard.full_params, shard.mine, group=self.group, async_op=True)
 
-    def full_parameters(self):  # every parameter in full for the duration: stages 1 and 2 always hold them
-        return nullcontext()
+    full_parameters = nullcontext  # every parameter in full for the duration: stages 1 and 2 always hold them
 
-    # What training, clipping, checkpoints and the parity check ask of an optimizer (after the banner):
+    # What training, checkpoints and the parity check ask of an optimizer (as of ReplicatedOptimizer):
     param_shards = property(lambda self: [shard.master for shard in self.shards.values()])
     grad_shards = averaged_gradients = property(lambda self: [shard.grad for shard in self.shards.values()])
 
-    def squared_norm(self, weights=None):
-        return sharded_squared_norm(self, weights)
-
-    def scale_grads(self, scale):
-        scale_all(self.grad_shards, scale)
-
-    def pieces(self):
-        return pieces_of_shards(self)
+    def pieces(self):  # (name, start, end, piece) of what this rank steps: see Shard.named_pieces
+        return [named for shard in self.shards.values() for named in shard.named_pieces(self.names)]
 
     def gradient_pieces(self):
         return ((name, start, end, piece.grad) for name, start, end, piece in self.pieces())
+
+
+class TransientBucket(Bucket):
+    """ZeRO-2 and 3's bucket: memory only from a backward's first gradient to its reduce-scatter."""
+
+    def zero_grad(self):  # (made with torch.empty and freed at once, never written: p.grad None)
+        free_storage(self.grad)
+
+    def grad_view(self, p):  # allocated again for a backward after a reduce-scatter freed it
+        if not is_allocated(self.grad):
+            allocate_storage(self.grad)
+            self.grad.zero_()
+        return self.grad_views[p]
 
 
 class ZeRO2(ZeRO1):
@@ -296,14 +304,11 @@ class ZeRO2(ZeRO1):
 
     No full gradient is kept between backwards: each reduce-scatters its buckets (one in flight at a time)
     and frees them; the shard accumulates. Every backward of a step reduces (`between_micro_batches`): the
-    paper's memory, for M reductions of M micro-batches. Under `no_sync()` (a pipeline's) the full
-    gradients add up in their buckets instead, reduced once by the backward outside it.
+    paper's memory, for M reductions of M micro-batches (under a pipeline's `no_sync()`, one).
     """
 
-    keeps_full_gradients = False  # (nor do the parameters hold their views of the buckets: p.grad None)
-
-    def between_micro_batches(self):
-        return nullcontext()  # reduce-scatter every backward
+    bucket_kind = TransientBucket  # (nor do the parameters hold their views of the buckets: p.grad None)
+    between_micro_batches = nullcontext  # reduce-scatter every backward
 
     def _expect_end_of_backward(self):
         if not self.end_of_backward_queued and self.next_to_launch == len(self.buckets):
@@ -321,7 +326,7 @@ class ZeRO2(ZeRO1):
         shard = self.shards[bucket]
         shard.grad.add_(self._across_replicas(shard.reduced).div_(self.divide_by))  # the shard accumulates
         shard.reduced = None
-        free_storage(bucket.grad)  # (Bucket.grad_view allocates it again for the next backward)
+        bucket.zero_grad()  # frees it (grad_view allocates it again for the next backward)
 
     def _keep_used_grads(self, used):
         for shard in self.shards.values():  # no full gradient: the shards hold them
@@ -333,24 +338,27 @@ class ZeRO3(ZeRO2):
 
     A unit's parameters exist in full only while it computes: all-gathered before its forward (the next
     unit's prefetched, overlapping this one's compute), freed after it, gathered again before its backward
-    and freed once its gradients are reduce-scattered: 3 Psi per step (the paper's section 7). Under a
-    pipeline `reshard_after_forward=False` (FSDP2's flag, as torchtitan's) keeps a unit gathered from its
-    first forward to its reduce-scatter: one all-gather a step instead of 2M for M micro-batches.
+    and freed once its gradients are reduce-scattered: 3 Psi per step (the paper's section 7).
     """
 
     keeps_full_parameters = False
 
-    def __init__(self, module, group, make_optimizer, units=(), reshard_after_forward=True, **options):
+    def __init__(self, module, group, make_optimizer, units=(), bucket_bytes=25 * 2**20, *,  # beyond the article:
+                 reshard_after_forward=True, **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
         self.reshard_after_forward = reshard_after_forward
-        super().__init__(module, group, make_optimizer, units, **options)
+        super().__init__(module, group, make_optimizer, units, bucket_bytes, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
         for i, unit in enumerate(self.units):
             unit.register_forward_pre_hook(partial(self._before_forward, i))
 
-    def _make_buckets(self, bucket_bytes):
-        return [Bucket(params, self.n_ranks, False, self.reduce_dtype) for params in reversed(unit_params(self))]
+    def _make_buckets(self, bucket_bytes):  # one a unit, whatever its size
+        mine = set(map(id, self.params))
+        params = [[p for p in unit.parameters() if id(p) in mine] for unit in self.units]
+        if sorted(id(p) for unit_params in params for p in unit_params) != sorted(mine):
+            raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
+        return [self.bucket_kind(unit_params, self.n_ranks, self.reduce_dtype) for unit_params in reversed(params)]
 
     def _before_forward(self, i, module, args):
         self._gather(i)
@@ -363,12 +371,13 @@ class ZeRO3(ZeRO2):
 
     def _before_backward(self, i):
         super()._before_backward(i)
-        launch_units_after(self, i)  # (experts: see there)
+        if self.sync and self.find_unused_parameters:  # launch the units after i: see used_on_some_rank
+            self._launch_remaining(upto=len(self.buckets) - 1 - i)
         self._gather(i)                  # backward needs the weights again,
         self._gather(i - 1, wait=False)  # and the unit before this one comes next
 
-    def _launch_ready_buckets(self):
-        if not self.find_unused_parameters:  # (else launch_units_after launches them)
+    def _launch_ready_buckets(self):  # (experts, find_unused_parameters: see _before_backward)
+        if not self.find_unused_parameters:
             super()._launch_ready_buckets()
 
     def _reduce(self, bucket):
@@ -393,28 +402,95 @@ class ZeRO3(ZeRO2):
         self.shards[bucket].wait_for_gather()
         free_storage(self.shards[bucket].full_params)
 
-    def full_parameters(self):  # every parameter gathered for the duration (to save or test the model)
-        return all_units_gathered(self)
+    @contextmanager
+    def full_parameters(self):  # every unit gathered for the duration (to save or test the model), freed after
+        for i in range(len(self.unit_buckets)):
+            self._gather(i)
+        try:
+            yield
+        finally:
+            for bucket in self.buckets:
+                self._free_params(bucket)
 
 
-# ---- Beyond the article ----
-# What a production run needs besides the algorithm above, each piece reached from it through one call:
-# the collectives' names, buckets' bookkeeping, experts, hybrid sharding, mixed precision (Shard),
-# the replicated optimizer, clipping, checkpoints' pieces, model.py's units, the self-check.
+# -- 3. The article's equation taken literally, for comparison: every gradient as it comes ---------
 
-# torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy
-# of tp.py's: each dimension file stands alone.)
+class AllReduceEveryGradient:
+    """g_avg = 1/N sum_i g_i for each gradient as soon as backward has it: backward waits for each blocking
+    all-reduce, and many small tensors pay its latency many times. DataParallel averages without either."""
+
+    def __init__(self, params, group=None):
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.n_ranks, self.sync = group, dist.get_world_size(group), True
+        broadcast_parameters(self.params, group)  # the replicas start identical
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(_weakly(self._average))
+
+    def _average(self, p):
+        if self.sync:  # (inside no_sync the gradients add up, for the next backward outside it to average)
+            dist.all_reduce(p.grad, group=self.group)  # sum_i g_i
+            p.grad.div_(self.n_ranks)                  # 1/N
+
+    def no_sync(self):
+        return set_within(self, "sync", False)
+
+    def finish_grad_sync(self):
+        """Nothing to wait for: every average was taken inside backward."""
+
+    grads = property(lambda self: {p: p.grad for p in self.params})  # (what ReplicatedOptimizer steps with)
+
+
+# -- 4. What the classes above call -----------------------------------------------------------------
+
+def broadcast_parameters(params, group=None):
+    """Copy the group's first rank's parameters to every rank (replicas start identical)."""
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+
+
+@contextmanager
+def set_within(obj, attribute, value):  # obj.attribute = value inside the block, then what it was again
+    previous = getattr(obj, attribute)
+    setattr(obj, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attribute, previous)
+
+
+def free_storage(t):  # release t's memory, but keep the tensor (and every view of it) for later
+    t.untyped_storage().resize_(0)
+
+
+def allocate_storage(t):
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def is_allocated(t):
+    return t.untyped_storage().nbytes() > 0
+
+
+# The flat collectives under torch 2.13's names, or older releases' (a deliberate copy of tp.py's lines)
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def broadcast_parameters(params, group=None):
-    """Copy the group's first rank's parameters to every rank (replicas start identical)."""
-    src = dist.get_global_rank(group or dist.group.WORLD, 0)
-    with torch.no_grad():
-        for p in params:
-            dist.broadcast(p, src=src, group=group)
-
+# ---- Beyond the article ----
+# What a production run needs besides the algorithm above, each piece reached from it through one call or
+# one object a reader can skip: the bytes counted (ring_bytes_sent), hooks that let go (_weakly), experts
+# (used_on_some_rank), hybrid sharding (Replicas), ZeRO's shards with mixed precision (Shard); then what
+# only the training around it uses: the replicated optimizer, clipping, model.py's units, the self-check.
+#
+# The keywords after `*,  # beyond the article:` in the classes above: broadcast=False where the replicas
+# were made identical already; divide_by, the N of 1/N sum_i g_i where the loss is averaged over more ranks
+# than `group` (experts: every rank with different tokens); find_unused_parameters (used_on_some_rank);
+# reduce_dtype, the buckets' dtype: float32 gradients for bfloat16 weights, as Megatron-LM's main_grad,
+# so that micro-batches add up, and ranks average, in float32 (Bucket.add_grad); params, which of module's
+# parameters a ZeRO instance shards (experts get their own); master_dtype and initial_values (Shard);
+# replicate_group (Replicas); and under a pipeline ZeRO-3's reshard_after_forward=False (FSDP2's flag, as
+# torchtitan's), which keeps a unit gathered from its first forward to its reduce-scatter: one all-gather
+# a step instead of 2M for M micro-batches (keep_incomplete_buckets and no_sync: docs/zero-and-hybrid.md).
 
 def ring_bytes_sent(kind, nbytes, n_ranks):
     """Bytes one rank sends in a ring collective over nbytes of full-size data.
@@ -440,143 +516,29 @@ def _weakly(method):
     return lambda *args: method()(*args)
 
 
-@contextmanager
-def set_within(obj, attribute, value):
-    """obj.attribute = value inside the block; afterwards what it was (so an enclosing block's value holds)."""
-    previous = getattr(obj, attribute)
-    setattr(obj, attribute, value)
-    try:
-        yield
-    finally:
-        setattr(obj, attribute, previous)
-
-
-# -- Buckets: a few parameters' gradients in one flat buffer --------------------------------------
-
-class Bucket:
-    """A few parameters whose gradients travel together, in one flat buffer `grad`.
-
-    The buffer is padded to a multiple of the group size, so that ZeRO can give every rank an equal
-    contiguous shard of it. Each parameter's gradient is a view of it (`grad_views`); p.grad becomes that
-    view where the dtypes agree (DDP's gradient_as_bucket_view: autograd accumulates into the bucket
-    itself). `grad_dtype` may be wider than the weights' (DataParallel's reduce_dtype: float32 buckets for
-    bfloat16 weights), and `allocated=False` (ZeRO-2 and 3) holds the buffer only while backward fills it.
-    """
-
-    def __init__(self, params, n_ranks, allocated=True, grad_dtype=None):
-        self.params, self.allocated = params, allocated
-        numel = sum(p.numel() for p in params)
-        self.padded = math.ceil(numel / n_ranks) * n_ranks
-        self.offsets, offset = {}, 0
-        for p in params:
-            self.offsets[p] = offset
-            offset += p.numel()
-        self.grad = torch.empty(self.padded, dtype=grad_dtype or params[0].dtype, device=params[0].device)
-        self.grad_views = {p: self.view(self.grad, p) for p in params}
-        if allocated:
-            self.grad.zero_()
-        else:
-            free_storage(self.grad)
-        for p in params:
-            view = self.grad_views[p]
-            if p.grad is not None:  # a gradient from before
-                view.copy_(p.grad)
-            p.grad = view if allocated and view.dtype == p.dtype else None
-        self.ready = set()     # parameters whose gradient for this step has arrived
-        self.launched = False  # its collective has been issued this step
-        self.work = None       # the collective in flight
-
-    def view(self, flat, p):
-        """p's place inside a flat buffer laid out like this bucket."""
-        return flat[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p)
-
-    def grad_view(self, p):
-        """p's place in the gradient buffer, which ZeRO-2 and 3 allocate again after each reduce-scatter freed it."""
-        if not is_allocated(self.grad):
-            allocate_storage(self.grad)
-            self.grad.zero_()
-        return self.grad_views[p]
-
-    def add_grad(self, p, first):
-        """p's new gradient into its place: the step's first copied, the next micro-batches' added.
-
-        Where the bucket is in p's dtype, p.grad stays the bucket's view, so that autograd adds the next
-        micro-batch's gradient in place (no copy). A bucket wider than the weights (reduce_dtype: float32
-        for bfloat16 weights, as Megatron-LM's main_grad) takes each bfloat16 gradient and drops it, so
-        micro-batches accumulate, and ranks average, in float32.
-        """
-        view = self.grad_view(p)
-        if p.grad is view:  # autograd accumulated into the bucket itself
-            return
-        if first:
-            view.copy_(p.grad)
-        else:
-            view.add_(p.grad)
-        p.grad = view if view.dtype == p.dtype else None
-
-    def zero_grad(self):
-        if self.allocated:  # (ZeRO-2 and 3 hold none between backwards)
-            self.grad.zero_()
-
-
-def make_buckets(params, bucket_bytes, n_ranks, allocated=True, grad_dtype=None):
-    """Group params (already in gradient-arrival order) into buckets of about bucket_bytes of gradients."""
-    buckets, current, size = [], [], 0
-    for p in params:
-        if current and (size >= bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(current, n_ranks, allocated, grad_dtype))
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * (grad_dtype or p.dtype).itemsize
-    if current:
-        buckets.append(Bucket(current, n_ranks, allocated, grad_dtype))
-    return buckets
-
-
 # -- Experts: parameters no rank used keep no gradient -------------------------------------------
 
 def used_on_some_rank(sync):
     """p -> whether some rank of sync's group gave p a gradient this step (always, without
-    find_unused_parameters): one small all-reduce (MAX) of a used-mask per step, as DDP's."""
+    find_unused_parameters): one small all-reduce (MAX) of a used-mask per step, as DDP's.
+
+    (Under ZeRO-3 a unit's reduce-scatter cannot wait for gradients some rank may never get, yet must come
+    at the same place among the gathers on every rank: ZeRO3 launches it as backward reaches the unit
+    before it, the first unit's at backward's end.)"""
     if not sync.find_unused_parameters:
         return lambda p: True
     mask = torch.tensor([p in sync.arrived for p in sync.params], dtype=torch.uint8, device=sync.params[0].device)
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=sync.group)
     sync.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", mask.numel(), sync.n_ranks)
-    sum_over_replicas(sync, mask, dist.ReduceOp.MAX)
+    if hasattr(sync, "replicas"):  # (a ZeRO instance's: hybrid sharding's copies too)
+        sync.replicas.sum(mask, sync.comm_bytes, dist.ReduceOp.MAX)
     used = dict(zip(sync.params, mask.tolist()))
     return lambda p: used[p]
 
 
-def launch_units_after(zero, i):
-    """ZeRO-3, as backward reaches unit i: where some rank may get no gradient for a unit (an expert no token
-    reached there: find_unused_parameters), launch the reductions of the units after i.
-
-    ZeRO-3 gathers units during backward, so its reduce-scatters must come at the same place among those
-    gathers on every rank. A unit's reduction then cannot wait for its gradients: it is launched when
-    backward reaches the unit before it (and the first unit's at the end of backward), on every rank alike.
-    """
-    if zero.sync and zero.find_unused_parameters:
-        zero._launch_remaining(upto=len(zero.buckets) - 1 - i)
-
-
-def unit_params(zero):
-    """Each of zero's units' parameters among those it shards, in forward order; each in exactly one."""
-    mine = set(map(id, zero.params))
-    params = [[p for p in unit.parameters() if id(p) in mine] for unit in zero.units]
-    if sorted(id(p) for unit_params in params for p in unit_params) != sorted(mine):
-        raise ValueError("ZeRO-3 units must hold every parameter this instance shards exactly once")
-    return params
-
-
 # -- Hybrid sharding: shards within a group of N ranks, copies of them across R groups --------------
 
-def replicas(replicate_group):
-    """R: how many groups hold copies of the same shards (1 without hybrid sharding)."""
-    return dist.get_world_size(replicate_group) if replicate_group is not None else 1
-
-
-def sum_over_replicas(sync, tensor, op=dist.ReduceOp.SUM):
+class Replicas:
     """Hybrid sharding's second reduction: a shard's sum over its shard group, summed over the shard groups
     (blocking, once the reduce-scatter is done; the same order of collectives on every rank).
 
@@ -587,28 +549,23 @@ def sum_over_replicas(sync, tensor, op=dist.ReduceOp.SUM):
     reduce-scatters stay on its fast links, and what crosses nodes is one all-reduce of each shard per step
     (2 (R-1)/R of Psi/N over R replicas, instead of the shard group's (N-1)/N Psi of each collective):
     16/N bytes per parameter under ZeRO-3 for N of the N R ranks. The division is by all of them
-    (divide_by, by default N times R).
+    (divide_by, by default N times R). Without a replicate_group there is one copy: nothing to do.
     """
-    if getattr(sync, "replicate_group", None) is not None:
-        dist.all_reduce(tensor, op=op, group=sync.replicate_group)
-        sync.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", tensor.nbytes, sync.n_replicas)
-    return tensor
+
+    def __init__(self, replicate_group=None, params=()):
+        self.group = replicate_group
+        self.n = dist.get_world_size(replicate_group) if replicate_group is not None else 1  # R
+        if replicate_group is not None:
+            broadcast_parameters(params, replicate_group)  # every shard group starts from the same weights
+
+    def sum(self, tensor, comm_bytes, op=dist.ReduceOp.SUM):
+        if self.group is not None:
+            dist.all_reduce(tensor, op=op, group=self.group)
+            comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", tensor.nbytes, self.n)
+        return tensor
 
 
-# -- ZeRO's shards, and memory held or not -----------------------------------------------------
-
-def free_storage(t):
-    """Release t's memory but keep the tensor (and every view of it) for later."""
-    t.untyped_storage().resize_(0)
-
-
-def allocate_storage(t):
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-
-
-def is_allocated(t):
-    return t.untyped_storage().nbytes() > 0
-
+# -- ZeRO's shards, mixed precision, and parameters built without memory ----------------------------
 
 def unallocated(shape, dtype, device):
     """A tensor whose memory is not held yet (allocate_storage brings it).
@@ -653,6 +610,8 @@ class Shard:
             lo, hi = max(bucket.offsets[p], self.start), min(bucket.offsets[p] + p.numel(), self.start + self.size)
             if lo < hi:
                 self.ranges[p] = (lo - self.start, hi - self.start)
+        self.elements = {p: (lo + self.start - bucket.offsets[p], hi + self.start - bucket.offsets[p])
+                         for p, (lo, hi) in self.ranges.items()}  # the same piece's [start, end) in flattened p
         kept_whole = zero.keeps_full_parameters
         self.full_params = self._full_params(bucket, filled=kept_whole)
         self.mine = self.full_params[self.start:self.start + self.size]
@@ -661,7 +620,7 @@ class Shard:
             self.master = self.mine
         else:
             values = initial_values and (lambda p, start, end: initial_values(zero.names[p], p.shape, start, end))
-            self.master = self._own_copy(bucket, values or _elements, dtype)
+            self.master = self._own_copy(values or _elements, dtype)
         for p in bucket.params:
             p.data = bucket.view(self.full_params, p)  # the parameter now lives inside the flat buffer
         if not kept_whole:
@@ -673,6 +632,13 @@ class Shard:
         self.grad_pieces = {p: self.grad[lo:hi] for p, (lo, hi) in self.ranges.items()}
         for p, piece in self.pieces.items():
             piece.grad = self.grad_pieces[p]
+
+    def named_pieces(self, names):
+        """(name, start, end, piece) of each parameter this rank updates a piece of: elements [start, end) of
+        the flattened parameter `name`, whose optimizer state is the optimizer's state[piece]. A checkpoint
+        saves them, each rank its own, and fills them again under any layout."""
+        for p, piece in self.pieces.items():
+            yield (names[p], *self.elements[p], piece)
 
     @staticmethod
     def _full_params(bucket, filled):
@@ -686,13 +652,12 @@ class Shard:
             bucket.view(flat, p).copy_(p.detach())
         return flat
 
-    def _own_copy(self, bucket, values, dtype):
+    def _own_copy(self, values, dtype):
         """This rank's elements of the bucket in `dtype`, each parameter's piece from values(p, start, end):
         its flattened elements [start, end)."""
         mine = torch.zeros(self.size, dtype=dtype, device=self.full_params.device)
         for p, (lo, hi) in self.ranges.items():
-            first = self.start - bucket.offsets[p]  # the index in p of the shard's first element
-            mine[lo:hi] = values(p, lo + first, hi + first)
+            mine[lo:hi] = values(p, *self.elements[p])
         return mine
 
     def copy_master_into_place(self):
@@ -717,28 +682,6 @@ def _elements(p, start, end):
     return p.detach().reshape(-1)[start:end]
 
 
-@contextmanager
-def all_units_gathered(zero):
-    """ZeRO-3's full_parameters(): every unit gathered for the duration (tests, tools), freed after."""
-    for i in range(len(zero.unit_buckets)):
-        zero._gather(i)
-    try:
-        yield
-    finally:
-        for bucket in zero.buckets:
-            zero._free_params(bucket)
-
-
-def pieces_of_shards(zero):
-    """(name, start, end, piece) of each parameter this rank updates a piece of: elements [start, end)
-    of the flattened parameter `name`, whose optimizer state is zero.optimizer.state[piece]. A
-    checkpoint saves them, each rank its own, and fills them again under any layout."""
-    for bucket, shard in zero.shards.items():
-        for p, (lo, hi) in shard.ranges.items():
-            first = shard.start - bucket.offsets[p]  # the index in p of the shard's first element
-            yield zero.names[p], lo + first, hi + first, shard.pieces[p]
-
-
 # -- No ZeRO: one optimizer over every parameter ---------------------------------------------------
 
 class ReplicatedOptimizer:
@@ -760,7 +703,6 @@ class ReplicatedOptimizer:
         self.masters = {name: self._master(name, p, master_dtype or p.dtype, fill_master)
                         for name, p in self.params.items()}
         self.optimizer = make_optimizer(list(self.masters.values()))
-        self.device = next(iter(self.params.values())).device
 
     @staticmethod
     def _master(name, p, dtype, fill_master):
@@ -779,19 +721,6 @@ class ReplicatedOptimizer:
         # As on one device: a parameter that gets no gradient this step on any rank (an expert no token
         # reached) has none, and AdamW leaves it alone (no weight decay, no momentum).
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _grads(self):
-        """(parameter, its averaged gradient) of those some rank used this step."""
-        return [(p, grad) for p, grad in self.grad_sync.grads.items() if grad is not None]
-
-    def squared_norm(self, weights=None):
-        """The sum of the squares of the gradients' elements (weighted, see clip_grad_norm_). No collective:
-        after data-parallel averaging every replica holds the same gradients."""
-        return _weighted_squares(self._grads(), weights, self.device)
-
-    def scale_grads(self, scale):
-        for _, grad in self._grads():
-            grad.mul_(scale.to(grad.dtype))
 
     @torch.no_grad()
     def step(self):
@@ -821,30 +750,27 @@ class ReplicatedOptimizer:
 
 # -- Clipping: one norm of the whole model's gradient, whatever holds it ----------------------------
 
-def _weighted_squares(grads, weights, device):
-    """sum over (p, grad) in grads of weights[p] * the sum of grad's squared elements, in float64; a
-    parameter not in weights (or weights None) weighs 1."""
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for p, grad in grads:
+def held_gradients(optimizer):
+    """(parameter, gradient) of what an optimizer steps: a ZeRO instance's pieces of its shards (disjoint
+    across its group), or ReplicatedOptimizer's averaged gradients of the parameters some rank used (the
+    same on every replica)."""
+    if isinstance(optimizer, ZeRO1):
+        return [(p, piece) for shard in optimizer.shards.values() for p, piece in shard.grad_pieces.items()]
+    return [(p, grad) for p, grad in optimizer.grad_sync.grads.items() if grad is not None]
+
+
+def squared_norm(optimizer, weights=None):
+    """The sum of the squares of the gradient elements an optimizer holds, in float64, each parameter's
+    multiplied by weights[p] (1 where weights is None or has no p). A ZeRO instance's shards are disjoint:
+    one scalar all-reduce over its group counts each element once (hybrid sharding: over the shard group
+    alone, whose replicas hold the same shards). ReplicatedOptimizer's need no collective."""
+    squares = torch.zeros((), dtype=torch.float64, device=optimizer.param_shards[0].device)
+    for p, grad in held_gradients(optimizer):
         squares += grad.to(torch.float64).square().sum() * (weights.get(p, 1.0) if weights else 1.0)
+    if isinstance(optimizer, ZeRO1):
+        dist.all_reduce(squares, group=optimizer.group)
+        optimizer.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), optimizer.n_ranks)
     return squares
-
-
-def sharded_squared_norm(zero, weights=None):
-    """The sum of the squares of a ZeRO instance's gradient elements over its group (weighted, see
-    clip_grad_norm_): one scalar all-reduce, the shards being disjoint, so each element counts once
-    (hybrid sharding: over the shard group alone, whose replicas hold the same shards)."""
-    pieces = [(p, piece) for shard in zero.shards.values()
-              for p, piece in shard.grad_pieces.items()]  # (the padding holds no gradient)
-    squares = _weighted_squares(pieces, weights, zero.buckets[0].grad.device)
-    dist.all_reduce(squares, group=zero.group)
-    zero.comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", squares.element_size(), zero.n_ranks)
-    return squares
-
-
-def scale_all(grads, scale):
-    for grad in grads:
-        grad.mul_(scale.to(grad.dtype))
 
 
 def clip_grad_norm_(optimizers, max_norm, weights=None, groups=()):
@@ -858,13 +784,14 @@ def clip_grad_norm_(optimizers, max_norm, weights=None, groups=()):
     copy of, so every element counts once; 1 for a parameter not in weights), as Megatron-LM's
     clip_grad_norm_fp32 sums over its model-parallel group, leaving out tensor-parallel duplicates.
     """
-    squares = sum(optimizer.squared_norm(weights) for optimizer in optimizers)
+    squares = sum(squared_norm(optimizer, weights) for optimizer in optimizers)
     for group in groups:
         dist.all_reduce(squares, group=group)
     total_norm = squares.sqrt()
     scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
     for optimizer in optimizers:
-        optimizer.scale_grads(scale)
+        for _, grad in held_gradients(optimizer):
+            grad.mul_(scale.to(grad.dtype))
     return total_norm
 
 
@@ -972,3 +899,4 @@ def _self_check():
 
 if __name__ == "__main__":
     _self_check()
+

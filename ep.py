@@ -3,8 +3,7 @@
 The article's "Expert Parallelism" ("5D Parallelism from Scratch"): all-to-all dispatch is GShard's
 (Lepikhin et al., 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
 Sharding"), top-k routing and the load-balancing loss Switch Transformer's (Fedus et al., 2022, its
-equation 4), the shared expert DeepSeek-MoE's (Dai et al., 2024), the auxiliary-loss-free routing bias
-DeepSeek-V3's (DeepSeek-AI, 2024, section 2.1.2).
+equation 4).
 
 A mixture-of-experts layer replaces the MLP by E expert MLPs and a router: y = sum_i g_i(x) E_i(x) over the
 token's top-k experts, gates renormalised over them (the article's 0.60/0.35 -> 0.63/0.37). Each of the N
@@ -14,9 +13,12 @@ ranks of an expert-parallel group holds E/N experts, and tokens travel to their 
 2. dispatch: sort the (token, choice) pairs by expert, exchange the counts, then the tokens (an all-to-all);
 3. compute: each local expert runs on the tokens it received (none: not run, its gradient stays None);
 4. combine: the reverse all-to-all brings the outputs home, weighted by their gates and added into place.
+Balance: the Switch loss E * sum_i f_i P_i over the micro-batch (`aux_loss`).
 
-Dropless unless a capacity factor is given. Balance: the Switch loss E * sum_i f_i P_i over the micro-batch
-(`aux_loss`), or per sequence (`balance=`), and/or a bias on the choice moved after every step (`load`).
+Beyond the article (past the banner): DeepSeek-V3's router (DeepSeek-AI, 2024, section 2.1.2: sigmoid
+scores, group-limited choice, gate scale, a balancing bias moved after every step from `load`, the balance
+loss per sequence) and Qwen2-MoE's unnormalised gates, DeepSeek-MoE's shared expert (Dai et al., 2024), a
+capacity factor (dropless without), and folding over tensor parallelism and expert tensor parallelism.
 
 Copying this file: the MoE layer offers `experts` (modules mapping (tokens, d) -> (tokens, d)), its router
 (any attribute name: `router=`), `top_k`; optionally `norm_topk_prob` (False: gates not renormalised), a
@@ -27,19 +29,16 @@ the single device's, so checkpoints match. The glue, per MoE layer (stats_group:
                               shared_gate="shared_expert_gate")
 Gradients: the router's (and all outside the experts) are averaged over the ranks holding different data;
 an expert's are summed over the ranks holding the same expert and divided by the ranks the loss averages.
-Folded over tensor parallelism (the ep ranks are tp ranks): pass `tokens=ShardedTokens(tp_group)` under
-sequence parallelism, `ReplicatedTokens(tp_group)` without, and sum the router's gradient over tp_group
-(tp.py: `split_moe(layer, plan, router="gate", ...)` or `gradients_summed(layer.gate, tp_group)`; left out,
-nothing fails and that gradient is wrong). A router tp.py has summed (it marks it `summed_over_ranks`)
-meeting no `tokens=` policy is refused at the first forward (every token would be routed N times).
-Expert tensor parallelism: `expert_tp=SplitExperts(group)` for experts whose matrices are split over
-`group` with no communication inside (tp.py: `split_experts(layer, group, columns=("gate_proj",
-"up_proj"), row="down_proj")`: column- and row-parallel layers under its `ExpertTensorParallel` plan).
+Folded over tensor parallelism: `tokens=ShardedTokens(tp_group)` under sequence parallelism,
+`ReplicatedTokens(tp_group)` without, and the router's gradient summed over tp_group (tp.py's `split_moe`
+or `gradients_summed(layer.gate, tp_group)`; a router tp.py summed meeting no `tokens=` is refused).
+Expert tensor parallelism: `expert_tp=SplitExperts(group)`, the experts split by tp.py's `split_experts`.
 
 Self-check: torchrun --nproc_per_node 4 ep.py
 """
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,30 +52,22 @@ comm_bytes = Counter()  # bytes this rank sent to other ranks, per kind
 # The router
 # ---------------------------------------------------------------------------
 
-def route(router_logits, top_k, bias=None, renormalise=True, scoring="softmax", groups=(1, 1), scale=1.0):
-    """(gates, experts, probs): top-k of the softmax (shifted by a balancing bias for the choice only),
-    gates renormalised to sum to one, or kept as the softmax gave them (renormalise False: Qwen2-MoE's
-    norm_topk_prob=False). DeepSeek-V3's sigmoid scores, group-limited choice and gate scale: after the
-    banner (`SCORES`, `best_groups_only`). (A deliberate copy of model.py's `route`: this file stands alone.)"""
-    scores, probs = SCORES[scoring](router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)))
-    choice = scores if bias is None else scores + bias
-    experts = best_groups_only(choice, *groups).topk(top_k, dim=-1).indices
-    top_scores = scores.gather(-1, experts)
-    gates = top_scores / top_scores.sum(-1, keepdim=True) if renormalise else top_scores
-    return gates * scale, experts, probs
+def route(router_logits, top_k, *,  # beyond the article:
+          bias=None, variant=None):
+    """(gates, experts, probs) for (tokens, E) logits: the article's router. The softmax over the experts,
+    its top_k largest renormalised to sum to one are the gates (the article's 0.60, 0.35 -> 0.63, 0.37);
+    probs, every expert's, feed the load-balancing loss. In float32 or better, whatever the activations' dtype.
 
-
-def softmax_scores(logits):
-    """(scores, probs) of the router: the softmax over the experts, both."""
-    probs = logits.softmax(-1)
-    return probs, probs
-
-
-def gated_shared_expert(shared, gate, x):
-    """shared(x), or with a gate (Qwen2-MoE's d_model -> 1 shared_expert_gate) sigmoid(gate(x)) * shared(x).
-    (A deliberate copy of model.py's.)"""
-    out = shared(x)
-    return out if gate is None else torch.sigmoid(gate(x)) * out
+    Beyond the article, a `variant` (a `RouterVariant`, past the banner: DeepSeek-V3's sigmoid scores,
+    group-limited choice and gate scale, Qwen2-MoE's gates left unnormalised) or a balancing `bias`
+    (DeepSeek-V3's: added to the scores to choose, not to weigh) routes there instead. (model.py's `route`
+    in two: a deliberate copy, so that this file stands alone.)"""
+    if variant is not None or bias is not None:  # beyond the article
+        return (variant or RouterVariant()).route(router_logits, top_k, bias)
+    probs = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).softmax(-1)
+    top_probs, experts = probs.topk(top_k, dim=-1)
+    gates = top_probs / top_probs.sum(-1, keepdim=True)  # renormalised over the chosen experts
+    return gates, experts, probs
 
 
 # ---------------------------------------------------------------------------
@@ -106,7 +97,7 @@ def _all_to_all(x, output_splits, input_splits, group):
 
 
 # ---------------------------------------------------------------------------
-# The layer, and its two seams' defaults: tokens this rank's alone, experts held whole
+# The layer, and its seams' defaults: tokens this rank's alone, experts held whole, the micro-batch balanced
 # ---------------------------------------------------------------------------
 
 class OwnTokens:
@@ -152,58 +143,62 @@ class MicroBatchBalance:
         return counts.unsqueeze(0), probs.sum(0, keepdim=True), dist.get_world_size(self.stats_group)
 
 
+def gated_shared_expert(shared, gate, x):
+    """shared(x), or with a gate (Qwen2-MoE's d_model -> 1 shared_expert_gate) sigmoid(gate(x)) * shared(x).
+    (A deliberate copy of model.py's.)"""
+    out = shared(x)
+    return out if gate is None else torch.sigmoid(gate(x)) * out
+
+
 class ExpertParallelMoE(nn.Module):
     """An MoE layer whose experts are spread over `ep_group`; `stats_group` holds all ranks routing distinct
     tokens (for the balancing statistics). Made from a single-device MoE layer (the contract in the module
-    docstring): the router (and a shared expert) is replicated, this rank keeps experts [r*E/N, (r+1)*E/N)
-    under their global indices, so names match the single device's.
+    docstring): the router is replicated, this rank keeps experts [r*E/N, (r+1)*E/N) under their global
+    indices, so names match the single device's.
 
-    Two seams a reader can skip (defaults: nothing shared, nothing split): `tokens`, how the arriving tokens
-    are shared with tensor parallelism (OwnTokens; ShardedTokens, ReplicatedTokens), and `expert_tp`,
-    whether this rank holds its experts whole (WholeExperts) or slices of them (SplitExperts).
+    Beyond the article: the attribute names of the router, a shared expert (replicated) and its gate; a
+    capacity factor; the balance loss's unit (`balance`); and two seams a reader can skip (defaults: nothing
+    shared, nothing split): `tokens`, how the arriving tokens are shared with tensor parallelism (OwnTokens;
+    ShardedTokens, ReplicatedTokens), and `expert_tp`, whether this rank holds its experts whole
+    (WholeExperts) or slices of them (SplitExperts).
     """
 
-    def __init__(self, moe, ep_group, stats_group, capacity_factor=0.0, router="router", shared="shared",
-                 tokens=OwnTokens(), expert_tp=WholeExperts(), shared_gate="shared_gate", balance=None):
+    def __init__(self, moe, ep_group, stats_group, *,  # beyond the article:
+                 capacity_factor=0.0, router="router", shared="shared", shared_gate="shared_gate",
+                 tokens=OwnTokens(), expert_tp=WholeExperts(), balance=None):
         super().__init__()
         self.balance = balance or MicroBatchBalance(stats_group)
-        refuse_other_balance(moe, self.balance)
+        check_moe(self, moe, (router, shared, shared_gate, "experts"))  # what it would get wrong silently
         self.n_experts, self.top_k = len(moe.experts), moe.top_k
-        self.norm_topk_prob = getattr(moe, "norm_topk_prob", True)
-        # DeepSeek-V3's router, where the layer has it (after the banner): sigmoid scores, groups, gate scale
-        self.scoring, self.groups = getattr(moe, "scoring", "softmax"), getattr(moe, "groups", (1, 1))
-        self.routed_scaling_factor = getattr(moe, "routed_scaling_factor", 1.0)
         n, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if self.n_experts % n:
             raise ValueError(f"{self.n_experts} experts do not divide over {n} expert-parallel ranks")
-        self.ep_group, self.stats_group, self.capacity_factor = ep_group, stats_group, capacity_factor
-        self.tokens, self.expert_tp = tokens, expert_tp
+        self.ep_group, self.stats_group = ep_group, stats_group
         self.per_rank, self.first = self.n_experts // n, rank * (self.n_experts // n)
         self.router_name, self.shared_name, self.shared_gate_name = router, shared, shared_gate
         setattr(self, router, getattr(moe, router))  # replicated, under the single device's names
         for name in (shared, shared_gate):  # optional
             setattr(self, name, getattr(moe, name, None))
-        refuse_unnamed_parts(moe, (router, shared, shared_gate, "experts"))
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
-        route_bias = getattr(moe, "route_bias", None)
-        self.register_buffer("route_bias", route_bias)  # absent (None) if the layer has no balancing bias
+        self.aux_loss = self.tokens_per_expert = None
+        # Beyond the article: the capacity and the seams; DeepSeek-V3's or Qwen's router (None: the article's)
+        # and its balancing bias (None if the layer has none), with this step's tokens per expert over every
+        # rank, which move that bias (the model's rule): the same counts on every rank, so all move it alike.
+        self.capacity_factor, self.tokens, self.expert_tp = capacity_factor, tokens, expert_tp
+        self.variant = RouterVariant.of(moe)
+        self.register_buffer("route_bias", getattr(moe, "route_bias", None))
         self.bias_update_rate = getattr(moe, "bias_update_rate", 0.0)
-        # This step's tokens per expert over every rank, for the rule that moves the bias (the model's own,
-        # DeepSeek-V3's): the same global counts on every rank, so every rank moves it alike.
         self.register_buffer("load", torch.zeros(self.n_experts, dtype=torch.long,
                                                  device=next(moe.parameters()).device), persistent=False)
-        self.aux_loss = self.tokens_per_expert = None
         self.dropped = 0
         self.recomputing = False  # set while the forward runs again for backward: its tokens were counted
 
     def forward(self, x):
         arrived = x.reshape(-1, x.shape[-1])
-        router = getattr(self, self.router_name)
-        refuse_unshared_tokens(router, self.tokens)  # tp.py summed it over ranks that share tokens: say how
         tokens = self.tokens.enter(arrived)  # those this rank routes: no other rank routes them
-        gates, experts, probs = route(router(tokens), self.top_k, self.route_bias, self.norm_topk_prob,
-                                      self.scoring, self.groups, self.routed_scaling_factor)
-        keep = within_capacity(experts, self.n_experts, self.capacity_factor)  # all (dropless) by default
+        router = getattr(self, self.router_name)
+        gates, experts, probs = route(router(tokens), self.top_k, bias=self.route_bias, variant=self.variant)
+        keep = within_capacity(experts, self.n_experts, self.capacity_factor)  # all, unless a capacity factor
         self.aux_loss = self._load_balancing_loss(probs, experts, keep, x)
         out = self.tokens.leave(self._dispatch_compute_combine(tokens, gates, experts, keep), arrived).view_as(x)
         shared = getattr(self, self.shared_name)  # on x as it came (a sequence shard under sp: tp.py gathers it)
@@ -272,8 +267,18 @@ class ExpertParallelMoE(nn.Module):
 
 
 # ---- Beyond the article ----
-# DeepSeek-V3's router and its balance loss per sequence, the capacity limit, folding over tensor parallelism,
-# expert tensor parallelism, model.py's glue, the self-check.
+# DeepSeek-V3's and Qwen's router and the balance loss per sequence, what the layer refuses, the capacity
+# limit, folding over tensor parallelism, expert tensor parallelism, model.py's glue, the self-check.
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek-V3's and Qwen's router, and the balance loss per sequence
+# ---------------------------------------------------------------------------
+
+def softmax_scores(logits):
+    """(scores, probs) of the router: the softmax over the experts, both."""
+    probs = logits.softmax(-1)
+    return probs, probs
 
 
 def sigmoid_scores(logits):
@@ -299,6 +304,37 @@ def best_groups_only(choice, n_group, topk_group):
     return grouped.masked_fill(~best.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
+@dataclass(frozen=True)
+class RouterVariant:
+    """The router's options past the article, as model.py's `route` takes them: the scores (`SCORES`:
+    DeepSeek-V3's "sigmoid"), group-limited choice ((n_group, topk_group): `best_groups_only`), the top-k
+    gates renormalised or not (Qwen2-MoE's norm_topk_prob), and a scale on them (DeepSeek-V3's
+    routed_scaling_factor)."""
+
+    scoring: str = "softmax"
+    groups: tuple = (1, 1)
+    renormalise: bool = True
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, moe):
+        """The variant an MoE layer's attributes ask for (the module docstring's contract); None: the article's."""
+        variant = cls(getattr(moe, "scoring", "softmax"), tuple(getattr(moe, "groups", (1, 1))),
+                      getattr(moe, "norm_topk_prob", True), getattr(moe, "routed_scaling_factor", 1.0))
+        return None if variant == cls() else variant
+
+    def route(self, router_logits, top_k, bias=None):
+        """`route` with these options: a balancing bias (DeepSeek-V3's) is added to the scores only to choose
+        the experts; the gates stay those of the unbiased scores."""
+        scores, probs = SCORES[self.scoring](router_logits.to(torch.promote_types(router_logits.dtype,
+                                                                                  torch.float32)))
+        choice = scores if bias is None else scores + bias
+        experts = best_groups_only(choice, *self.groups).topk(top_k, dim=-1).indices
+        top_scores = scores.gather(-1, experts)
+        gates = top_scores / top_scores.sum(-1, keepdim=True) if self.renormalise else top_scores
+        return gates * self.scale, experts, probs
+
+
 class SequenceBalance:
     """DeepSeek-V3's sequence-wise balance loss (its equations 17-20): the Switch loss of each sequence of the
     micro-batch, averaged. `group`: the ranks holding parts of the same sequences (context and tensor
@@ -321,6 +357,24 @@ class SequenceBalance:
         return counts, prob_sums, dist.get_world_size(self.group)
 
 
+# ---------------------------------------------------------------------------
+# What the layer refuses: what it would otherwise get wrong without a word
+# ---------------------------------------------------------------------------
+
+def check_moe(layer, moe, named):
+    """The layer's refusals, at its making: a balance loss over a unit it was not given the ranks for
+    (`refuse_other_balance`), a part of moe the glue did not name (`refuse_unnamed_parts`); and at each
+    forward, before it runs, a router tp.py summed over more ranks than the tokens are shared with
+    (`refuse_unshared_tokens`: train.py makes the layer before tp.py splits the block)."""
+    refuse_other_balance(moe, layer.balance)
+    refuse_unnamed_parts(moe, named)
+    layer.register_forward_pre_hook(_refuse_unshared_tokens_before_forward)
+
+
+def _refuse_unshared_tokens_before_forward(layer, args):
+    refuse_unshared_tokens(getattr(layer, layer.router_name), layer.tokens)
+
+
 def refuse_other_balance(moe, balance):
     """The layer balances per sequence (model.py's aux_loss_scope) but was given no group for it, or the reverse."""
     scope = getattr(moe, "aux_loss_scope", "batch")
@@ -329,6 +383,32 @@ def refuse_other_balance(moe, balance):
                          f"pass balance=SequenceBalance(group) (group: the ranks holding parts of the same "
                          f"sequences) for 'sequence', nothing for 'batch'")
 
+
+def refuse_unshared_tokens(router, tokens):
+    """Refuse a router whose gradient tp.py sums over more ranks (`summed_over_ranks`, set by its
+    `gradients_summed`) than the token policy shares tokens with: under tensor parallelism without
+    `tokens=`, every rank would route the same tokens (each routed N times) or only its shard's with the
+    balancing loss counted alone, and nothing else would fail."""
+    ranks = getattr(router, "summed_over_ranks", 1)
+    if ranks > tokens.size:
+        raise ValueError(f"the router's gradient is summed over {ranks} tensor-parallel ranks (tp.py), but the "
+                         f"layer's token policy {type(tokens).__name__} shares its tokens with {tokens.size}: pass "
+                         f"tokens=ShardedTokens(tp_group) under sequence parallelism, ReplicatedTokens(tp_group) "
+                         f"without")
+
+
+def refuse_unnamed_parts(moe, named):
+    """Refuse a layer with a submodule the glue did not name (say Qwen2-MoE's `shared_expert_gate` without
+    `shared_gate=`): the parallel layer runs only what it is told of, and would silently leave it out."""
+    unnamed = [name for name, _ in moe.named_children() if name not in named]
+    if unnamed:
+        raise ValueError(f"the MoE layer's {', '.join(unnamed)} is none of router={named[0]!r}, shared={named[1]!r}, "
+                         f"shared_gate={named[2]!r}, 'experts': name it, or the parallel layer would not run it")
+
+
+# ---------------------------------------------------------------------------
+# The capacity limit (GShard's, Switch Transformer's): dropless without it
+# ---------------------------------------------------------------------------
 
 def within_capacity(experts, n_experts, capacity_factor):
     """Which (token, choice) assignments are kept: all (dropless), or under a capacity factor the first
@@ -358,28 +438,6 @@ def capacity_mask(experts, n_experts, capacity):
 # all: each routes its 1/N and the outputs are all-gathered back, so a token is routed once, not N times).
 # The ranks sharing a loss then each differentiate their own tokens' part of it: the router's gradient is
 # summed over them (tp.py's split_moe), and the balancing loss sums their probabilities forward (SumForward).
-
-def refuse_unshared_tokens(router, tokens):
-    """Refuse a router whose gradient tp.py sums over more ranks (`summed_over_ranks`, set by its
-    `gradients_summed`) than the token policy shares tokens with: under tensor parallelism without
-    `tokens=`, every rank would route the same tokens (each routed N times) or only its shard's with the
-    balancing loss counted alone, and nothing else would fail."""
-    ranks = getattr(router, "summed_over_ranks", 1)
-    if ranks > tokens.size:
-        raise ValueError(f"the router's gradient is summed over {ranks} tensor-parallel ranks (tp.py), but the "
-                         f"layer's token policy {type(tokens).__name__} shares its tokens with {tokens.size}: pass "
-                         f"tokens=ShardedTokens(tp_group) under sequence parallelism, ReplicatedTokens(tp_group) "
-                         f"without")
-
-
-def refuse_unnamed_parts(moe, named):
-    """Refuse a layer with a submodule the glue did not name (say Qwen2-MoE's `shared_expert_gate` without
-    `shared_gate=`): the parallel layer runs only what it is told of, and would silently leave it out."""
-    unnamed = [name for name, _ in moe.named_children() if name not in named]
-    if unnamed:
-        raise ValueError(f"the MoE layer's {', '.join(unnamed)} is none of router={named[0]!r}, shared={named[1]!r}, "
-                         f"shared_gate={named[2]!r}, 'experts': name it, or the parallel layer would not run it")
-
 
 # Row counts differ from rank to rank (the router decides them), which all-gather and reduce-scatter do not
 # take on every backend; an all-to-all does, sending the same bytes a ring would.
@@ -513,7 +571,7 @@ def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, **o
     options: ExpertParallelMoE's `tokens`, `expert_tp` and `balance`."""
     for block in model.blocks:
         if hasattr(getattr(block, "mlp", None), "experts"):
-            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor, **options)
+            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)
     return model
 
 

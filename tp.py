@@ -9,14 +9,15 @@ Large Transformer Models" (section 4.2.2). The weight matrices are split over a 
     row-parallel     rank i holds X_i and W_i's rows: Y = sum_i X_i W_i     (attention's output; the MLP's last)
 
 Column then row needs nothing in between, so a block costs one all-reduce after attention and one after
-the MLP in forward (g) and one before each in backward (f):
+the MLP in forward (g) and one before each in backward (f), Megatron-LM's conjugate pair:
 
     f = CopyToTensorParallel      forward: identity      backward: all-reduce
     g = ReduceFromTensorParallel  forward: all-reduce    backward: identity
 
 Sequence parallelism keeps 1/N of the sequence on each rank outside the split layers (norms, residuals):
-f becomes an all-gather (backward: reduce-scatter) and g a reduce-scatter (backward: all-gather), the same
-traffic, and a parameter applied to a sequence shard (a norm's) has its gradient summed over the group.
+in place of f and g, a gather/scatter pair enters and leaves each region (all-gather the sequence forward,
+reduce-scatter backward; then reduce-scatter forward, all-gather backward), the same traffic, and a
+parameter applied to a sequence shard (a norm's) has its gradient summed over the group.
 
 Copying this file (the glue for a Llama-style model, as tests/test_copy.py's `glue_tp` writes it):
     plan = SequenceParallel(group) if sequence_parallel else TensorParallel(group)
@@ -49,24 +50,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-comm_bytes = Counter()  # bytes this rank sent, per collective kind, assuming ring algorithms
-
-
-def _count(kind, full_bytes, n_ranks):
-    passes = 2 if kind == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
-    comm_bytes[kind] += passes * (n_ranks - 1) * full_bytes // n_ranks
-
-
-@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
-def all_reduce(x, group, op=dist.ReduceOp.SUM):
-    x = x.clone()
-    dist.all_reduce(x, op=op, group=group)
-    _count("all_reduce", x.numel() * x.element_size(), dist.get_world_size(group))
-    return x
-
-
 # ---------------------------------------------------------------------------
-# f and g, the conjugate operators
+# f and g, the conjugate operators (Megatron-LM's section 3, Figure 3)
 # ---------------------------------------------------------------------------
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -92,6 +77,24 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+# f's and g's all-reduce is dist.all_reduce, out of place, counting the bytes each rank sends.
+
+comm_bytes = Counter()  # bytes this rank sent, per collective kind, assuming ring algorithms
+
+
+def _count(kind, full_bytes, n_ranks):
+    passes = 2 if kind == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
+    comm_bytes[kind] += passes * (n_ranks - 1) * full_bytes // n_ranks
+
+
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes
+def all_reduce(x, group, op=dist.ReduceOp.SUM):
+    x = x.clone()
+    dist.all_reduce(x, op=op, group=group)
+    _count("all_reduce", x.numel() * x.element_size(), dist.get_world_size(group))
+    return x
 
 
 @dataclass(frozen=True)
@@ -150,12 +153,13 @@ def _sharded_parameter(full, dim, group, blocks=None):
 class ColumnParallelLinear(nn.Module):
     """Y_i = X W_i + b_i: this rank's output features (the input is replicated, or gathered: plan.enter).
 
-    blocks: the sizes of consecutive blocks of output features split each on its own (see `shard`).
-    head_dim: the features are heads of this width, and a rank must hold whole ones (refused otherwise).
-    entered: the input has already entered the region (`share_region_entry`).
+    Beyond the article: blocks, the sizes of consecutive blocks of output features, each split on its own
+    (see `shard`); head_dim, the features are heads of this width, and a rank must hold whole ones (refused
+    otherwise); entered, the input has already entered the region (`share_region_entry`).
     """
 
-    def __init__(self, full: nn.Linear, plan: TensorParallel, blocks=None, entered=False, head_dim=None):
+    def __init__(self, full: nn.Linear, plan: TensorParallel, *,  # beyond the article:
+                 blocks=None, entered=False, head_dim=None):
         super().__init__()
         self.plan, self.entered = plan, entered
         n = dist.get_world_size(plan.group)
@@ -211,15 +215,15 @@ def share_region_entry(module, plan):
 
 def split_region(module, plan, columns, row, fused_blocks=lambda layer: None, head_dim=None):
     """module's layers named `columns` column-parallel, `row` row-parallel: no communication between them,
-    g after (f before, in backward). Several columns read the same input and share one entry; a single
-    one may fuse several matrices, each split on its own (fused_blocks(layer): their sizes)."""
+    plan.enter before (f) and plan.leave after (g). Several columns read the same input and share one entry;
+    a single one may fuse several matrices, each split on its own (fused_blocks(layer): their sizes)."""
     separate = len(columns) > 1
     if separate:
         share_region_entry(module, plan)
     for name in columns:
         layer = getattr(module, name)
         blocks = None if separate else fused_blocks(layer)
-        setattr(module, name, ColumnParallelLinear(layer, plan, blocks, separate, head_dim))
+        setattr(module, name, ColumnParallelLinear(layer, plan, blocks=blocks, entered=separate, head_dim=head_dim))
     setattr(module, row, RowParallelLinear(getattr(module, row), plan))
 
 
@@ -241,9 +245,13 @@ def split_attention(attention, plan, head_dim, columns=("qkv",), row="proj", nor
 
 
 def split_mlp(mlp, plan, columns=("fc",), row="proj"):
-    """The first matrices column-parallel by hidden units, the last row-parallel (the article's "one
-    AllReduce per block"). A fused SwiGLU fc holds gate | up, each split alike, so a rank holds the gate and
-    up of the same units."""
+    """The article's MLP (Megatron-LM's Figure 3a), on rank i:
+
+        y = g(gelu(f(x) W1_i) W2_i)
+
+    W1 column-parallel by hidden units, W2 row-parallel, and nothing communicates between the two matmuls:
+    g's all-reduce is the article's "one AllReduce per block". A fused SwiGLU fc holds gate | up, each split
+    alike, so a rank holds the gate and up of the same units."""
     width = getattr(mlp, row).in_features
     split_region(mlp, plan, columns, row, lambda fused: [width] * (fused.out_features // width))
 
@@ -258,7 +266,7 @@ def check_tensor_parallel(n_ranks, n_head, d_ff, vocab_size, seq_len=None, n_kv_
 
 
 # ---------------------------------------------------------------------------
-# Sequence parallelism (Korthikanti et al.'s g and g-bar)
+# Sequence parallelism (the article's "Flavor 1", Korthikanti et al.'s): a gather/scatter pair in place of f, g
 # ---------------------------------------------------------------------------
 
 # torch 2.13 renamed the flat collectives; older releases only know the old names. (A deliberate copy of
@@ -318,15 +326,16 @@ class ScatterToSequenceParallel(torch.autograd.Function):
 
 class SequenceParallel(TensorParallel):
     """Outside the regions each rank keeps 1/N of the sequence, so a region begins with an all-gather and
-    ends with a reduce-scatter (an all-reduce's two halves: the same traffic), and whatever acts outside
-    sees this rank's tokens alone."""
+    ends with a reduce-scatter (the article's "gather ... before" and "scatter ... after" a tensor-parallel
+    region; an all-reduce's two halves: the same traffic), and whatever acts outside sees this rank's
+    tokens alone."""
 
     def enter(self, x):
-        """Korthikanti et al.'s g: all-gather the sequence forward, reduce-scatter its gradient backward."""
+        """In place of f: all-gather the sequence forward, reduce-scatter its gradient backward."""
         return GatherFromSequenceParallel.apply(x, self.group)
 
     def leave(self, partial_sums):
-        """Their g-bar: reduce-scatter forward (each rank keeps its chunk of the sum), all-gather backward."""
+        """In place of g: reduce-scatter forward (each rank keeps its chunk of the sum), all-gather backward."""
         return ScatterToSequenceParallel.apply(partial_sums, self.group)
 
     def replicated(self, parameter):
@@ -486,10 +495,10 @@ def split_moe(moe, plan, router="router", shared="shared", columns=("fc",), row=
     parallelism).
 
     The shared expert's gate (Qwen2-MoE's sigmoid(x W) * shared(x), W: d_model -> 1) is replicated and
-    multiplies the shared expert's output after its row-parallel layer's g, where that output is whole, on
-    the tokens as they came: like a norm's, its gradient is whole on every rank without sequence parallelism
-    (each rank computes the same gate for the same tokens, with the same output gradient), and a partial
-    sum over its sequence shard with it, summed over the group (`plan.norm`)."""
+    multiplies the shared expert's output once its row-parallel layer has left the region, where that
+    output is summed, on the tokens as they came: like a norm's, its gradient is whole on every rank
+    without sequence parallelism (each rank computes the same gate for the same tokens, with the same
+    output gradient), and a partial sum over its sequence shard with it, summed over the group (`plan.norm`)."""
     gradients_summed(getattr(moe, router), plan.group)
     if getattr(moe, shared, None) is not None:
         split_mlp(getattr(moe, shared), plan, columns, row)
