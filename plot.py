@@ -1,12 +1,12 @@
-"""Figures and the results table from what tools/bench.py wrote to results/.
+"""Figures and the results table from what tools/bench/ wrote to results/.
 
     python plot.py [--results results]
     python plot.py --timeline runs/<name>/log.jsonl   # a pipeline run's measured timeline
 
 Writes results/throughput.png, loss.png, memory.png, communication.png,
 bubble.png, experts.png, documents.png (packed documents' attention mask and the ring attention
-blocks it skips), memory_planned.png (tools/plan.py's memory per strategy by
-sequence length), memory_measured.png (tools/bench.py's small runs of the same
+blocks it skips), memory_planned.png (tools/plan/'s memory per strategy by
+sequence length), memory_measured.png (tools/bench/'s small runs of the same
 strategies, measured beside predicted), timelines.png (the pipeline
 schedules as measured), muon_convergence.png (Muon's and AdamW's learning-rate
 sweeps, where results/muon_convergence.json exists) and results/results.md (the
@@ -47,7 +47,7 @@ def load(results):
 
 
 def optional_result(results, name):
-    """A JSON result tools/bench.py writes only when asked (--only ...), or None."""
+    """A JSON result tools/bench/ writes only when asked (--only ...), or None."""
     path = os.path.join(results, name)
     if not os.path.exists(path):
         return None
@@ -211,7 +211,7 @@ def table(rows, comparisons, machine, results):
 
 
 def zero_pipeline_lines(zero):
-    """results.md's paragraph and table of tools/bench.py --only zero_pipeline: ZeRO-1 and ZeRO-3 under 1F1B."""
+    """results.md's paragraph and table of python -m tools.bench --only zero_pipeline: ZeRO-1 and ZeRO-3 under 1F1B."""
     if zero is None:
         return []
 
@@ -250,7 +250,7 @@ def zero_pipeline_lines(zero):
 
 
 def muon_lines(muon):
-    """results.md's paragraph and table of tools/bench.py --only muon: Muon's step beside AdamW's, and its two
+    """results.md's paragraph and table of python -m tools.bench --only muon: Muon's step beside AdamW's, and its two
     assemblies, per layout."""
     if muon is None:
         return []
@@ -282,7 +282,7 @@ def muon_lines(muon):
 
 
 def muon_convergence(results):
-    """tools/bench.py --only muon_convergence: each optimizer at its best learning rate, its training loss (a
+    """python -m tools.bench --only muon_convergence: each optimizer at its best learning rate, its training loss (a
     moving average) and its validation loss; and every run's final validation loss by learning rate."""
     convergence = optional_result(results, "muon_convergence.json")
     if convergence is None:
@@ -332,7 +332,7 @@ def stack(ax, x, width, memory, label_parts=False, hatch=None):
 
 
 def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**i for i in range(10, 18))):
-    """The playbook's figure from tools/plan.py: per-rank memory of each strategy alone, by sequence length, for an
+    """The playbook's figure from tools/plan/: per-rank memory of each strategy alone, by sequence length, for an
     8B shape (EP: Mixtral 8x7B), without, with selective and with full recomputation, in bf16."""
     from tools import plan  # the planner builds models on the meta device: torch, only here
     base = ["--model", model, "--arch", "llama", "--dtype", "bfloat16"]
@@ -357,7 +357,7 @@ def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**
             if col == 0:
                 ax.set_ylabel(f"recompute {mode}\nGiB per GPU")
     fig.legend(loc="upper center", ncol=5, fontsize=9, bbox_to_anchor=(0.5, 0.965))
-    fig.suptitle(f"tools/plan.py: memory per GPU of {model} (Llama-3 8B) by sequence length, each strategy alone "
+    fig.suptitle(f"tools/plan/: memory per GPU of {model} (Llama-3 8B) by sequence length, each strategy alone "
                  "(one sequence per rank and micro-batch, bf16 weights, float32 master weights and gradients); dashed: 80 GiB", y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(os.path.join(results, "memory_planned.png"), dpi=80)
@@ -365,7 +365,7 @@ def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**
 
 
 def predicted(point):
-    """tools/plan.py's prediction (as it is now) for the rank a tools/bench.py point measured; activations with the
+    """tools/plan/'s prediction (as it is now) for the rank a tools/bench/ point measured; activations with the
     block being recomputed, which the meter does not see."""
     from tools import plan
     prediction = plan.predict(plan.cli.parse_args(point["argv"]), point["world"])
@@ -375,7 +375,7 @@ def predicted(point):
 
 
 def measured_memory(results):
-    """tools/bench.py's small runs of the same strategies: measured (left) beside predicted (right, hatched)."""
+    """tools/bench/'s small runs of the same strategies: measured (left) beside predicted (right, hatched)."""
     planner = optional_result(results, "planner.json")
     if planner is None:
         return
@@ -431,7 +431,7 @@ def timeline_legend(fig):
 
 
 def timelines(results):
-    """tools/bench.py's five schedules on the same model, P and M, one above the other, as measured."""
+    """tools/bench/'s five schedules on the same model, P and M, one above the other, as measured."""
     pipeline = optional_result(results, "pipeline.json")
     if pipeline is None:
         return

@@ -1195,13 +1195,13 @@ def run_name(args, world):
 
 def check_memory(args, world, config, data):
     """A model whose parameters alone cannot fit a rank's device is refused before anything is allocated, by
-    tools/plan.py's count of the busiest rank's param_bytes under this layout (every rank counts the same)."""
+    tools/plan/'s count of the busiest rank's param_bytes under this layout (every rank counts the same)."""
     from tools import plan  # (it imports this file: imported once this file is whole)
     need, have = plan.largest_parameter_bytes(args, world, config, data), device_memory_bytes()
     if need > have:
         device = "its GPU" if torch.cuda.is_available() else "its share of the machine's memory"
         raise ConfigError(f"the model's parameters alone take {need / 2**30:,.1f} GiB on the busiest rank of this "
-                          f"layout (tools/plan.py's param_bytes), and a rank has {have / 2**30:,.1f} GiB ({device}): "
+                          f"layout (tools/plan/'s param_bytes), and a rank has {have / 2**30:,.1f} GiB ({device}): "
                           f"split them over more ranks (--tp, --pp, --zero 3) or train a smaller model")
 
 

@@ -1,4 +1,4 @@
-"""tools/plan.py's prediction against what a run of train.py logged (every rank, every step)."""
+"""tools/plan/'s prediction against what a run of train.py logged (every rank, every step)."""
 import json
 import os
 
@@ -30,7 +30,7 @@ def imbalance(record):
 
 
 def assert_matches_plan(out_dir, argv, world):
-    """Every logged memory and traffic counter equals tools/plan.py's prediction; activations within
+    """Every logged memory and traffic counter equals tools/plan/'s prediction; activations within
     ACTIVATION_MARGIN; with routing by top-k < experts, the routed counters within the step's imbalance."""
     args = cli.parse_args(argv)
     predicted = plan.predict(args, world)

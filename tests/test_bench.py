@@ -1,4 +1,4 @@
-"""tools/bench.py --quick and plot.py regenerate the results from nothing (on a subset, to stay quick)."""
+"""python -m tools.bench --quick and plot.py regenerate the results from nothing (on a subset, to stay quick)."""
 import json
 import subprocess
 import sys

@@ -1,5 +1,5 @@
 """All five dimensions composed: the benchmark table's configurations, 16 and 32 ranks, resharding, refusals;
-in each, every logged memory and traffic counter as tools/plan.py predicts it."""
+in each, every logged memory and traffic counter as tools/plan/ predicts it."""
 import os
 import subprocess
 import sys
@@ -34,7 +34,7 @@ def llama(flags, model, optimizer=MUON):
 
 
 def check(tmp_path, world, flags, model=(), timeout=300):
-    """The run equals the single device, and logs the memory and traffic tools/plan.py predicts for it."""
+    """The run equals the single device, and logs the memory and traffic tools/plan/ predicts for it."""
     argv = [*BASE, *model, *flags]
     results = run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=timeout)
     for result in results:

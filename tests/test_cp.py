@@ -1,6 +1,6 @@
 """Context parallelism: ring attention, the all-gather and the all-to-all equal full causal attention, and
 within packed documents (the ring skipping the blocks and messages no query needs); training equals the
-single device, alone and composed, with the memory and traffic tools/plan.py predicts."""
+single device, alone and composed, with the memory and traffic tools/plan/ predicts."""
 
 import pytest
 import torch
@@ -429,7 +429,7 @@ def test_context_parallel_matches_single_device(tmp_path, world, flags, model, m
 def test_the_other_ways_compose_as_ring_attention_does(tmp_path, mode, flags, model):
     """cp=2 with each other dimension, grouped-query attention, rotary positions, recomputation, and heads of
     another width than d_model / heads with QK-norm, on 4 ranks: the single device's training, and the memory
-    and traffic tools/plan.py predicts."""
+    and traffic tools/plan/ predicts."""
     argv = [*ARGV, *model, "--cp", "2", "--cp-mode", mode, *flags]
     for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*ARGV, *model]))

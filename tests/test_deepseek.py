@@ -1,5 +1,5 @@
 """DeepSeek-V3's family (--arch deepseek): multi-head latent attention, its router and YaRN, on one device and
-through every dimension, each layout equal to the single device in float64 and to tools/plan.py's counters.
+through every dimension, each layout equal to the single device in float64 and to the counters of tools.plan.
 
 Latent attention's keys have qk_nope_head_dim + qk_rope_head_dim features a head and its values v_head_dim
 (the tiny preset's 8 + 4 and 6), so every way of context parallelism carries keys and values of two widths;
@@ -91,7 +91,7 @@ def test_ep_routes_as_model_py(scoring, groups, renormalise):
     generator = torch.Generator().manual_seed(0)
     logits, bias = torch.randn(64, 16, generator=generator), 0.1 * torch.randn(16, generator=generator)
     ours = route(logits, 4, bias, renormalise, scoring, groups, 2.5)
-    theirs = ep.route(logits, 4, bias, renormalise, scoring, groups, 2.5)
+    theirs = ep.route(logits, 4, bias=bias, variant=ep.RouterVariant(scoring, groups, renormalise, 2.5))
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
     masked = best_groups_only(logits, *groups)

@@ -1,5 +1,5 @@
 """tools/dryrun.py: one rank of a large world, alone, its peers PyTorch's fake ones, counts what the real run
-would (tools/plan.py's prediction, exactly) and writes nothing."""
+would (tools/plan/'s prediction, exactly) and writes nothing."""
 import json
 import os
 import subprocess

@@ -194,7 +194,7 @@ def test_the_table_of_damaged_files_is_refused_in_one_line_each(llama, tmp_path)
 
 
 def test_a_model_too_large_for_a_rank_is_refused_before_anything_is_allocated(llama, tmp_path, monkeypatch):
-    """config.json's hidden_size of 10^9: tools/plan.py's count of the busiest rank's parameters against the
+    """config.json's hidden_size of 10^9: tools/plan/'s count of the busiest rank's parameters against the
     device's memory, before any allocation (here the machine's memory, however large, is too small)."""
     folder, _ = llama
     huge = str(tmp_path / "huge")

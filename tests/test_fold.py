@@ -1,6 +1,6 @@
 """Experts folded over the attention ranks (mesh.py): --ep takes its ranks out of each pipeline stage's
 dp x cp x tp, and --expert-tp splits the experts over some of them. Each layout equals the single device in
-float64 under NCCL's matching by order alone (run_on_ranks) and equals tools/plan.py's counters.
+float64 under NCCL's matching by order alone (run_on_ranks) and equals tools/plan/'s counters.
 
 Inside an MoE layer every rank of a stage routes tokens of its own: under tp without sp each tensor-parallel
 rank takes its part of the tokens they all hold (ep.py's ReplicatedTokens), with sp its own sequence shard.

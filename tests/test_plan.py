@@ -1,4 +1,4 @@
-"""tools/plan.py: its predictions equal what train.py counts, and it answers for real sizes in seconds.
+"""tools/plan/: its predictions equal what train.py counts, and it answers for real sizes in seconds.
 
 The benchmark table's configurations (and the 16- and 32-rank runs, ZeRO with tp) are checked against the
 planner where they run, in test_compose.py; here a seeded random sample of composed layouts adds ZeRO
@@ -30,7 +30,7 @@ BASE = ["--model", "tiny", "--layers", "4", "--steps", "2", "--batch-size", "16"
 
 
 def sampled_layouts(n, seed=5):
-    """n layouts train.py accepts on 4 or 8 ranks, drawn at random over every option tools/plan.py models (ep
+    """n layouts train.py accepts on 4 or 8 ranks, drawn at random over every option tools/plan/ models (ep
     and expert-tp folded over each stage's ranks)."""
     rng = random.Random(seed)
     layouts = []
@@ -90,7 +90,7 @@ def test_pipelined_and_hybrid_zero_equal_every_counter(tmp_path, world, flags):
 def test_pipelined_zero3_peak_holds_the_stage_whole(tmp_path, monkeypatch):
     """Under a pipeline ZeRO-3 keeps every unit of its stage gathered, with its full gradients, from its first
     forward to its reduce-scatter: the step's peak resident memory (log.jsonl's, after the second step, when
-    AdamW's moments exist) is tools/plan.py's peak of start-up and step within 15% on every rank (measured: 0
+    AdamW's moments exist) is tools/plan/'s peak of start-up and step within 15% on every rank (measured: 0
     to 2% above it); with two units whole, as without a pipeline, it would be 25% short. Thin layers, many of
     them (16 blocks a stage), in float64: the state dominates the interpreter. glibc hands back every large
     block it frees (a fixed mmap threshold, as tests/test_dryrun.py sets it): left to its own threshold it
@@ -283,7 +283,7 @@ def test_muon_under_zero1_sends_the_pieces_its_shard_cuts():
 
 def test_dry_run_of_a_muon_rank_holds_the_planned_pieces_and_counts_the_planned_bytes():
     """One rank of 16 under PyTorch's fake peers (tools/dryrun.py), its optimizers Muon: its own pieces of the
-    matrices are the Segments tools/plan.py gives it (the dry run refuses to go on otherwise), and what it
+    matrices are the Segments tools/plan/ gives it (the dry run refuses to go on otherwise), and what it
     counts (optimizer state, Muon's all-to-alls, the rest) is the prediction."""
     result = subprocess.run([sys.executable, "-m", "tools.dryrun", "--world", "16", "--rank", "6", "--json",
                              "--model", "tiny", "--arch", "llama", "--batch-size", "32", "--dtype", "float32",

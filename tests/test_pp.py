@@ -123,7 +123,7 @@ def test_pipeline_with_tensor_and_sequence_parallel(tmp_path):
 def test_zero_bubble_with_other_dimensions(tmp_path, flags, model, schedule):
     """ZB-H1's and ZB-V's weight passes sum what data parallelism reduces (after the last of each chunk), run
     tp's collectives of the norms' and biases' gradients, and leave an MoE's all-to-all and the ring in B;
-    ZB-V's turn of the V hands its messages over on one rank. Memory and traffic are as tools/plan.py predicts."""
+    ZB-V's turn of the V hands its messages over on one rank. Memory and traffic are as tools/plan/ predicts."""
     argv = [*BASE, *model, "--micro-batches", "4", "--pp", "2", "--schedule", schedule, *flags]
     for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*BASE, *model, "--micro-batches", "4"]))

@@ -159,7 +159,7 @@ def cross_entropy_statistics(argv, world):
 
 
 def counted(tmp_path, world, argv):
-    """Every rank's counters of the run's one step, and tools/plan.py's prediction checked against them."""
+    """Every rank's counters of the run's one step, and tools/plan/'s prediction checked against them."""
     run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300)
     assert_matches_plan(tmp_path, argv, world)
     (record,) = logged_records(tmp_path)

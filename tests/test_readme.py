@@ -12,7 +12,7 @@ Nothing is run for real, so the whole file takes seconds:
   command, for every page at once), and names every flag the line uses (an unknown flag would only fail
   at run time); tools.plan and tools.dryrun hand the flags they do not know to train.py's parser, so there
   a flag of train.py's is accepted too, and the line's train.py flags and values go through that parser;
-  `--only`'s names are tools/bench.py's;
+  `--only`'s names are tools/bench/'s;
 - torchrun's own flags are torchrun's (its --help);
 - `torchrun ... dp.py` (and tp, pp, cp, ep): the self-check's file exists and has a self-check (the
   self-checks themselves run in tests/test_copy.py and in each dimension's tests: test_dp.py, ...);
@@ -56,8 +56,10 @@ for _page in PAGES:
 FRONT_DOOR_LINES = 250
 PYTHONS = ("python", "python3")
 SELF_CHECKS = ("dp.py", "tp.py", "pp.py", "cp.py", "ep.py")
-TOOLS = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(REPO, "tools"))
-                    if name.endswith(".py") and name != "__init__.py"))  # every command in tools/
+# every command in tools/: a module, or a package python -m runs (tools/plan/, with its __main__.py)
+TOOLS = tuple(sorted(name.removesuffix(".py") for name in os.listdir(os.path.join(REPO, "tools"))
+                     if (name.endswith(".py") and name != "__init__.py")
+                     or os.path.isfile(os.path.join(REPO, "tools", name, "__main__.py"))))
 FORWARDS_TO_TRAIN = ("tools.plan", "tools.dryrun", "tools.parity")  # parse_known_args: the rest is train.py's
 STDLIB_MODULES = ("venv",)  # `python3 -m venv .venv` of the install line: Python's, not this repository's
 HELP_TIMEOUT = 120
@@ -231,8 +233,7 @@ def check_tool(where, tokens, helps):
                 i += 1
         parse_train_args(where, rest)
     if module == "tools.bench" and "--only" in args:
-        with open(os.path.join(REPO, "tools", "bench.py")) as f:
-            bench = f.read()
+        bench = module_source("tools/bench")
         start = args.index("--only") + 1
         names = []
         for arg in args[start:]:
@@ -240,7 +241,7 @@ def check_tool(where, tokens, helps):
                 break
             names.append(arg)
         unknown = [n for n in names if f'"{n}"' not in bench]
-        assert names and not unknown, f"{where}: tools/bench.py --only knows no {unknown or 'name given'}"
+        assert names and not unknown, f"{where}: tools/bench/ --only knows no {unknown or 'name given'}"
 
 
 def check_pytest(where, args):
@@ -346,13 +347,27 @@ CODE_NAME = re.compile(r"`([A-Za-z_][\w.]*)\.(\w+)`")
 
 @functools.cache
 def repository_modules():
-    """{module name as imported: its file}: the top level's, and training's and tools' by their package."""
+    """{module name as imported: its file}: the top level's, and training's and tools' by their package (a
+    package of tools/, such as tools/plan/, by its folder)."""
     modules = {f[:-3]: f for f in os.listdir(REPO) if f.endswith(".py")}
     for package in ("training", "tools"):
         for f in os.listdir(os.path.join(REPO, package)):
             if f.endswith(".py") and f != "__init__.py":
                 modules[f"{package}.{f[:-3]}"] = f"{package}/{f}"
+            elif os.path.isfile(os.path.join(REPO, package, f, "__init__.py")):
+                modules[f"{package}.{f}"] = f"{package}/{f}"
     return modules
+
+
+def module_source(path):
+    """The source of a module's file, or of every module of a package's folder."""
+    path = os.path.join(REPO, path)
+    files = [path] if path.endswith(".py") else sorted(glob.glob(os.path.join(path, "*.py")))
+    source = ""
+    for name in files:
+        with open(name) as f:
+            source += f.read() + "\n"
+    return source
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -371,8 +386,7 @@ def test_every_module_name_in_code_exists(page):
         if module in moved and module not in modules:
             problems.append(f"{where}: {module} is now {moved[module]}")
         elif module in modules:
-            with open(os.path.join(REPO, modules[module])) as f:
-                source = f.read()
+            source = module_source(modules[module])
             if not re.search(rf"^\s*(?:class|def)\s+{name}\b|^{name}\s*(?::[^=\n]*)?=", source, re.M):
                 problems.append(f"{where}: {modules[module]} defines no {name}")
     assert not problems, "\n".join(problems)

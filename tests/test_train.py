@@ -188,8 +188,8 @@ def test_gpt2_preset_builds_its_50k_language_and_trains_on_cpu(tmp_path):
     losses = [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
     assert abs(losses[0] - math.log(50304)) < 0.5  # an untrained model is about uniform over the vocabulary
     shutil.rmtree(run / "checkpoint-00000002")  # 2 GB of weights and AdamW state
-    # Its peak resident memory (the checkpoint's save: the state, and its copy set aside) is tools/plan.py's, within
-    # 15%: what tools/plan.py leaves out is the allocator's, and the libraries' beyond its constant for them.
+    # Its peak resident memory (the checkpoint's save: the state, and its copy set aside) is tools/plan/'s, within
+    # 15%: what tools/plan/ leaves out is the allocator's, and the libraries' beyond its constant for them.
     (line,) = [line for line in out.stdout.splitlines() if line.startswith("peak resident memory per rank")]
     measured = float(line.split()[-1]) * 2**30
     predicted = plan.predict_peaks(cli.parse_args(argv), 1)["peak_bytes"][0]

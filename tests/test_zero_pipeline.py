@@ -1,5 +1,5 @@
 """ZeRO-2 and ZeRO-3 under every pipeline schedule, and hybrid sharding (--dp-shard): each equal to the single
-device in float64, under NCCL's matching by order alone (run_on_ranks), and equal to tools/plan.py's counters.
+device in float64, under NCCL's matching by order alone (run_on_ranks), and equal to tools/plan/'s counters.
 
 Under a pipeline a rank runs a backward per micro-batch and model chunk; ZeRO-2 and 3 then reduce-scatter
 each bucket once per step, after its chunk's last backward (or weight pass), and ZeRO-3 gathers each unit

@@ -1,5 +1,5 @@
 """One rank of a large run, run alone on this machine: its share built, one training step taken, its
-memory measured beside tools/plan.py's prediction.
+memory measured beside tools/plan/'s prediction.
 
     python -m tools.dryrun --world 64 --rank 5 --model llama3-8b --arch llama --tp 8 --zero 3 \\
         --seq-len 256 --batch-size 8
@@ -24,11 +24,11 @@ kernels of CPUs and CUDA with their backwards; everything else (norms, activatio
 collectives' bookkeeping) runs.
 
 Muon (--optimizer muon) gathers every rank's pieces of the matrices once, at start-up, to choose who
-assembles each: a fake peer would answer with this rank's own, so each peer's are given as tools/plan.py
+assembles each: a fake peer would answer with this rank's own, so each peer's are given as tools/plan/
 lays them out (muon_held), this rank's own checked against the planner's on the way. Who assembles what,
 and so the traffic and the step's buffers, are then the real run's.
 
-Experts are routed as tools/plan.py assumes, balanced (`balanced_experts`): each rank hands its tokens'
+Experts are routed as tools/plan/ assumes, balanced (`balanced_experts`): each rank hands its tokens'
 (token, expert) assignments to the experts in turn, so each expert gets the same share, and its peers,
 which never say how many rows they send it (--ep) or received for the experts it splits with them
 (--expert-tp), are answered for as balanced peers: with this rank's own counts. The router still runs (its
@@ -119,7 +119,7 @@ def check_dry_run(args, rank, world, data=None):
 @contextmanager
 def planned_peers(args, rank, world):
     """Under --optimizer muon, muon.Assembly's all-gather of each optimizer's pieces over the stage (one an
-    optimizer, at start-up) answered with every peer's, as tools/plan.py lays them out; this rank's own must
+    optimizer, at start-up) answered with every peer's, as tools/plan/ lays them out; this rank's own must
     be the planner's (a RuntimeError if not). An all-to-all this rank sends nothing in is left out: the fake
     process group refuses one that receives all the same (and its peers would deliver nothing)."""
     if args.optimizer != "muon":
@@ -136,7 +136,7 @@ def planned_peers(args, rank, world):
             return fake_gather(everyone, held, group=group)  # (not Muon's)
         planned = next(optimizers)
         if planned[place] != held:
-            raise RuntimeError(f"rank {rank}'s pieces of the matrices are not tools/plan.py's: {held} != "
+            raise RuntimeError(f"rank {rank}'s pieces of the matrices are not tools/plan/'s: {held} != "
                                f"{planned[place]}")
         everyone[:] = [planned[r] for r in range(len(everyone))]
 
@@ -190,7 +190,7 @@ def balanced_experts():
 def dry_run(args, rank, world, compute=False):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
     first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
-    predicted): {field: value} of this rank, the prediction's peak_resident_bytes being tools/plan.py's peak
+    predicted): {field: value} of this rank, the prediction's peak_resident_bytes being tools/plan/'s peak
     of start-up and step (a dry run saves nothing)."""
     described = cli.describe_data(args)  # the data's meta.json, read once
     config, shape = check_dry_run(args, rank, world, described)
@@ -215,7 +215,7 @@ def print_report(measured, predicted, rank, world):
     unit, size = ("GiB", 2**30) if measured["peak_resident_bytes"] >= 2**30 else ("MiB", 2**20)
     row = lambda name, *values: print(f"{name:30s}" + "".join(f"{v / size:12.3f}" for v in values))  # noqa: E731
     print(f"rank {rank} of {world} (its peers simulated: values meaningless, memory and traffic real)")
-    print(f"{unit:30s}{'measured':>12s}{'tools/plan.py':>12s}")
+    print(f"{unit:30s}{'measured':>12s}{'tools/plan/':>12s}")
     for field in (*MEMORY, *(f for f in predicted if f.startswith("comm_") and (predicted[f] or measured[f]))):
         row(field, measured[field], predicted[field])
     row("sum of the four", sum(measured[f] for f in MEMORY), sum(predicted[f] for f in MEMORY))

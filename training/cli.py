@@ -1,7 +1,7 @@
 """train.py's command line: model presets, the flags' parser, and the checks that refuse a run before it trains.
 
 Each check raises ConfigError, with a message naming the flags at fault, on every rank alike: check_args
-before any process group exists (tools/plan.py asks it too, for the layouts it predicts), so a bad launch ends
+before any process group exists (tools/plan/ asks it too, for the layouts it predicts), so a bad launch ends
 at once instead of hanging; check_tokens once the data is loaded, before the first step. The data's
 meta.json is read once (describe_data), and its record passed to every check and to the data opened.
 """
@@ -30,7 +30,7 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50304),
     # Today's shapes, with --arch llama (their key/value heads, SwiGLU width and rotary base are below);
-    # for planning them (tools/plan.py) more than for training them here. Mixtral 8x7B is mixtral with
+    # for planning them (tools/plan/) more than for training them here. Mixtral 8x7B is mixtral with
     # --experts 8 --top-k 2; deepseek-v3 (with --arch deepseek) is DeepSeek-V3 671B whole (DEEPSEEK_SHAPES).
     "llama3-8b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=8192, vocab_size=128256),
     "llama3-70b": dict(n_layer=80, n_head=64, d_model=8192, seq_len=8192, vocab_size=128256),

@@ -145,7 +145,7 @@ def segments(name, local_shape, rows, split, start, end, copy=0):
 
 
 # ---------------------------------------------------------------------------
-# Who assembles which matrix (a pure function of what each rank holds: tools/plan.py predicts with it)
+# Who assembles which matrix (a pure function of what each rank holds: tools/plan/ predicts with it)
 # ---------------------------------------------------------------------------
 
 def assign_owners(held, every_holder=False):

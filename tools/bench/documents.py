@@ -1,0 +1,95 @@
+"""Packed documents: train.py with document masking against plain causal attention, and the attention core
+alone, on random documents of each length distribution."""
+import os
+import statistics
+import time
+
+from tools.bench.common import read_log, tokens_per_s, torchrun, write_json
+
+
+# Document length distributions: each document's length is geometric with this mean, in sequences.
+DOCUMENT_LENGTHS = {"short": 1 / 8, "half": 1 / 2, "long": 2}
+
+
+def packed_data(folder, seq_len, mean_sequences, vocab_size, n_tokens=1 << 18, seed=0):
+    """A token directory (tools/prepare.py's layout) of random documents of geometric lengths (mean
+    mean_sequences x seq_len tokens), each ended by the EOS id vocab_size - 1; returns the documents per
+    sequence."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    lengths = rng.geometric(1 / max(2.0, mean_sequences * seq_len), n_tokens)
+    ends = np.cumsum(lengths)
+    ends = ends[ends <= n_tokens] - 1
+    tokens = rng.integers(0, vocab_size - 1, n_tokens).astype(np.uint16)
+    tokens[ends] = vocab_size - 1
+    os.makedirs(folder, exist_ok=True)
+    cut = n_tokens * 9 // 10
+    tokens[:cut].tofile(os.path.join(folder, "train.bin"))
+    tokens[cut:].tofile(os.path.join(folder, "val.bin"))
+    write_json(os.path.join(folder, "meta.json"), dict(dtype="uint16", vocab_size=vocab_size, eos_id=vocab_size - 1))
+    return len(ends) * seq_len / n_tokens
+
+
+def attention_times(config, micro_batch, documents, rounds):
+    """Seconds of one attention forward and backward (model.py's core) with the documents' mask and with plain
+    causal attention, alternated `rounds` times in this process: {arm: per round}."""
+    import torch
+    from model import causal_attention
+    head_dim = config.head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(micro_batch, config.n_head, config.seq_len, head_dim, generator=g, requires_grad=True)
+    k, v = (torch.randn(micro_batch, config.n_kv_heads, config.seq_len, head_dim, generator=g, requires_grad=True)
+            for _ in range(2))
+    times = {"causal": [], "documents": []}
+    for r in range(rounds + 1):  # the first to warm up
+        for arm, given in [("causal", None), ("documents", documents)][::1 if r % 2 else -1]:  # order alternated
+            start = time.perf_counter()
+            causal_attention(q, k, v, given).sum().backward()
+            if r:
+                times[arm].append(time.perf_counter() - start)
+    return times
+
+
+def documents_check(settings, out):
+    """train.py on one rank with --document-mask and with --no-document-mask, in turn in each round, on the
+    same packed data, for each document length distribution: tokens per second, and model.py's attention
+    core timed alone on the same micro-batches' documents; the median and range of the per-round ratios
+    (masked over causal)."""
+    from model import document_ids
+    from training import cli
+    from training.data import load_data
+    steps, rounds = settings["scaling_steps"], settings["scaling_rounds"]
+    args = cli.parse_args(["--model", settings["model"], "--arch", settings.get("arch", "gpt")])
+    vocab = cli.PRESETS[settings["model"]]["vocab_size"]
+    config = cli.model_config(args, vocab)
+    micro_batch = settings["batch_size"] // settings["micro_batches"]
+    rows = {}
+    for name in settings["document_lengths"]:
+        mean_sequences = DOCUMENT_LENGTHS[name]
+        data = os.path.join(out, "documents", name)
+        per_sequence = packed_data(data, config.seq_len, mean_sequences, vocab)
+        common = ["--model", settings["model"], "--arch", settings.get("arch", "gpt"), "--data", data, "--batch-size",
+                  str(settings["batch_size"]), "--micro-batches", str(settings["micro_batches"]), "--steps",
+                  str(steps), "--eval-interval", str(steps), "--out", os.path.join(out, "documents", "runs")]
+        per_round = []
+        for r in range(rounds):
+            print(f"bench: documents {name}, round {r + 1} of {rounds}", flush=True)
+            speeds = {}
+            for arm, flag in (("causal", "--no-document-mask"), ("documents", "--document-mask")):
+                run = f"{name}-{arm}{r}"
+                torchrun(1, "train.py", *common, flag, "--name", run)
+                speeds[arm] = tokens_per_s(read_log(os.path.join(out, "documents", "runs", run, "log.jsonl"))[
+                    settings["skip"]:])
+            per_round.append(speeds)
+        tokens = load_data(data, vocab).batch("train", 0, micro_batch, config.seq_len)[:, :-1]
+        times = attention_times(config, micro_batch, document_ids(tokens, vocab - 1), max(3, rounds))
+        step = [r["causal"] / r["documents"] for r in per_round]  # > 1: masking is slower
+        attention = [d / c for c, d in zip(times["causal"], times["documents"])]
+        rows[name] = dict(mean_document_sequences=mean_sequences, documents_per_sequence=per_sequence,
+                          tokens_per_s={arm: statistics.median(r[arm] for r in per_round) for arm in per_round[0]},
+                          step_time_ratio=statistics.median(step), step_time_range=[min(step), max(step)],
+                          attention_s={arm: statistics.median(t) for arm, t in times.items()},
+                          attention_time_ratio=statistics.median(attention),
+                          attention_time_range=[min(attention), max(attention)])
+    return dict(model=settings["model"], rounds=rounds, steps=steps, micro_batch=micro_batch, seq_len=config.seq_len,
+                rows=rows)

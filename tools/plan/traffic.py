@@ -1,0 +1,171 @@
+"""Traffic of the model-parallel dimensions (tp, cp, the MoE layers' groups, pp), per micro-batch, forward and
+backward."""
+from collections import Counter
+
+from dp import ring_bytes_sent
+from tools.plan.attention import attention_of
+
+
+def tokens_per_rank(config, layout):
+    """Tokens of one micro-batch a rank computes on (its data slice, its cp shard of each sequence)."""
+    return layout.micro_batch * config.seq_len // layout.cp
+
+
+def routed_tokens(config, layout):
+    """Tokens of one micro-batch a rank routes in an MoE layer (ep.py): no other rank routes them. Under tp
+    with sp its sequence shard; under tp without sp its 1/tp of the tokens the tp ranks share (ep.py's
+    split_counts: the first ranks one more when tp does not divide them; the planner assumes it does)."""
+    return tokens_per_rank(config, layout) // layout.tp
+
+
+def tp_traffic(config, layout, layers, first, last):
+    """Tensor parallelism's bytes per micro-batch (Megatron: two all-reduces of b*s*h per block forward,
+    two backward; sequence parallelism turns each into a reduce-scatter and an all-gather)."""
+    t, c, traffic = layout.tp, config, Counter()
+    if t == 1:
+        return traffic
+    hidden = tokens_per_rank(c, layout) * c.d_model  # b*s*h of this rank's cp shard (gathered under sp)
+    # What enters a region is a norm's output, what leaves it a matrix product's partial sum, both in the
+    # weights' dtype; backward sends the gradients of the same tensors, in the same dtype.
+    enter = leave = hidden * layout.weight_bytes
+    # A recomputed block (full recomputation) communicates again, but only up to the last tensor its backward
+    # needs: non-reentrant checkpointing stops there, so the collective that closes the MLP is not repeated.
+    again = 2 if layout.recompute == "full" else 1
+
+    def region(enter, leave, entering, leaving):
+        """f then g (all-reduce backward, all-reduce forward), or under sp all-gather then reduce-scatter;
+        entering and leaving: how many times the forward's collective runs."""
+        if layout.sp:
+            send("all_gather", enter, entering)
+            send("reduce_scatter", leave, leaving)
+            send("all_gather", leave, 1)
+            send("reduce_scatter", enter, 1)
+        else:
+            send("all_reduce", leave, leaving)
+            send("all_reduce", enter, 1)
+
+    def send(kind, n_bytes, times):
+        traffic[kind] += times * ring_bytes_sent(kind, n_bytes, t)
+
+    def summed_gradients(numel):  # under sp, norms and row biases sum their gradients over the group
+        send("all_reduce", numel * layout.weight_bytes, 1)
+
+    norm_numel = c.d_model * (2 if c.norm == "layer" and c.bias else 1)
+    if first:  # the vocabulary-parallel embedding's g (its output keeps the weights' dtype)
+        if layout.sp:  # reduce-scatter forward, all-gather backward
+            send("reduce_scatter", enter, 1)
+            send("all_gather", enter, 1)
+        else:
+            send("all_reduce", enter, 1)
+        if layout.sp and c.position == "learned":
+            summed_gradients(c.max_seq_len * c.d_model)  # the whole position table's
+    entering_attention = tokens_per_rank(c, layout) * attention_of(c).entering(c) * layout.weight_bytes
+    for layer in layers:
+        region(entering_attention, leave, again, again)  # attention
+        mlp = not c.is_moe(layer) or c.n_shared_experts  # a dense MLP, or the shared expert, split alike
+        if mlp:  # recomputed up to the last tensor backward needs: with a gate, the output its product keeps
+            region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
+        if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
+            send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
+        for numel in attention_of(c).summed_over_tp(c, layout):  # replicated weights that met only some tokens
+            summed_gradients(numel)
+        if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
+            gate = c.is_moe(layer) and c.shared_expert_gate
+            summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1) + gate * c.d_model)
+    if last:
+        if layout.sp:
+            summed_gradients(norm_numel)
+            send("all_gather", enter, 1)
+            send("reduce_scatter", enter, 1)
+        else:
+            send("all_reduce", enter, 1)  # the head's f
+        loss_bytes = tokens_per_rank(c, layout) * max(layout.activation_bytes, 4)  # float32 or wider
+        send("all_reduce", loss_bytes, 1)      # the largest logit
+        send("all_reduce", 2 * loss_bytes, 1)  # the target's logit and the sum of exponentials
+    return traffic
+
+
+def cp_traffic(config, layout, layers):
+    """Context parallelism's bytes per micro-batch (cp.py, each way's formula), with k, v and q the bytes of this
+    rank's K, V and Q shards (V of its own width, c.v_dim: latent attention's values are narrower than its keys)
+    and o of the heads' output (n_head x v_head_dim features):
+      ring       K and V go round the ring (N-1 passes) in forward and again in backward, where their
+                 gradient accumulators also travel N passes (each block home)
+      allgather  K and V all-gathered in forward and again in backward, dK and dV reduce-scattered:
+                 (N-1) (k + v) each
+      alltoall   q, k, v to head shards and the output back, forward, and their gradients in backward:
+                 (N-1)/N of each
+    Recomputation runs the forward's part again. With packed documents the ring's figure is its most: a K/V
+    block that no rank ahead needs in any row of the micro-batch goes no further, which depends on the data
+    (cp.py's tests count the bytes saved exactly)."""
+    n = layout.cp
+    if n == 1:
+        return Counter()
+    c, a = config, layout.activation_bytes
+    q, k, v, o = (tokens_per_rank(c, layout) * features // layout.tp * a
+                  for features in (c.q_dim, c.kv_dim, c.v_dim, c.n_head * c.v_head_dim))
+    forward_passes = 1 if layout.recompute == "none" else 2  # both modes run the attention again
+    if layout.cp_mode == "allgather":
+        return Counter(all_gather=len(layers) * (forward_passes + 1) * (n - 1) * (k + v),
+                       reduce_scatter=len(layers) * (n - 1) * (k + v))
+    if layout.cp_mode == "alltoall":
+        # Selective recomputation reruns the core only up to what it saves (the attention's inputs and output,
+        # on head shards): checkpoint's recomputation stops there, before the output goes back.
+        recomputed = {"none": 0, "selective": q + k + v, "full": q + k + v + o}[layout.recompute]
+        return Counter(all_to_all=len(layers) * (n - 1) * (2 * (q + k + v + o) + recomputed) // n)
+    forward = (n - 1) * (k + v)
+    backward = (n - 1) * (k + v) + n * (k + v)  # dK, dV travel in K's and V's dtype
+    return Counter(send_recv=len(layers) * (forward_passes * forward + backward))
+
+
+def moe_traffic(config, layout, layers):
+    """The MoE layers' traffic per micro-batch (ep.py, balanced routing), by the group it travels in:
+      ep              dispatch and combine: the routed tokens' assignments to experts of the other ep ranks,
+                      (ep-1)/ep of them, go out and their outputs come back; backward the reverse
+      tp_rows         tp without sp: each tp rank routes its 1/tp of the tokens they share (KeepRows: its
+                      part's gradient to every other tp rank, backward) and all-gathers the outputs
+                      (GatherRows, forward)
+      expert_tp       expert tp: the rows a rank received go to every other rank of its group, and its
+                      experts' partial outputs of their rows go back to them (SplitExperts); backward the
+                      reverse of each
+      expert_tp_bias  expert tp: each local expert's proj bias, whole on every rank, has its gradient summed
+                      over the group once per backward (tp.ExpertTensorParallel; the GPT blocks' bias)
+    All but the last are ep.py's all-to-alls, each row in the weights' dtype, which is the activations'.
+    Full recomputation runs the forward's again up to the last tensor backward needs: the combined outputs
+    (weighted), so GatherRows too only when a shared expert, whose tensors come after, is there."""
+    c = config
+    moe_layers = sum(1 for layer in layers if c.is_moe(layer))
+    if not moe_layers:
+        return {}
+    forwards = 2 if layout.recompute == "full" else 1
+    row = c.d_model * layout.activation_bytes
+    routed = routed_tokens(c, layout)
+    assignments = routed * c.top_k  # balanced: each rank also receives as many for its experts
+
+    def rows(n_rows, passes):  # all-to-all bytes of every MoE layer, n_rows sent per pass
+        return Counter(all_to_all=moe_layers * passes * n_rows * row)
+
+    traffic = {"ep": rows(assignments * (layout.ep - 1) // layout.ep, 2 * (forwards + 1))}
+    if layout.tp > 1 and not layout.sp:
+        gathers = forwards if c.n_shared_experts else 1
+        traffic["tp_rows"] = rows((layout.tp - 1) * routed, gathers + 1)
+    if layout.expert_tp > 1:
+        traffic["expert_tp"] = rows((layout.expert_tp - 1) * assignments, 2 * (forwards + 1))
+        if c.bias:
+            bias = ring_bytes_sent("all_reduce", c.d_model * layout.weight_bytes, layout.expert_tp)
+            traffic["expert_tp_bias"] = Counter(all_reduce=moe_layers * c.n_experts // layout.ep * bias)
+    return traffic
+
+
+def pp_traffic(config, layout, stage):
+    """Point-to-point bytes per step: an activation forward and a gradient backward per micro-batch and
+    chunk boundary (the article's b*s*h; a sequence-parallel shard under sp), in the weights' dtype."""
+    if layout.pp == 1:
+        return Counter()
+    seq = config.seq_len // layout.cp // (layout.tp if layout.sp else 1)
+    message = layout.micro_batch * seq * config.d_model * layout.weight_bytes
+    placement = layout.placement
+    sent = [placement.holder(k + 1)[0] for k in placement.model_chunks(stage) if k < placement.n_model_chunks - 1]
+    sent += [placement.holder(k - 1)[0] for k in placement.model_chunks(stage) if k > 0]
+    boundaries = sum(destination != stage for destination in sent)  # (the turn of a V stays on its rank)
+    return Counter(send_recv=layout.micro_batches * boundaries * message)
