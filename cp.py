@@ -35,6 +35,7 @@ plus sharding the batch. Gradients are then averaged over the group as data para
 
 Self-check: torchrun --nproc_per_node 4 cp.py
 """
+import contextlib
 import functools
 import math
 import os
@@ -44,8 +45,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 comm_bytes = Counter()   # bytes this rank sent, per kind
 blocks_computed = Counter()  # attention blocks (pairs of chunks) computed by this rank: "forward", "backward"
 
@@ -121,12 +120,12 @@ def _scores(q, k, mask):
 def block_attention(q, k, v, mask):
     """(output, log-sum-exp) of q against one block of keys and values, written out. Computed in float32 or
     better whatever the inputs' dtype, as the fused kernels keep their softmax. mask: True (causal: queries
-    against their own keys), False (none) or a boolean tensor (batch or 1, 1, queries, keys), True where a
-    query sees a key (within documents, whose rows that see no key `_without_keyless_rows` sets apart)."""
+    against their own keys), False (none) or, within documents (after the banner), a boolean tensor
+    (batch or 1, 1, queries, keys), True where a query sees a key."""
     q, k, v = (_widened(t) for t in (q, k, v))
     scores = _scores(q, k, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    return _without_keyless_rows(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse, mask)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
 
 
 def block_attention_backward(grad_out, q, k, v, out, lse, mask):
@@ -152,6 +151,17 @@ def merge(out, lse, block_out, block_lse):
     return rescaled + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
 
 
+@contextlib.contextmanager
+def precision_as_given(q, k, v):
+    """q, k, v of one dtype, and autocast off: under bf16 autocast the written-out blocks' matmuls would run
+    in bfloat16 again (and backward, which autocast does not cover, in float32), where each way chooses its
+    dtypes explicitly (RingAttention's docstring: FlashAttention's split)."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"attention takes q, k, v of one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
+    with torch.autocast(q.device.type, enabled=False):
+        yield
+
+
 # The block kernels, (forward, backward): the written-out computation above, the readable reference and
 # every way's default; `default_kernels` (after the banner) picks PyTorch's fused ones, which never hold a
 # block's (s/2N)² scores, for a production run.
@@ -162,30 +172,35 @@ EXPLICIT = (block_attention, block_attention_backward)
 # Ring attention, forward and backward
 # ---------------------------------------------------------------------------
 
+def ring_attention(q, k, v, group, *,  # beyond the article:
+                   kernels=EXPLICIT, documents=None):
+    """Causal attention output for this rank's zigzag shard, in q's dtype (and its log-sum-exp, second, in
+    float32 or better). kernels: the block computation, written out (EXPLICIT) unless given (FUSED on CPUs,
+    CUDA_FLASH, CUDA_EFFICIENT: `default_kernels` picks). documents: None, or (batch, seq) the document id
+    of every token of the whole sequence (not sharded), non-decreasing along a row: attention stays within
+    each document (after the banner)."""
+    masks = attention_masks(documents)
+    with precision_as_given(q, k, v):
+        return RingAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring. Two
     seams: kernels, the block computation (forward, backward: `ring_attention` defaults to the written-out
     EXPLICIT), and masks, which blocks are needed, with which mask, and how the ring runs (`ring_plan`:
-    under `CausalMasks` every block goes round the whole ring).
+    under `CausalMasks` every block goes round the whole ring). Its apply takes them by position, as an
+    autograd.Function's does: `ring_attention` is the entry, its beyond-the-article arguments by keyword.
 
     Grouped-query attention: the ring carries k and v with their own fewer heads; each block repeats them to
     the query heads, and backward sums the repeated heads' dK, dV over each group before they travel on.
     Mixed precision, FlashAttention's split: what travels and what the kernels take is in the inputs' dtype
     (in bfloat16 the ring's traffic is half float32's); the merge (output, log-sum-exp) and each rank's sums
     of dQ, dK, dV are in float32 or better (a bfloat16 sum of many blocks would lose their small terms).
+    `precision_as_given` keeps autocast out, where these dtypes are chosen explicitly.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, group, kernels, masks):
-        if not q.dtype == k.dtype == v.dtype:
-            raise TypeError(f"ring attention takes q, k, v of one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
-        # Under bf16 autocast the written-out blocks' matmuls would run in bf16 again, and backward (which
-        # autocast does not cover) in float32: keep it off here, where the dtypes are chosen explicitly.
-        with torch.autocast(q.device.type, enabled=False):
-            return RingAttention._forward(ctx, q, k, v, group, kernels, masks)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, group, kernels, masks):
         ring, heads_per_kv = _Ring(group), q.shape[1] // k.shape[1]  # query heads per key/value head
         plan = masks.ring_plan(ring.rank, ring.n, q.shape[2] // 2)
         merged = torch.promote_types(q.dtype, torch.float32)  # the running output and log-sum-exp
@@ -219,14 +234,18 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, plan, heads_per_kv = _Ring(ctx.group), ctx.plan, q.shape[1] // k.shape[1]
         summed = lse.dtype  # float32 or better: this rank's sums of block gradients
-        qh, do, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
+        qh, d_out, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
         dq = [torch.zeros(h.shape, dtype=summed, device=q.device) for h in qh]
         kv = (k, v)
         pending, from_prev, home = [], None, None  # last step's accumulator batch, what it brought, this rank's own
+        # The K/V blocks go round the ring again, as in forward, and each travels with its dK/dV
+        # accumulators: at every step a rank adds its queries' share to the accumulators of the block it
+        # holds and passes both on, so a block's accumulators have every rank's share when they reach its
+        # home rank, one hop after the last. (dQ stays here: this rank's queries.)
         for step in range(ring.n):
             with torch.profiler.record_function(f"cp.ring step {step} backward"):
                 works, received = ring.pass_block(plan, step, kv, (k, v))
-                grad_acc = RingAttention._block_gradients(ctx.kernels[1], plan.blocks(step), kv, (do, qh, oh, lh),
+                grad_acc = RingAttention._block_gradients(ctx.kernels[1], plan.blocks(step), kv, (d_out, qh, oh, lh),
                                                           dq, heads_per_kv)
                 _wait(pending)
                 if from_prev is not None:  # the accumulators of this block, from the ranks it visited before
@@ -245,11 +264,11 @@ class RingAttention(torch.autograd.Function):
         L) of this rank's two chunks."""
         if not blocks:
             return None
-        do, qh, oh, lh = rows
+        d_out, qh, oh, lh = rows
         kh, vh = (repeat_kv(t, heads_per_kv).chunk(2, dim=2) for t in kv)
         dk, dv = ([torch.zeros(h.shape, dtype=dq[0].dtype, device=h.device) for h in hs] for hs in (kh, vh))
         for qi, ki, mask in blocks:
-            block_dq, block_dk, block_dv = kernel(do[qi], qh[qi], kh[ki], vh[ki], oh[qi], lh[qi], mask)
+            block_dq, block_dk, block_dv = kernel(d_out[qi], qh[qi], kh[ki], vh[ki], oh[qi], lh[qi], mask)
             dq[qi] += block_dq
             dk[ki] += block_dk
             dv[ki] += block_dv
@@ -278,15 +297,6 @@ class RingAttention(torch.autograd.Function):
         return works, from_prev, received[-1] if sender is not None else home
 
 
-def ring_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
-    """Causal attention output for this rank's zigzag shard, in q's dtype (and its log-sum-exp, second, in
-    float32 or better). kernels: the block computation, written out (EXPLICIT) unless given (FUSED on CPUs,
-    CUDA_FLASH, CUDA_EFFICIENT: `default_kernels` picks). documents: None, or (batch, seq) the document id
-    of every token of the whole sequence (not sharded), non-decreasing along a row: attention stays within
-    each document (after the banner)."""
-    return RingAttention.apply(q, k, v, group, kernels, attention_masks(documents))
-
-
 class CausalMasks:
     """Plain causal attention, query i sees keys 0..i: the blocks the ways cut (a run of queries against a
     run of keys, slices of sequence indices) are queries against their own keys (mask True, the causal
@@ -308,6 +318,11 @@ class CausalMasks:
 
     def ring_plan(self, rank, n_ranks, chunk):
         return RingPlan(self, rank, n_ranks, chunk)
+
+    @staticmethod
+    def kernels_for(kernels):
+        """The block kernels as these masks need them: as given (every query of a causal block sees a key)."""
+        return kernels
 
 
 class RingPlan:
@@ -447,6 +462,12 @@ class DocumentMasks(CausalMasks):
     def ring_plan(self, rank, n_ranks, chunk):
         return _RingPlan(self, rank, n_ranks, chunk)
 
+    @staticmethod
+    def kernels_for(kernels):
+        """The kernels with the rows of a block that see no key set apart (`_without_keyless_rows`)."""
+        forward, backward = kernels
+        return (lambda q, k, v, mask: _without_keyless_rows(*forward(q, k, v, mask), mask)), backward
+
 
 def _without_keyless_rows(out, lse, mask):
     """A block's (output, log-sum-exp) with the rows its mask lets see no key set to 0 and to the lowest finite
@@ -517,6 +538,11 @@ class _RingPlan(RingPlan):
 # but as a few large collectives, not N-1 exchanges, and with the whole sequence's K and V held during
 # the attention (2 N kv bytes, repeated to the query heads inside each block).
 
+# (the flat collectives under their newer names where this PyTorch has them)
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather_sequence(x, group, order):
     """(batch, heads, seq/N, d) shards of every rank -> (batch, heads, seq, d) in natural order."""
     n = dist.get_world_size(group)
@@ -552,22 +578,21 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, kernels, masks):
-        with torch.autocast(q.device.type, enabled=False):
-            n, rank = dist.get_world_size(group), dist.get_rank(group)
-            order, heads_per_kv = shard_order(n * q.shape[2], n, q.device), q.shape[1] // k.shape[1]
-            k_all, v_all = (repeat_kv(_gather_sequence(t, group, order), heads_per_kv) for t in (k, v))
-            merged, qh = torch.promote_types(q.dtype, torch.float32), q.chunk(2, dim=2)
-            out, lse = [None, None], [None, None]
-            for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
-                # Its own keys first: every query sees itself, so each row's log-sum-exp is finite before the
-                # merge (a row that sees none of the keys before it then merges as weight 0).
-                own_mask, before_mask = masks.mask(own, own), masks.mask(own, before)
-                out[qi], lse[qi] = (t.to(merged) for t in kernels[0](qh[qi], k_all[:, :, own], v_all[:, :, own],
-                                                                     own_mask))
-                if before_mask is not None:  # the first chunk has no keys before it (within documents: may see none)
-                    out[qi], lse[qi] = merge(out[qi], lse[qi], *kernels[0](qh[qi], k_all[:, :, before],
-                                                                           v_all[:, :, before], before_mask))
-            out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        order, heads_per_kv = shard_order(n * q.shape[2], n, q.device), q.shape[1] // k.shape[1]
+        k_all, v_all = (repeat_kv(_gather_sequence(t, group, order), heads_per_kv) for t in (k, v))
+        merged, qh = torch.promote_types(q.dtype, torch.float32), q.chunk(2, dim=2)
+        out, lse = [None, None], [None, None]
+        for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
+            # Its own keys first: every query sees itself, so each row's log-sum-exp is finite before the
+            # merge (a row that sees none of the keys before it then merges as weight 0).
+            own_mask, before_mask = masks.mask(own, own), masks.mask(own, before)
+            out[qi], lse[qi] = (t.to(merged) for t in kernels[0](qh[qi], k_all[:, :, own], v_all[:, :, own],
+                                                                 own_mask))
+            if before_mask is not None:  # the first chunk has no keys before it (within documents: may see none)
+                out[qi], lse[qi] = merge(out[qi], lse[qi], *kernels[0](qh[qi], k_all[:, :, before],
+                                                                       v_all[:, :, before], before_mask))
+        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.kernels, ctx.masks = group, kernels, masks
         ctx.mark_non_differentiable(lse)
@@ -580,14 +605,15 @@ class AllGatherAttention(torch.autograd.Function):
         order, heads_per_kv = shard_order(n * q.shape[2], n, q.device), q.shape[1] // k.shape[1]
         k_all, v_all = (repeat_kv(_gather_sequence(t, ctx.group, order), heads_per_kv) for t in (k, v))
         summed = lse.dtype
-        qh, do, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
+        qh, d_out, oh, lh = (t.chunk(2, dim=2) for t in (q, grad_out, out, lse))
         dq = [torch.zeros(h.shape, dtype=summed, device=q.device) for h in qh]
         dk, dv = (torch.zeros(t.shape, dtype=summed, device=q.device) for t in (k_all, v_all))
         for qi, before, own in _prefix_and_diagonal(rank, n, qh[0].shape[2]):
             for keys in (own, before):
                 mask = ctx.masks.mask(own, keys)
                 if mask is not None:
-                    block = ctx.kernels[1](do[qi], qh[qi], k_all[:, :, keys], v_all[:, :, keys], oh[qi], lh[qi], mask)
+                    block = ctx.kernels[1](d_out[qi], qh[qi], k_all[:, :, keys], v_all[:, :, keys], oh[qi], lh[qi],
+                                           mask)
                     dq[qi] += block[0]
                     dk[:, :, keys] += block[1]
                     dv[:, :, keys] += block[2]
@@ -596,9 +622,11 @@ class AllGatherAttention(torch.autograd.Function):
         return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None
 
 
-def all_gather_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
+def all_gather_attention(q, k, v, group, *, kernels=EXPLICIT, documents=None):
     """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
-    return AllGatherAttention.apply(q, k, v, group, kernels, attention_masks(documents))
+    masks = attention_masks(documents)
+    with precision_as_given(q, k, v):
+        return AllGatherAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
 
 
 # ---------------------------------------------------------------------------
@@ -683,7 +711,7 @@ class CausalAttention(torch.autograd.Function):
                 None, None)
 
 
-def all_to_all_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
+def all_to_all_attention(q, k, v, group, *, kernels=EXPLICIT, documents=None):
     """ring_attention's output by DeepSpeed-Ulysses: to head shards, attention, back to sequence shards
     (and the log-sum-exp of this rank's heads over the whole sequence, second). The head shards hold the
     sequence in natural order (sequence_to_heads puts it so), where documents' ids index it directly."""
@@ -692,7 +720,8 @@ def all_to_all_attention(q, k, v, group, kernels=EXPLICIT, documents=None):
         raise ValueError(f"all-to-all attention splits the heads over {n} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key/value heads do not divide")
     on_heads = (Relayout.apply(t, group, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
-    out, lse = CausalAttention.apply(*on_heads, kernels, attention_masks(documents))
+    masks = attention_masks(documents)
+    out, lse = CausalAttention.apply(*on_heads, masks.kernels_for(kernels), masks)
     return Relayout.apply(out, group, heads_to_sequence, sequence_to_heads), lse
 
 
@@ -713,7 +742,7 @@ class ContextParallelCore:
 
     def __call__(self, q, k, v, documents=None):
         kernels = default_kernels(q.device, q.dtype, q.shape[-1], v.shape[-1])
-        return self.attention(q, k, v, self.group, kernels, documents)[0]
+        return self.attention(q, k, v, self.group, kernels=kernels, documents=documents)[0]
 
 
 def apply_context_parallel(model, group, mode="ring"):
@@ -756,7 +785,7 @@ def apply_context_parallel(model, group, mode="ring"):
 # queries, keys) with aligned rows (`_efficient_bias`). FlashAttention on CUDA takes no mask, so
 # CUDA_FLASH hands masked blocks to the memory-efficient kernel, fused too and taking the same dtypes (the
 # written-out reference would hold a block's scores in float32). A row of a block that sees no key gets
-# output 0 and the lowest finite log-sum-exp from every kernel (`_without_keyless_rows`; the CPU kernel
+# output 0 and the lowest finite log-sum-exp whatever the kernel (DocumentMasks.kernels_for; the CPU kernel
 # returns a log-sum-exp of 0 there).
 _EFFICIENT_LSE_TILE = 1 if torch.version.hip else 32
 
@@ -808,8 +837,7 @@ def _efficient_bias(mask, q, k):
 def cpu_flash_block(q, k, v, mask):
     """block_attention by PyTorch's fused CPU kernel (flash attention): the scores never exist whole."""
     causal, bias = _causal_and_bias(mask, q.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
-    return _without_keyless_rows(out, lse, mask)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
 
 
 def cpu_flash_block_backward(grad_out, q, k, v, out, lse, mask):
@@ -857,7 +885,7 @@ def cuda_efficient_block(q, k, v, mask):
     """block_attention by the memory-efficient kernel on CUDA (xFormers' CUTLASS kernel: float32 too)."""
     causal, bias = _efficient_bias(mask, q, k)
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, True, 0.0, causal)[:2]
-    return _without_keyless_rows(out, _lse_for_merge(lse, q.shape[2]), mask)
+    return out, _lse_for_merge(lse, q.shape[2])
 
 
 def cuda_efficient_block_backward(grad_out, q, k, v, out, lse, mask):
@@ -952,7 +980,7 @@ def _check_against_full_attention(attention, n_heads, n_kv_heads, rank, n, devic
     expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     expected.backward(grad)
     local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    out, _ = attention(*local, None, kernels, documents)
+    out, _ = attention(*local, None, kernels=kernels, documents=documents)
     out.backward(shard_sequence(grad, n, rank, dim=2))
     worst = (out - shard_sequence(expected, n, rank, dim=2)).abs().max().item()
     for mine, reference in zip(local, full):

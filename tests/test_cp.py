@@ -56,7 +56,7 @@ def ring_worker(seq_len, kv_heads, kernels):
     cp.comm_bytes.clear(), cp.blocks_computed.clear()
     meter = ActivationMeter()
     with meter:
-        out, lse = cp.ring_attention(*local, None, getattr(cp, kernels))
+        out, lse = cp.ring_attention(*local, None, kernels=getattr(cp, kernels))
     forward_bytes = cp.comm_bytes["send_recv"]
     out.backward(grad)
     return dict(
@@ -101,7 +101,7 @@ def mixed_precision_worker(seq_len, kernels):
     for dtype in (torch.float32, torch.bfloat16):
         local = [mine(t.to(dtype)).requires_grad_() for t in (q, k, v)]
         cp.comm_bytes.clear()
-        out, lse = cp.ring_attention(*local, None, getattr(cp, kernels))
+        out, lse = cp.ring_attention(*local, None, kernels=getattr(cp, kernels))
         forward_bytes = cp.comm_bytes["send_recv"]
         out.backward(mine(grad.to(dtype)))
         results[dtype] = dict(
@@ -263,7 +263,8 @@ def packed_documents(seq_len, chunk, seed=0):
 
 
 def test_block_kernels_take_a_boolean_mask():
-    """The written-out and the CPU flash kernels on a block with a boolean mask in which some rows see no key,
+    """The written-out and the CPU flash kernels, as the ways take them within documents
+    (DocumentMasks.kernels_for), on a block with a boolean mask in which some rows see no key,
     merged as the ring merges (that block first, from nothing, then a block every query sees whole), against
     the softmax over both written out in float64; each block's backward from the merged pair likewise. A row
     that sees no key of a block gives output 0 and the lowest log-sum-exp there (log 0 without the NaNs)."""
@@ -278,7 +279,7 @@ def test_block_kernels_take_a_boolean_mask():
     scores = scores.masked_fill(~torch.cat([torch.ones(2, 1, 5, 3, dtype=torch.bool), mask], -1), float("-inf"))
     (torch.softmax(scores, -1) @ torch.cat([leaves[4], leaves[2]], 2)).backward(grad)
     expected = [torch.softmax(scores, -1) @ torch.cat([v_seen, v], 2), scores.logsumexp(-1)]
-    for forward, backward in (cp.EXPLICIT, cp.FUSED):
+    for forward, backward in map(cp.DocumentMasks.kernels_for, (cp.EXPLICIT, cp.FUSED)):
         out, lse = forward(q, k, v, mask)
         assert not out[keyless].any() and (lse[keyless] == torch.finfo(torch.float64).min).all()
         merged = cp.merge(torch.zeros_like(out), torch.full_like(lse, float("-inf")), out, lse)
@@ -304,7 +305,7 @@ def document_worker(mode, heads, kv_heads, seq_len, documents):
     worst = {}
     for kernels in ("FUSED", "EXPLICIT"):
         local = [mine(t).requires_grad_() for t in (q, k, v)]
-        out, _ = cp.MODES[mode](*local, None, getattr(cp, kernels), documents)
+        out, _ = cp.MODES[mode](*local, None, kernels=getattr(cp, kernels), documents=documents)
         out.backward(mine(grad))
         worst[kernels] = max([(out - mine(expected)).abs().max().item()] +
                              [(a.grad - mine(b.grad)).abs().max().item() for a, b in zip(local, full)])
@@ -340,7 +341,7 @@ def ring_traffic_worker(seq_len, documents, kernels):
     for given in (None, documents):
         local = [mine(t).requires_grad_() for t in (q, k, v)]
         cp.comm_bytes.clear(), cp.blocks_computed.clear()
-        out, _ = cp.ring_attention(*local, None, getattr(cp, kernels), given)
+        out, _ = cp.ring_attention(*local, None, kernels=getattr(cp, kernels), documents=given)
         forward_bytes = cp.comm_bytes["send_recv"]
         out.backward(mine(grad))
         results["documents" if given is not None else "causal"] = dict(

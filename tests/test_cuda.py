@@ -89,7 +89,7 @@ def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len, v_head_dim=64):
     results = {}
     for kernels in (fused, cp.EXPLICIT):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = cp.ring_attention(*leaves, None, kernels)
+        out, lse = cp.ring_attention(*leaves, None, kernels=kernels)
         out.backward(grad)
         results[kernels] = [out, lse, *(t.grad for t in leaves)]
     differences = [((a.double() - b.double()).abs().max() / b.double().abs().max()).item()

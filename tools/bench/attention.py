@@ -35,7 +35,7 @@ def worker_attention(settings):
         if settings["kernels"] == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out, _ = cp.MODES[settings["mode"]](q, k, v, None, getattr(cp, settings["kernels"].upper()))
+            out, _ = cp.MODES[settings["mode"]](q, k, v, None, kernels=getattr(cp, settings["kernels"].upper()))
         out.backward(torch.ones_like(out))
         measured = torch.tensor([time.perf_counter() - start, (status_kib("VmHWM") - before) * 1024.0,
                                  float(sum(cp.comm_bytes.values()))], dtype=torch.float64)
