@@ -7,13 +7,11 @@ idles the fraction (GPipe's bubble overhead, `bubble_formula`)
 
     bubble = (P - 1) / (M + P - 1)          (article: 3/4 for P=4, M=1; 1/5 for M=12)
 
-Five schedules, each a flat list of this rank's ("forward" | "backward" | "weight", chunk, micro-batch)
-actions: GPipe (Huang et al., 2019, "GPipe"); 1F1B (Narayanan et al., 2019, "PipeDream", flushed each
-step as in PipeDream-Flush, 2021); interleaved 1F1B (Narayanan et al., 2021, Megatron-LM, section 2.2.2:
-V chunks a rank, bubble (P-1)/(V*M+P-1)); ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism":
-each backward split into B, the input's gradient, and W, the weights', deferred into the bubble); ZB-V
-(Qi et al., 2024, "Pipeline Parallelism with Controllable Memory": two chunks a rank placed as a V).
-`run_schedule` executes any of them; docs/pipeline-schedules.md measures them.
+A schedule is a flat list of this rank's ("forward" | "backward", chunk, micro-batch) actions: the
+article's GPipe (Huang et al., 2019) and 1F1B (Narayanan et al., 2019, "PipeDream", flushed each step as
+in PipeDream-Flush, 2021). `run_schedule` places every rank's actions on common time steps, which fix
+the order of every message. After the banner: interleaved 1F1B (Megatron-LM, V chunks a rank), ZB-H1 and
+ZB-V (Qi et al., 2023, 2024: B now, W deferred), `Placement`, measuring; docs/pipeline-schedules.md.
 
 Copying this file alone (the contract). The model offers, for each chunk this rank holds, a callable
 that runs a contiguous slice of its layers (token ids in on the first chunk, logits out on the last,
@@ -59,24 +57,16 @@ def split_layers(n_layers, n_model_chunks):
 
 
 def bubble_formula(n_stages, n_micro, n_chunks=1, schedule=None):
-    """The ideal idle fraction (P-1) / (V*M + P-1) of a stage (V = 1 without interleaving: GPipe's bubble
-    overhead; with V: Megatron-LM's (1/v)(p-1)/m over the total time); for ZB-H1 (P-1) / (3M + P-1), its
-    idle (P-1)(F+B-W) (Qi et al.) over 3M units of work when F, B and W take one each.
-
-    ZB-V: a rank's work is F, B and W of two chunks of half a stage each, 6M units of one chunk's pass;
-    with at least 2P-1 micro-batches the V's warm-up is full and a rank idles P-1 units, (P-1) / (6M + P-1),
-    a sixth of 1F1B's idle time (P-1)(F+B) in those units, 6(P-1); with fewer micro-batches the gaps are
-    those of its timeline, counted there."""
-    if schedule == "zb1":
-        return (n_stages - 1) / (3 * n_micro + n_stages - 1)
-    if schedule == "zbv":
-        schedules = [zero_bubble_v(n_micro, n_stages, rank) for rank in range(n_stages)]
-        return 1 - 6 * n_micro / len(timeline(schedules, Placement(n_stages, 2, v_placement)))
+    """The ideal idle fraction of a stage: the article's (P-1) / (M + P-1), GPipe's bubble overhead and
+    1F1B's. With V chunks a rank (interleaved 1F1B, V = n_chunks) Megatron-LM's (P-1) / (V*M + P-1); the
+    zero-bubble schedules' own (`schedule`, after the banner: `ZERO_BUBBLES`)."""
+    if schedule in ZERO_BUBBLES:
+        return ZERO_BUBBLES[schedule](n_stages, n_micro)
     return (n_stages - 1) / (n_chunks * n_micro + n_stages - 1)
 
 
 # ---------------------------------------------------------------------------
-# Schedules: what this rank does, in order
+# Schedules: what this rank does, in order (GPipe, 1F1B)
 # ---------------------------------------------------------------------------
 
 def gpipe(n_micro, n_stages, rank):
@@ -97,101 +87,117 @@ def one_f_one_b(n_micro, n_stages, rank):
     return actions
 
 
-def virtual_step(k, n_stages, n_chunks, forward=True):
-    """(chunk, micro-batch) of a rank's k-th forward (or backward) under interleaving.
+# ---------------------------------------------------------------------------
+# Messages, and the time steps that make their order the same on both sides
+# ---------------------------------------------------------------------------
 
-    Micro-batches go in groups of P: the first P forwards run micro-batches
-    0..P-1 through chunk 0, the next P through chunk 1, and so on, then the
-    next group; backwards walk the chunks in reverse.
+def message_needed(action, rank, placement):
+    """The message `action` on `rank` must receive before it runs, or None.
+
+    A message is named (kind, model chunk that sent it, micro-batch): a forward of model chunk k needs
+    the activation of chunk k-1, a backward the gradient of chunk k+1 (the first chunk reads tokens,
+    the last chunk's backward starts from the loss).
     """
-    chunk = (k % (n_stages * n_chunks)) // n_stages
-    micro = (k // (n_stages * n_chunks)) * n_stages + k % n_stages
-    return (chunk if forward else n_chunks - 1 - chunk), micro
+    kind, c, m = action
+    k = placement.model_chunks(rank)[c]
+    if kind == "forward" and k > 0:
+        return ("activation", k - 1, m)
+    if kind == "backward" and k < placement.n_model_chunks - 1:
+        return ("gradient", k + 1, m)
+    return None
 
 
-def interleaved_1f1b(n_micro, n_stages, rank, n_chunks):
-    """Megatron-LM's interleaved 1F1B over V = n_chunks virtual stages a rank, placed in a loop (rank r holds
-    model chunks r, r+P, r+2P, ...): a micro-batch visits every rank V times, and the bubble shrinks by V
-    for V times the point-to-point messages."""
-    if n_stages < 2:
-        raise ValueError("interleaved 1F1B needs at least two pipeline stages")
-    if n_micro % n_stages:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a multiple of "
-                         f"the pipeline size ({n_stages})")
-    total = n_micro * n_chunks
-    chunk = lambda k, forward: virtual_step(k, n_stages, n_chunks, forward)[0]  # noqa: E731
-    micro = lambda k: virtual_step(k, n_stages, n_chunks)[1]  # noqa: E731
-    warmup = min((n_stages - rank - 1) * 2 + (n_chunks - 1) * n_stages, total)
-    actions = [("forward", chunk(k, True), micro(k)) for k in range(warmup)]              # warm-up
-    for k in range(total - warmup):                                                      # steady state
-        actions += [("forward", chunk(warmup + k, True), micro(warmup + k)), ("backward", chunk(k, False), micro(k))]
-    actions += [("backward", chunk(k, False), micro(k)) for k in range(total - warmup, total)]  # cool-down
-    return actions
+def message_sent(action, rank, placement):
+    """(destination rank, message) that `action` on `rank` sends when it is done, or None: to the holder of
+    the next model chunk (a forward's activation) or of the previous one (a backward's gradient)."""
+    kind, c, m = action
+    k = placement.model_chunks(rank)[c]
+    if kind == "forward" and k < placement.n_model_chunks - 1:
+        return placement.holder(k + 1)[0], ("activation", k, m)
+    if kind == "backward" and k > 0:
+        return placement.holder(k - 1)[0], ("gradient", k, m)
+    return None
 
 
-def zero_bubble_h1(n_micro, n_stages, rank):
-    """ZB-H1: 1F1B's order with B as the backward; each W deferred while this rank holds fewer than `rank`
-    others back, the rest after the last B (where 1F1B's stage `rank` would wait for the earlier stages).
+def timeline(schedules, placement=None):
+    """Every rank's actions on common time steps: steps[t][r] is what rank r runs at step t (None: idle).
 
-    B, the gradient of the stage's input, is what the previous stage waits for; W, the weights', only the
-    optimizer needs (`backward_input`, `backward_weight`). A stage idles (P-1)(F+B-W) against 1F1B's
-    (P-1)(F+B+W) (the paper's section 2) at 1F1B's peak activation memory: rank r holds at most P-r
-    unfinished micro-batches plus r awaiting W."""
-    warmup = min(n_stages - rank - 1, n_micro)
-    actions, deferred = [("forward", 0, m) for m in range(warmup)], []
-
-    def input_backward(m):
-        actions.append(("backward", 0, m))
-        deferred.append(("weight", 0, m))
-        if len(deferred) > rank:
-            actions.append(deferred.pop(0))
-
-    for m in range(n_micro - warmup):
-        actions.append(("forward", 0, warmup + m))
-        input_backward(m)
-    for m in range(n_micro - warmup, n_micro):
-        input_backward(m)
-    return actions + deferred
-
-
-def zero_bubble_v(n_micro, n_stages, rank):
-    """ZB-V: two chunks a rank placed as a V (`v_placement`), chunk 0 on the way down the ranks, chunk 1 on the
-    way back up, with every backward split in B and W as in ZB-H1.
-
-    A warm-up fills the V: 2(P-r)-1 forwards of chunk 0, then r pairs of forwards (chunk 1, then chunk 0),
-    then P-r rounds of chunk 1's F, B and W. In the steady state each round runs F, B and W of chunk 0,
-    then of chunk 1. The cool-down runs what B is left (r pairs with their W deferred, then P-r B's of
-    chunk 0 each followed by a deferred W), then the W's still held. It is written for at least 2P-1
-    micro-batches (what rank 0's warm-up fills); with fewer, the missing ones' actions are left out.
+    schedules[r] is rank r's action list; placement says where the chunks are (default: the one the
+    schedules carry, else one a rank). At each step a rank runs its next action if the message it needs was
+    sent at an earlier step, and idles otherwise. The result is the pipeline diagram of the article (one row
+    per stage, one column per step), and it fixes the order of every message.
     """
-    if n_stages < 2:
-        raise ValueError("ZB-V needs at least two pipeline stages")
-    down, up, filled = 0, 1, max(n_micro, 2 * n_stages - 1)
-    count, actions = defaultdict(int), []  # count[kind, chunk]: that kind's next micro-batch on that chunk
+    n_stages = len(schedules)
+    placement = placement or getattr(schedules[0], "placement", None) or Placement(n_stages)
+    position, sent_at, steps = [0] * n_stages, {}, []
+    while any(position[r] < len(schedules[r]) for r in range(n_stages)):
+        t, row = len(steps), []
+        for r, actions in enumerate(schedules):
+            action = actions[position[r]] if position[r] < len(actions) else None
+            need = action and message_needed(action, r, placement)
+            ready = action is not None and (need is None or sent_at.get(need, t) < t)
+            row.append(action if ready else None)
+            position[r] += ready
+        if not any(row):
+            raise placement.deadlock(schedules, t)
+        for r, action in enumerate(row):
+            out = action and message_sent(action, r, placement)
+            if out:
+                sent_at[out[1]] = t
+        steps.append(row)
+    return steps
 
-    def run(*steps):
-        for kind, chunk in steps:
-            actions.append((kind, chunk, count[kind, chunk]))
-            count[kind, chunk] += 1
 
-    F, B, W = "forward", "backward", "weight"
-    run(*[(F, down)] * (2 * (n_stages - rank) - 1))                   # warm-up: down the V,
-    run(*[(F, up), (F, down)] * rank)                                 # both ways,
-    run(*[(F, up), (B, up), (W, up)] * (n_stages - rank))            # the first backwards up the V
-    while count[F, down] < filled or count[F, up] < count[F, down]:  # steady state
-        run(*[(F, down)] * (count[F, down] < filled), (B, down), (W, down), (F, up), (B, up), (W, up))
-    run(*[(B, down), (B, up)] * rank)                                 # cool-down: the last B's,
-    run(*[(B, down), (W, down)] * (n_stages - rank))
-    run(*[(W, up)] * (count[B, up] - count[W, up]))                   # the W's held back
-    run(*[(W, down)] * (count[B, down] - count[W, down]))
-    return [action for action in actions if action[2] < n_micro]
+def exchanges(steps, rank, placement=None):
+    """What this rank posts after each step: ([(destination, message)], [(source, message)]).
+
+    After step t every rank posts, as one batch, the message its own action of step t sends and the receives
+    of the messages its neighbours' actions of step t send it. The two ends of a message are thus always in
+    the batch of the same step, which is what NCCL needs. NCCL ignores tags: between two ranks, sends and
+    receives match in posting order, and here both sides post their messages in step order, so they match by
+    that order alone. And NCCL runs the batches of one communicator one after the other on one stream, so a
+    receive posted early would block every send queued behind it (with 1F1B on two stages, a first stage
+    waiting for a gradient before sending the activation that the second stage needs to produce it). Here
+    batch t can complete as soon as every rank has finished step t, and step t waits only for batches before
+    t, so nothing deadlocks. A message from a rank to itself (the turn of a V, from chunk P-1 to chunk P on
+    rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
+    """
+    n_stages = len(steps[0])
+    placement = placement or Placement(n_stages)
+    posted = []
+    for row in steps:
+        sent = [message_sent(a, r, placement) if a else None for r, a in enumerate(row)]
+        sends = [sent[rank]] if sent[rank] else []
+        receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
+        posted.append((sends, receives))
+    return posted
+
+
+class _Batch:
+    """The works of one `batch_isend_irecv`, waited for once: a receive needs its whole batch (NCCL
+    gives one work for a batch, whose operations run as one group), and waiting twice on gloo's
+    receive waits for a second message."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def waiter(self, buffer):
+        def wait():
+            self.wait()
+            return buffer
+        return wait
 
 
 # ---------------------------------------------------------------------------
 # The executor: every rank walks one timeline, computing its actions and exchanging their messages
 # ---------------------------------------------------------------------------
 
-def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device,
+def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype, device, *,  # beyond the article:
                  grad_sync=None, stats=None, debug=False, forward_context=nullcontext, placement=None):
     """Execute this rank's actions; returns (losses, side_losses) as floats.
 
@@ -207,17 +213,17 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     losses: of each micro-batch, on the rank holding the last chunk (elsewhere []). side_losses: of each
     (chunk, micro-batch) whose chunk returned one (an MoE layer's load-balancing loss), on the rank that
     computed it: its gradient flows from there, so no rank has to hold every rank's side losses.
-    grad_sync: a data-parallel wrapper with no_sync() and keep_incomplete_buckets(): each chunk's gradients
-    are reduced during its last gradient sum, once per step (`_ReductionPlan`).
-    forward_context: entered around every forward (activation counting). Without backward actions this is
-    an inference pass.
+    Without backward actions this is an inference pass. Beyond the article: `placement` above; grad_sync, a
+    data-parallel wrapper with no_sync() and keep_incomplete_buckets(): each chunk's gradients are reduced
+    during its last gradient sum, once per step (`_ReductionPlan`); stats, a `PipelineStats` to measure
+    into; forward_context, entered around every forward (activation counting); debug, each message logged.
     """
     n_stages, rank = dist.get_world_size(group), dist.get_rank(group)
-    placement = placement_to_run(schedules[rank], placement, n_stages, len(chunks))
+    placement = Placement.to_run(schedules[rank], placement, n_stages, len(chunks))  # (one a rank: rank r, chunk r)
     actions, stats = schedules[rank], stats or PipelineStats(device)
     # Chosen once: a schedule with weight actions (ZB-H1, ZB-V) splits each backward into B and W.
     Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in actions) else _WholeBackward
-    reduction = _ReductionPlan(actions, Stage.summing, _NoGradSync() if grad_sync is None else grad_sync, chunks)
+    reduction = _ReductionPlan(actions, Stage.summing, grad_sync, chunks)  # when data parallelism reduces
     is_last = [k == placement.n_model_chunks - 1 for k in placement.model_chunks(rank)]
     stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats)
     p2p = _P2P(group, shape, dtype, device, debug or os.environ.get("PP_DEBUG") == "1")
@@ -341,7 +347,7 @@ class _P2P:
         for peer, message, tensor in sends:
             tensor = tensor.detach().to(self.dtype).contiguous()
             if peer == self.rank:
-                handed_over[message] = _already_here(tensor)
+                handed_over[message] = (lambda tensor: lambda: tensor)(tensor)  # a waiter with nothing to wait for
                 continue
             ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group))
             self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -374,8 +380,117 @@ class _P2P:
 # ---- Beyond the article ----
 
 # ---------------------------------------------------------------------------
-# Schedules by name
+# The other schedules: interleaved 1F1B, ZB-H1, ZB-V, and schedules by name
 # ---------------------------------------------------------------------------
+
+def virtual_step(k, n_stages, n_chunks, forward=True):
+    """(chunk, micro-batch) of a rank's k-th forward (or backward) under interleaving.
+
+    Micro-batches go in groups of P: the first P forwards run micro-batches
+    0..P-1 through chunk 0, the next P through chunk 1, and so on, then the
+    next group; backwards walk the chunks in reverse.
+    """
+    chunk = (k % (n_stages * n_chunks)) // n_stages
+    micro = (k // (n_stages * n_chunks)) * n_stages + k % n_stages
+    return (chunk if forward else n_chunks - 1 - chunk), micro
+
+
+def interleaved_1f1b(n_micro, n_stages, rank, n_chunks):
+    """Megatron-LM's interleaved 1F1B over V = n_chunks virtual stages a rank, placed in a loop (rank r holds
+    model chunks r, r+P, r+2P, ...): a micro-batch visits every rank V times, and the bubble shrinks by V
+    for V times the point-to-point messages."""
+    if n_stages < 2:
+        raise ValueError("interleaved 1F1B needs at least two pipeline stages")
+    if n_micro % n_stages:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a multiple of "
+                         f"the pipeline size ({n_stages})")
+    total = n_micro * n_chunks
+    chunk = lambda k, forward: virtual_step(k, n_stages, n_chunks, forward)[0]  # noqa: E731
+    micro = lambda k: virtual_step(k, n_stages, n_chunks)[1]  # noqa: E731
+    warmup = min((n_stages - rank - 1) * 2 + (n_chunks - 1) * n_stages, total)
+    actions = [("forward", chunk(k, True), micro(k)) for k in range(warmup)]              # warm-up
+    for k in range(total - warmup):                                                      # steady state
+        actions += [("forward", chunk(warmup + k, True), micro(warmup + k)), ("backward", chunk(k, False), micro(k))]
+    actions += [("backward", chunk(k, False), micro(k)) for k in range(total - warmup, total)]  # cool-down
+    return actions
+
+
+def zero_bubble_h1(n_micro, n_stages, rank):
+    """ZB-H1: 1F1B's order with B as the backward; each W deferred while this rank holds fewer than `rank`
+    others back, the rest after the last B (where 1F1B's stage `rank` would wait for the earlier stages).
+
+    B, the gradient of the stage's input, is what the previous stage waits for; W, the weights', only the
+    optimizer needs (`backward_input`, `backward_weight`). A stage idles (P-1)(F+B-W) against 1F1B's
+    (P-1)(F+B+W) (the paper's section 2) at 1F1B's peak activation memory: rank r holds at most P-r
+    unfinished micro-batches plus r awaiting W."""
+    warmup = min(n_stages - rank - 1, n_micro)
+    actions, deferred = [("forward", 0, m) for m in range(warmup)], []
+
+    def input_backward(m):
+        actions.append(("backward", 0, m))
+        deferred.append(("weight", 0, m))
+        if len(deferred) > rank:
+            actions.append(deferred.pop(0))
+
+    for m in range(n_micro - warmup):
+        actions.append(("forward", 0, warmup + m))
+        input_backward(m)
+    for m in range(n_micro - warmup, n_micro):
+        input_backward(m)
+    return actions + deferred
+
+
+def zero_bubble_v(n_micro, n_stages, rank):
+    """ZB-V: two chunks a rank placed as a V (`v_placement`), chunk 0 on the way down the ranks, chunk 1 on the
+    way back up, with every backward split in B and W as in ZB-H1.
+
+    A warm-up fills the V: 2(P-r)-1 forwards of chunk 0, then r pairs of forwards (chunk 1, then chunk 0),
+    then P-r rounds of chunk 1's F, B and W. In the steady state each round runs F, B and W of chunk 0,
+    then of chunk 1. The cool-down runs what B is left (r pairs with their W deferred, then P-r B's of
+    chunk 0 each followed by a deferred W), then the W's still held. It is written for at least 2P-1
+    micro-batches (what rank 0's warm-up fills); with fewer, the missing ones' actions are left out.
+    """
+    if n_stages < 2:
+        raise ValueError("ZB-V needs at least two pipeline stages")
+    down, up, filled = 0, 1, max(n_micro, 2 * n_stages - 1)
+    count, actions = defaultdict(int), []  # count[kind, chunk]: that kind's next micro-batch on that chunk
+
+    def run(*steps):
+        for kind, chunk in steps:
+            actions.append((kind, chunk, count[kind, chunk]))
+            count[kind, chunk] += 1
+
+    F, B, W = "forward", "backward", "weight"
+    run(*[(F, down)] * (2 * (n_stages - rank) - 1))                   # warm-up: down the V,
+    run(*[(F, up), (F, down)] * rank)                                 # both ways,
+    run(*[(F, up), (B, up), (W, up)] * (n_stages - rank))            # the first backwards up the V
+    while count[F, down] < filled or count[F, up] < count[F, down]:  # steady state
+        run(*[(F, down)] * (count[F, down] < filled), (B, down), (W, down), (F, up), (B, up), (W, up))
+    run(*[(B, down), (B, up)] * rank)                                 # cool-down: the last B's,
+    run(*[(B, down), (W, down)] * (n_stages - rank))
+    run(*[(W, up)] * (count[B, up] - count[W, up]))                   # the W's held back
+    run(*[(W, down)] * (count[B, down] - count[W, down]))
+    return [action for action in actions if action[2] < n_micro]
+
+
+def zero_bubble_h1_formula(n_stages, n_micro):
+    """ZB-H1's idle fraction (P-1) / (3M + P-1): its idle (P-1)(F+B-W) (Qi et al.) over 3M units of work
+    when F, B and W take one each."""
+    return (n_stages - 1) / (3 * n_micro + n_stages - 1)
+
+
+def zero_bubble_v_formula(n_stages, n_micro):
+    """ZB-V's: a rank's work is F, B and W of two chunks of half a stage each, 6M units of one chunk's pass;
+    with at least 2P-1 micro-batches the V's warm-up is full and a rank idles P-1 units, (P-1) / (6M + P-1),
+    a sixth of 1F1B's idle time (P-1)(F+B) in those units, 6(P-1); with fewer micro-batches the gaps are
+    those of its timeline, counted there."""
+    schedules = [zero_bubble_v(n_micro, n_stages, rank) for rank in range(n_stages)]
+    return 1 - 6 * n_micro / len(timeline(schedules, Placement(n_stages, 2, v_placement)))
+
+
+# the schedules whose bubble_formula is their own
+ZERO_BUBBLES = {"zb1": zero_bubble_h1_formula, "zbv": zero_bubble_v_formula}
+
 
 def forward_only(n_micro, n_stages, rank, n_chunks=1):
     """Every forward and no backward (evaluation), in the order the schedules run forwards."""
@@ -384,7 +499,9 @@ def forward_only(n_micro, n_stages, rank, n_chunks=1):
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1,
              "zbv": zero_bubble_v}
+
 CHUNKS_A_RANK = {"interleaved": 2, "zbv": 2}  # the schedules that run several chunks a rank, and how many by default
+
 SPLIT_BACKWARD = ("zb1", "zbv")                # the schedules whose backward is B, then W later
 
 
@@ -591,147 +708,35 @@ class Placement:
         rule = "" if self.rule is interleaved_placement else f", {self.rule.__name__}"
         return f"Placement({self.n_stages}, {self.n_chunks}{rule})"
 
+    @classmethod
+    def to_run(cls, actions, placement, n_stages, n_chunks):
+        """The placement `run_schedule` runs this rank's `actions` on, given its `placement` argument and this
+        rank's n_chunks: that argument, else the one the actions were written for (a `Schedule`'s), else a loop.
+        A placement that differs from the schedule's is refused before anything runs: the schedule's order
+        would deadlock there, or run in an order it was not written for."""
+        written_for = getattr(actions, "placement", None)
+        placement = placement or written_for or cls(n_stages, n_chunks)
+        if written_for is not None and placement != written_for:
+            raise ValueError(f"the schedule was written for placement={written_for!r}, not {placement!r}: "
+                             f"pass that one (or none)")
+        if placement.n_chunks != n_chunks:
+            raise ValueError(f"the placement puts {placement.n_chunks} chunks on each rank; this rank has {n_chunks}")
+        return placement
 
-def placement_to_run(actions, placement, n_stages, n_chunks):
-    """The placement `run_schedule` runs this rank's `actions` on, given its `placement` argument and this
-    rank's n_chunks: that argument, else the one the actions were written for (a `Schedule`'s), else a loop.
-    A placement that differs from the schedule's is refused before anything runs: the schedule's order
-    would deadlock there, or run in an order it was not written for."""
-    written_for = getattr(actions, "placement", None)
-    placement = placement or written_for or Placement(n_stages, n_chunks)
-    if written_for is not None and placement != written_for:
-        raise ValueError(f"the schedule was written for placement={written_for!r}, not {placement!r}: "
-                         f"pass that one (or none)")
-    if placement.n_chunks != n_chunks:
-        raise ValueError(f"the placement puts {placement.n_chunks} chunks on each rank; this rank has {n_chunks}")
-    return placement
-
-
-# ---------------------------------------------------------------------------
-# Messages, and the time steps that make their order the same on both sides
-# ---------------------------------------------------------------------------
-
-def message_needed(action, rank, placement):
-    """The message `action` on `rank` must receive before it runs, or None.
-
-    A message is named (kind, model chunk that sent it, micro-batch): a forward of model chunk k needs
-    the activation of chunk k-1, a backward the gradient of chunk k+1 (the first chunk reads tokens,
-    the last chunk's backward starts from the loss).
-    """
-    kind, c, m = action
-    k = placement.model_chunks(rank)[c]
-    if kind == "forward" and k > 0:
-        return ("activation", k - 1, m)
-    if kind == "backward" and k < placement.n_model_chunks - 1:
-        return ("gradient", k + 1, m)
-    return None
-
-
-def message_sent(action, rank, placement):
-    """(destination rank, message) that `action` on `rank` sends when it is done, or None: to the holder of
-    the next model chunk (a forward's activation) or of the previous one (a backward's gradient)."""
-    kind, c, m = action
-    k = placement.model_chunks(rank)[c]
-    if kind == "forward" and k < placement.n_model_chunks - 1:
-        return placement.holder(k + 1)[0], ("activation", k, m)
-    if kind == "backward" and k > 0:
-        return placement.holder(k - 1)[0], ("gradient", k, m)
-    return None
-
-
-def timeline(schedules, placement=None):
-    """Every rank's actions on common time steps: steps[t][r] is what rank r runs at step t (None: idle).
-
-    schedules[r] is rank r's action list; placement says where the chunks are (default: the one the
-    schedules carry, else one a rank). At each step a rank runs its next action if the message it needs was
-    sent at an earlier step, and idles otherwise. The result is the pipeline diagram of the article (one row
-    per stage, one column per step), and it fixes the order of every message.
-    """
-    n_stages = len(schedules)
-    placement = placement or getattr(schedules[0], "placement", None) or Placement(n_stages)
-    position, sent_at, steps = [0] * n_stages, {}, []
-    while any(position[r] < len(schedules[r]) for r in range(n_stages)):
-        t, row = len(steps), []
-        for r, actions in enumerate(schedules):
-            action = actions[position[r]] if position[r] < len(actions) else None
-            need = action and message_needed(action, r, placement)
-            ready = action is not None and (need is None or sent_at.get(need, t) < t)
-            row.append(action if ready else None)
-            position[r] += ready
-        if not any(row):
-            raise _deadlock(schedules, placement, t)
-        for r, action in enumerate(row):
-            out = action and message_sent(action, r, placement)
-            if out:
-                sent_at[out[1]] = t
-        steps.append(row)
-    return steps
-
-
-def _deadlock(schedules, placement, t):
-    """The error for schedules that no rank can go on with at step t on `placement`: if they run on another
-    placement a schedule is written for (ZB-V's V), the placement is what is wrong, and it says which."""
-    stuck = f"no rank can run its next action at step {t} on {placement!r}"
-    for name in PLACEMENTS:
-        try:
-            other = Placement.of(name, placement.n_stages, placement.n_chunks)
-            if other != placement and timeline(schedules, other):
-                return ValueError(f"{stuck}, but these schedules run on {other!r}: pass run_schedule "
-                                  f"placement={other!r} and list each rank's chunks in its order, rank r's "
-                                  f"model_chunks(r): {[other.model_chunks(r) for r in range(other.n_stages)]}")
-        except (KeyError, ValueError):  # the rule places no such number of chunks, or they deadlock there too
-            continue
-    return ValueError(f"the schedule deadlocks: {stuck}")
-
-
-def exchanges(steps, rank, placement=None):
-    """What this rank posts after each step: ([(destination, message)], [(source, message)]).
-
-    After step t every rank posts, as one batch, the message its own action of step t sends and the receives
-    of the messages its neighbours' actions of step t send it. The two ends of a message are thus always in
-    the batch of the same step, which is what NCCL needs. NCCL ignores tags: between two ranks, sends and
-    receives match in posting order, and here both sides post their messages in step order, so they match by
-    that order alone. And NCCL runs the batches of one communicator one after the other on one stream, so a
-    receive posted early would block every send queued behind it (with 1F1B on two stages, a first stage
-    waiting for a gradient before sending the activation that the second stage needs to produce it). Here
-    batch t can complete as soon as every rank has finished step t, and step t waits only for batches before
-    t, so nothing deadlocks. A message from a rank to itself (the turn of a V, from chunk P-1 to chunk P on
-    rank P-1) is listed on both sides too; `_P2P` hands it over without posting it.
-    """
-    n_stages = len(steps[0])
-    placement = placement or Placement(n_stages)
-    posted = []
-    for row in steps:
-        sent = [message_sent(a, r, placement) if a else None for r, a in enumerate(row)]
-        sends = [sent[rank]] if sent[rank] else []
-        receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
-        posted.append((sends, receives))
-    return posted
-
-
-class _Batch:
-    """The works of one `batch_isend_irecv`, waited for once: a receive needs its whole batch (NCCL
-    gives one work for a batch, whose operations run as one group), and waiting twice on gloo's
-    receive waits for a second message."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-        self.works = []
-
-    def waiter(self, buffer):
-        def wait():
-            self.wait()
-            return buffer
-        return wait
-
-
-def _already_here(tensor):
-    """A waiter (as _Batch.waiter gives) for a message that needs no waiting."""
-    return lambda: tensor
+    def deadlock(self, schedules, t):
+        """The error for schedules that no rank can go on with at step t here: if they run on another
+        placement a schedule is written for (ZB-V's V), the placement is what is wrong, and it says which."""
+        stuck = f"no rank can run its next action at step {t} on {self!r}"
+        for name in PLACEMENTS:
+            try:
+                other = Placement.of(name, self.n_stages, self.n_chunks)
+                if other != self and timeline(schedules, other):
+                    return ValueError(f"{stuck}, but these schedules run on {other!r}: pass run_schedule "
+                                      f"placement={other!r} and list each rank's chunks in its order, rank r's "
+                                      f"model_chunks(r): {[other.model_chunks(r) for r in range(other.n_stages)]}")
+            except (KeyError, ValueError):  # the rule places no such number of chunks, or they deadlock there too
+                continue
+        return ValueError(f"the schedule deadlocks: {stuck}")
 
 
 # ---------------------------------------------------------------------------
@@ -842,7 +847,7 @@ class _ReductionPlan:
         for action in sums:  # in order: what is left is each unit's last
             self.unit_last[self.unit[action[1]]] = action
         self.final = sums[-1] if sums else None
-        self.grad_sync = grad_sync
+        self.grad_sync = grad_sync or _NoGradSync()
 
     def context(self, action):
         """The context around the gradient sums of `action` (one of kind `summing`)."""
