@@ -28,7 +28,34 @@ import torch
 import torch.distributed as dist
 
 
-# -- 1. Buckets all-reduced while backward goes on (DDP's design; one gradient at a time: section 3) ----
+# -- 1. The article's equation taken literally: every gradient averaged as it comes ----------------
+
+class AllReduceEveryGradient:
+    """g_avg = 1/N sum_i g_i for each gradient as soon as backward has it: backward waits for each blocking
+    all-reduce, and many small tensors pay its latency many times. DataParallel averages without either."""
+
+    def __init__(self, params, group=None):
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.n_ranks, self.sync = group, dist.get_world_size(group), True
+        broadcast_parameters(self.params, group)  # the replicas start identical
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(_weakly(self._average))
+
+    def _average(self, p):
+        if self.sync:  # (inside no_sync the gradients add up, for the next backward outside it to average)
+            dist.all_reduce(p.grad, group=self.group)  # sum_i g_i
+            p.grad.div_(self.n_ranks)                  # 1/N
+
+    def no_sync(self):
+        return set_within(self, "sync", False)
+
+    def finish_grad_sync(self):
+        """Nothing to wait for: every average was taken inside backward."""
+
+    grads = property(lambda self: {p: p.grad for p in self.params})  # (what ReplicatedOptimizer steps with)
+
+
+# -- 2. Buckets all-reduced while backward goes on (DDP's design) ----------------------------------
 
 class Bucket:
     """A few parameters whose gradients travel together, in one flat buffer `grad` (p.grad is p's view of it:
@@ -194,7 +221,7 @@ class DataParallel:
         return set_within(self, "keep_incomplete", True)
 
 
-# -- 2. ZeRO: each rank keeps 1/N of what data parallelism repeats on every rank ------------------
+# -- 3. ZeRO: each rank keeps 1/N of what data parallelism repeats on every rank ------------------
 
 class ZeRO1(DataParallel):
     """ZeRO stage 1 over `group`: the optimizer state sharded; this rank updates only its shards.
@@ -411,33 +438,6 @@ class ZeRO3(ZeRO2):
         finally:
             for bucket in self.buckets:
                 self._free_params(bucket)
-
-
-# -- 3. The article's equation taken literally, for comparison: every gradient as it comes ---------
-
-class AllReduceEveryGradient:
-    """g_avg = 1/N sum_i g_i for each gradient as soon as backward has it: backward waits for each blocking
-    all-reduce, and many small tensors pay its latency many times. DataParallel averages without either."""
-
-    def __init__(self, params, group=None):
-        self.params = [p for p in params if p.requires_grad]
-        self.group, self.n_ranks, self.sync = group, dist.get_world_size(group), True
-        broadcast_parameters(self.params, group)  # the replicas start identical
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(_weakly(self._average))
-
-    def _average(self, p):
-        if self.sync:  # (inside no_sync the gradients add up, for the next backward outside it to average)
-            dist.all_reduce(p.grad, group=self.group)  # sum_i g_i
-            p.grad.div_(self.n_ranks)                  # 1/N
-
-    def no_sync(self):
-        return set_within(self, "sync", False)
-
-    def finish_grad_sync(self):
-        """Nothing to wait for: every average was taken inside backward."""
-
-    grads = property(lambda self: {p: p.grad for p in self.params})  # (what ReplicatedOptimizer steps with)
 
 
 # -- 4. What the classes above call -----------------------------------------------------------------
