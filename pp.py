@@ -499,9 +499,7 @@ def forward_only(n_micro, n_stages, rank, n_chunks=1):
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1,
              "zbv": zero_bubble_v}
-
 CHUNKS_A_RANK = {"interleaved": 2, "zbv": 2}  # the schedules that run several chunks a rank, and how many by default
-
 SPLIT_BACKWARD = ("zb1", "zbv")                # the schedules whose backward is B, then W later
 
 
