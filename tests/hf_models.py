@@ -133,6 +133,13 @@ def _qwen_config(arch):
                 transformers_version="4.57.0")
 
 
+def as_transformers_5_24(cfg: dict) -> dict:
+    """A Qwen3-MoE config.json as transformers 5.24 writes it: the expert count as num_local_experts, the key
+    Mixtral's config uses, with no num_experts."""
+    out = {k: v for k, v in cfg.items() if k != "num_experts"}
+    return out | dict(num_local_experts=cfg["num_experts"], transformers_version="5.24.0")
+
+
 def _as_transformers5(cfg: dict) -> dict:
     """A transformers 4 config.json as transformers 5 writes the same model (PreTrainedConfig.to_diff_dict of
     5.0 to 5.24). The rotary settings move into one dict, rope_parameters: RotaryEmbeddingConfigMixin's
@@ -225,8 +232,13 @@ def _llama_shapes(cfg):
 def _is_sparse(cfg, i):
     """Layer i of a Qwen MoE is a SparseMoeBlock (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer): not listed in
     mlp_only_layers, and i + 1 a multiple of decoder_sparse_step."""
-    return cfg["model_type"] in _QWEN_MOE and cfg["num_experts"] > 0 and i not in cfg.get("mlp_only_layers", []) \
+    return cfg["model_type"] in _QWEN_MOE and _experts(cfg) > 0 and i not in cfg.get("mlp_only_layers", []) \
         and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+
+
+def _experts(cfg):
+    """A Qwen MoE's expert count: num_experts, or num_local_experts where transformers 5.24 writes it so."""
+    return cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
 
 
 def _qwen_moe_shapes(cfg, p):
@@ -234,8 +246,8 @@ def _qwen_moe_shapes(cfg, p):
     and its gate (as transformers 4 writes them, and 5 writes them back: save_pretrained's
     revert_weight_conversion splits its fused experts into these names again)."""
     h, f = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    out = [(p + "gate.weight", (cfg["num_experts"], h), "w")]
-    for e in range(cfg["num_experts"]):
+    out = [(p + "gate.weight", (_experts(cfg), h), "w")]
+    for e in range(_experts(cfg)):
         q = p + f"experts.{e}."
         out += [(q + "gate_proj.weight", (f, h), "w"), (q + "up_proj.weight", (f, h), "w"),
                 (q + "down_proj.weight", (h, f), "w")]
@@ -508,7 +520,7 @@ def _qwen_moe(cfg, w, x, p):
     if cfg.get("norm_topk_prob", False):
         top = top / top.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
-    for e in range(cfg["num_experts"]):
+    for e in range(_experts(cfg)):
         out = out + _swiglu(w, x, p + f"experts.{e}.") * (top * (chosen == e)).sum(-1, keepdim=True)
     if cfg["model_type"] == "qwen2_moe":
         out = out + torch.sigmoid(_lin(w, x, p + "shared_expert_gate")) * _swiglu(w, x, p + "shared_expert.")

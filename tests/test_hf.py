@@ -107,6 +107,30 @@ def test_folders_saved_by_transformers_4_and_5_load_as_the_same_model(tmp_path, 
         assert rotary_of(configs[1]) == EXPECTED[arch]
 
 
+
+def test_a_qwen3_moe_folder_counting_num_local_experts_is_the_model_counting_num_experts(tmp_path):
+    """transformers 5.24 writes a Qwen3-MoE config's expert count as num_local_experts, with no num_experts:
+    such a folder (and one with both, agreeing) loads as the same GPTConfig and the same weights as the one
+    saying num_experts, so it trains as that one does, and exports as it (num_experts); two counts that
+    differ are refused by name."""
+    v5 = hf_models.tiny_config("qwen3_moe", transformers=5)
+    v5_24 = hf_models.as_transformers_5_24(v5)
+    assert "num_experts" not in v5_24
+    configs, weights = [], []
+    for name, written in [("num_experts", v5), ("num_local_experts", v5_24), ("both", v5 | v5_24)]:
+        folder = str(tmp_path / name)
+        hf_models.make_folder(folder, "qwen3_moe", config=written)
+        configs.append(hf.config_from_hf(hf.read_config(folder), seq_len=12))
+        weights.append(hf.load_state_dict(folder, configs[-1]))
+        torch.testing.assert_close(*model_logits(folder), rtol=1e-12, atol=1e-14)
+    assert configs[0] == configs[1] == configs[2] and configs[0].n_experts == v5["num_experts"]
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys() and all(torch.equal(other[k], weights[0][k]) for k in other)
+    assert hf.hf_from_config(configs[1]) == hf.hf_from_config(configs[0])
+    assert hf.hf_from_config(configs[1])["num_experts"] == v5["num_experts"]
+    with pytest.raises(hf.UnsupportedModel, match="num_local_experts=8: it also says num_experts=4: two expert counts"):
+        hf.config_from_hf(v5 | {"num_local_experts": 8}, seq_len=12)
+
 @pytest.mark.parametrize("arch,theta", [("llama", 10000.0), ("mistral", 10000.0), ("qwen2", 10000.0),
                                         ("mixtral", 1e6)])
 def test_a_folder_stating_no_rope_theta_rotates_by_its_config_class_default(tmp_path, arch, theta):

@@ -361,13 +361,23 @@ def qwen_experts_fields(hf):
     layers that are not in mlp_only_layers and whose number + 1 is a multiple of decoder_sparse_step (their
     DecoderLayer's test), dense MLPs of intermediate_size in the others; the top-k gates renormalised only
     with norm_topk_prob (False by default in both config classes)."""
-    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    layers, step, experts = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1), expert_count(hf)
     dense = set(hf.get("mlp_only_layers") or ())
-    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0] if hf.get("num_experts") else []
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0] if experts else []
     if not sparse:
         return {}  # every MLP dense: intermediate_size alone
-    return dict(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+    return dict(n_experts=experts, top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
                 norm_topk_prob=hf.get("norm_topk_prob", False), moe_layers=() if len(sparse) == layers else sparse)
+
+
+def expert_count(hf):
+    """A Qwen MoE's number of experts, under either of its names: num_experts (as transformers 4 and 5.0
+    write it) or num_local_experts (as 5.24 writes Qwen3-MoE's, Mixtral's key); both, differing, refused.
+    None: no experts."""
+    counts = {hf[key] for key in ("num_experts", "num_local_experts") if hf.get(key) is not None}
+    if len(counts) > 1:
+        refuse(hf, "num_local_experts", f"it also says num_experts={hf['num_experts']!r}: two expert counts")
+    return counts.pop() if counts else None
 
 
 def qwen2_moe_fields(hf):
