@@ -185,11 +185,12 @@ def ring_attention(q, k, v, group, *,  # beyond the article:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring. Two
-    seams: kernels, the block computation (forward, backward: `ring_attention` defaults to the written-out
-    EXPLICIT), and masks, which blocks are needed, with which mask, and how the ring runs (`ring_plan`:
-    under `CausalMasks` every block goes round the whole ring). Its apply takes them by position, as an
-    autograd.Function's does: `ring_attention` is the entry, its beyond-the-article arguments by keyword.
+    """Causal attention of zigzag-sharded q, k, v (batch, heads, local_seq, head_dim) over the ring.
+    apply is positional (as every autograd.Function's is): the keyword-only entry is `ring_attention`.
+
+    Two seams beyond the article: kernels, the block computation (forward, backward: `ring_attention`
+    defaults to the written-out EXPLICIT), and masks, which blocks are needed, with which mask, and how the
+    ring runs (`ring_plan`: under `CausalMasks` every block goes round the whole ring).
 
     Grouped-query attention: the ring carries k and v with their own fewer heads; each block repeats them to
     the query heads, and backward sums the repeated heads' dK, dV over each group before they travel on.
@@ -622,7 +623,8 @@ class AllGatherAttention(torch.autograd.Function):
         return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None
 
 
-def all_gather_attention(q, k, v, group, *, kernels=EXPLICIT, documents=None):
+def all_gather_attention(q, k, v, group, *,  # beyond the article:
+                         kernels=EXPLICIT, documents=None):
     """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
     masks = attention_masks(documents)
     with precision_as_given(q, k, v):
@@ -693,8 +695,7 @@ class CausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kernels, masks):
         heads_per_kv, whole = q.shape[1] // k.shape[1], slice(0, q.shape[2])
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse = kernels[0](q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), masks.mask(whole, whole))
+        out, lse = kernels[0](q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), masks.mask(whole, whole))
         out, lse = out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernels, ctx.masks = kernels, masks
@@ -711,7 +712,8 @@ class CausalAttention(torch.autograd.Function):
                 None, None)
 
 
-def all_to_all_attention(q, k, v, group, *, kernels=EXPLICIT, documents=None):
+def all_to_all_attention(q, k, v, group, *,  # beyond the article:
+                         kernels=EXPLICIT, documents=None):
     """ring_attention's output by DeepSpeed-Ulysses: to head shards, attention, back to sequence shards
     (and the log-sum-exp of this rank's heads over the whole sequence, second). The head shards hold the
     sequence in natural order (sequence_to_heads puts it so), where documents' ids index it directly."""
@@ -721,7 +723,8 @@ def all_to_all_attention(q, k, v, group, *, kernels=EXPLICIT, documents=None):
                          f"{k.shape[1]} key/value heads do not divide")
     on_heads = (Relayout.apply(t, group, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
     masks = attention_masks(documents)
-    out, lse = CausalAttention.apply(*on_heads, masks.kernels_for(kernels), masks)
+    with precision_as_given(q, k, v):
+        out, lse = CausalAttention.apply(*on_heads, masks.kernels_for(kernels), masks)
     return Relayout.apply(out, group, heads_to_sequence, sequence_to_heads), lse
 
 
