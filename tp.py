@@ -33,9 +33,8 @@ with or without sp: split_attention does it (`norms=`); a module is summed once,
 A mixture of experts folded over the group (ep.py): each rank routes tokens of its own, so the router's
 gradient must be summed over the group, or it is silently wrong: `split_moe(moe, plan, router="gate",
 shared="shared_expert", columns=..., row=...)` does it and splits the shared expert as an MLP (the router
-alone: `gradients_summed(moe.gate, group)`); ep.py's layer then needs its `tokens=` policy (it refuses
-without one). Expert tensor parallelism: `split_experts(moe, group, columns=..., row=...)` splits each expert
-with `ExpertTensorParallel` (no communication inside), beside ep.py's `expert_tp=SplitExperts(group)`.
+alone: `gradients_summed(moe.gate, group)`); ep.py's layer then needs its `tokens=` policy. Expert tensor
+parallelism: `split_experts(moe, group, columns=..., row=...)`, beside ep.py's `expert_tp=SplitExperts(group)`.
 
 Self-check: torchrun --nproc_per_node 2 tp.py
 """

@@ -38,6 +38,11 @@ def parsed(name):
     return source, ast.parse(source)
 
 
+def docstring_lines(tree):
+    """The module docstring's lines, its closing quotes included (it opens the file)."""
+    return tree.body[0].end_lineno
+
+
 def banner_line(source):
     return next(i for i, line in enumerate(source.splitlines(), 1) if line.strip() == BANNER)
 
@@ -72,7 +77,7 @@ def test_the_core_reads_without_the_far_side_of_the_banner(name):
     from_beyond = names_from_beyond(source, tree)
     assert len(from_beyond) <= 5, f"{name}'s core uses {len(from_beyond)} names defined past the banner: {from_beyond}"
     assert banner_line(source) <= 480, f"{name}: the banner at line {banner_line(source)}"
-    assert len(ast.get_docstring(tree, clean=False).splitlines()) <= 40, f"{name}: a docstring over 40 lines"
+    assert docstring_lines(tree) <= 40, f"{name}: a docstring over 40 lines"
     for central in EARLY[name]:
         line = next(s.lineno for s in tree.body if getattr(s, "name", None) == central)
         assert line <= 200, f"{name}: {central} at line {line}, past the first 200"
@@ -100,7 +105,7 @@ def test_putting_it_all_together_reads_as_one_story():
     source, tree = parsed("train.py")
     assert next(s.lineno for s in tree.body if getattr(s, "name", None) == "parallelize") <= 200
     source, tree = parsed("mesh.py")
-    assert len(ast.get_docstring(tree, clean=False).splitlines()) <= 40
+    assert docstring_lines(tree) <= 40
 
 
 def test_no_tool_module_is_over_800_lines():
