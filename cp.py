@@ -173,15 +173,18 @@ EXPLICIT = (block_attention, block_attention_backward)
 # ---------------------------------------------------------------------------
 
 def ring_attention(q, k, v, group, *,  # beyond the article:
-                   kernels=EXPLICIT, documents=None):
+                   kernels=EXPLICIT, documents=None, window=None, sinks=None):
     """Causal attention output for this rank's zigzag shard, in q's dtype (and its log-sum-exp, second, in
     float32 or better). kernels: the block computation, written out (EXPLICIT) unless given (FUSED on CPUs,
-    CUDA_FLASH, CUDA_EFFICIENT: `default_kernels` picks). documents: None, or (batch, seq) the document id
-    of every token of the whole sequence (not sharded), non-decreasing along a row: attention stays within
-    each document (after the banner)."""
-    masks = attention_masks(documents)
+    CUDA_FLASH, CUDA_EFFICIENT: `default_kernels` picks). After the banner, what a query sees besides the
+    causal order: documents, None or (batch, seq) the document id of every token of the whole sequence (not
+    sharded), non-decreasing along a row (attention stays within each document); window, a query sees at
+    most this many latest tokens, itself included; sinks (heads,), a learned logit per head in the softmax's
+    denominator."""
+    masks = attention_masks(documents, window, sinks)
     with precision_as_given(q, k, v):
-        return RingAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
+        out, lse = RingAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
+    return masks.sink_gradients(out, lse), lse
 
 
 class RingAttention(torch.autograd.Function):
@@ -221,10 +224,11 @@ class RingAttention(torch.autograd.Function):
                     blocks_computed["forward"] += 1
                 _wait(works)
                 kv = received[0] if received else None
-        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        out, lse = masks.with_sinks(torch.cat(out, dim=2), torch.cat(lse, dim=2))  # (beyond the article)
         # The output is kept in the inputs' dtype (the fused backward kernels take it so; the reference
         # widens it again), the log-sum-exp in float32 or better: an error e in L is a relative error e
         # in every P = exp(S - L) that backward recomputes from it.
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.kernels, ctx.plan = group, kernels, plan
         ctx.mark_non_differentiable(lse)
@@ -302,7 +306,7 @@ class CausalMasks:
     """Plain causal attention, query i sees keys 0..i: the blocks the ways cut (a run of queries against a
     run of keys, slices of sequence indices) are queries against their own keys (mask True, the causal
     mask), against keys all before them (False: every key seen) or all after them (None: skipped).
-    (`DocumentMasks`, after the banner, answers the same questions within packed documents.)"""
+    (`VisibleMasks`, after the banner, answers the same questions within documents and windows.)"""
 
     def sees(self, queries, keys):
         """Whether any query of the block sees any of its keys: there are keys, and not all after the queries."""
@@ -324,6 +328,15 @@ class CausalMasks:
     def kernels_for(kernels):
         """The block kernels as these masks need them: as given (every query of a causal block sees a key)."""
         return kernels
+
+    def with_sinks(self, out, lse):
+        """The merged (output, log-sum-exp) with the heads' sinks merged in: none here (`WithSinks`, after
+        the banner, has them)."""
+        return out, lse
+
+    def sink_gradients(self, out, lse):
+        """out, through which the sinks get their gradients: none here (`WithSinks`)."""
+        return out
 
 
 class RingPlan:
@@ -406,79 +419,198 @@ def _wait(works):
 # ---- Beyond the article ----
 
 # ---------------------------------------------------------------------------
-# Packed documents: each block's mask from the document ids, and the ring skipping what no query needs
+# What a query sees: packed documents, sliding windows (tiles of the blocks), sinks
 # ---------------------------------------------------------------------------
 #
-# A sequence may hold several documents back to back: query i then sees the keys j <= i of its own
-# document. Every way takes the document ids of the whole sequence (every rank has all of them), so a rank
-# knows the mask of any pair of chunks without asking; ring attention plans from them, alike on every rank,
-# which blocks and messages no query needs (`_RingPlan`). What is not skipped: docs/design-cp.md.
+# A sequence may hold several documents back to back, and a layer may have a sliding window: query i then
+# sees keys lo[i]..i, lo[i] the later of its document's first token and i - window + 1. Every way takes the
+# document ids of the whole sequence (every rank has all of them), so a rank knows what any query sees
+# without asking; ring attention plans from them, alike on every rank, which blocks and messages no query
+# needs (`_RingPlan`). Within a block, only the tiles that hold a seen key are computed (`VisibleMasks`): a
+# packed sequence of short documents, or a short window, costs what its visible pairs cost, not the causal
+# triangle, and no (seq, seq) mask exists. What is not skipped: docs/design-cp.md.
 
-def attention_masks(documents):
-    """What mask each block of this call gets: plain causal attention (documents None), or within documents.
-    Every layer of a micro-batch asks with the same ids tensor: the last one's DocumentMasks is kept and
+def attention_masks(documents, window=None, sinks=None):
+    """What each block of this call computes: plain causal attention (documents and window None), or the
+    tiles of what a query sees (`VisibleMasks`); with sinks (heads,), each head's sink merged in."""
+    masks = CausalMasks() if documents is None and window is None else _visible_masks(documents, window)
+    return masks if sinks is None else WithSinks(masks, sinks)
+
+
+@functools.lru_cache(maxsize=8)  # (a tensor hashes by identity; a cached one is held, so none can alias it)
+def _visible_masks(documents, window):
+    """Every layer of a micro-batch asks with the same ids tensor: its masks (one per window) are kept and
     given again, so the ids go to the host once per micro-batch, not once per layer (on a GPU each copy
     makes the host wait for the device)."""
-    return CausalMasks() if documents is None else _document_masks(documents)
+    return VisibleMasks(_first_keys(documents), window)
 
 
-@functools.lru_cache(maxsize=1)  # (a tensor hashes by identity; the cache holds the last one, so none can alias it)
-def _document_masks(documents):
-    return DocumentMasks(documents)
+@functools.lru_cache(maxsize=1)
+def _first_keys(documents):
+    """(on the ids' device, on the host): the index of the first token of each token's document, (batch,
+    seq); None without documents."""
+    if documents is None:
+        return None
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    return first, first.cpu()
 
 
-class DocumentMasks(CausalMasks):
-    """Causal attention within packed documents, query i sees the keys j <= i of its own document: a block's
-    mask is a boolean tensor (batch, 1, queries, keys), True where a query sees a key, or None (skipped).
+class VisibleMasks(CausalMasks):
+    """Causal attention within packed documents and/or a sliding window: query i sees keys lo[i]..i, lo[i] =
+    max(first[i], i - window + 1), first[i] its document's first token (first: `_first_keys`, None: one
+    document a row; window None: no window).
 
-    documents (batch, seq): each token's document id over the whole sequence, non-decreasing along a row, so
-    a document is a run of tokens and query i sees keys first[i]..i, first[i] its document's first token.
-    Queries qs..qe-1 together see keys first[qs]..qe-1 (first does not decrease), so whether a block is
-    empty depends on first[:, qs] alone: decided on the host (the ring plans its messages there), from one
-    copy of the ids per call. The masks are made on the ids' device when asked for (again in backward: only
-    the caller's ids are kept).
+    lo does not decrease along a row, so queries qs..qe-1 together see keys of at most lo[qs]..qe-1:
+    whether a block sees anything, and which keys each tile of its queries needs, is decided on the host
+    from lo's smallest value over the rows (`lowest`). A block's "mask" is its `tiles`: runs of `tile`
+    queries, each against the one run of keys it sees, with its own mask (True: causal, the tile's own keys;
+    False: all of them; else a boolean tensor, True where a query sees a key, made on the ids' device when
+    asked for, again in backward). `kernels_for` runs the block kernels tile by tile.
     """
+    tile = 128  # queries per tile: the fastest measured on CPUs at 8192 tokens (docs/documents.md)
 
-    def __init__(self, documents):
-        self.documents = documents
-        on_host = documents.cpu()
-        starts = torch.ones_like(on_host, dtype=torch.bool)
-        starts[:, 1:] = on_host[:, 1:] != on_host[:, :-1]
-        index = torch.arange(on_host.shape[1]).expand_as(on_host)
-        self.first_on_host = torch.where(starts, index, 0).cummax(dim=1).values  # (batch, seq)
+    def __init__(self, first, window):
+        self.window = window
+        self.first, self.first_on_host = first or (None, None)
+        # lo's smallest and largest value over the rows, at each query (host lists: asked per tile)
+        self.low, self.high = ([None, None] if first is None else
+                               [self.first_on_host.min(0).values.tolist(), self.first_on_host.max(0).values.tolist()])
+
+    def lowest(self, i, highest=False):
+        """The first key query i sees in any row (highest: in every row)."""
+        first = self.high if highest else self.low
+        return max(0 if first is None else first[i], 0 if self.window is None else i - self.window + 1)
 
     def sees(self, queries, keys):
-        """Whether, in any row, a query of the block sees a key of it: keys first[qs]..qe-1 meet the block's."""
-        return super().sees(queries, keys) and bool((self.first_on_host[:, queries.start] < keys.stop).any())
+        """Whether any query of the block sees any of its keys: the first query at or after the keys' start
+        sees the block's keys if any query does."""
+        i = max(queries.start, keys.start)
+        return i < queries.stop and keys.start < keys.stop and self.lowest(i) < keys.stop
 
     def mask(self, queries, keys):
-        if not self.sees(queries, keys):
-            return None
-        device = self.documents.device
-        earlier = torch.arange(keys.start, keys.stop, device=device) <= torch.arange(
-            queries.start, queries.stop, device=device).unsqueeze(1)
-        same = self.documents[:, queries].unsqueeze(2) == self.documents[:, keys].unsqueeze(1)
-        return (earlier & same).unsqueeze(1)
+        """The block's tiles [(rows, columns, mask)], slices within the block's queries and keys; None if none."""
+        tiles = []
+        for start in range(queries.start, queries.stop, self.tile):
+            rows = slice(start, min(start + self.tile, queries.stop))
+            seen = slice(max(keys.start, self.lowest(start)), min(keys.stop, rows.stop))
+            for run in self._runs(rows, seen):
+                tiles.append((slice(rows.start - queries.start, rows.stop - queries.start),
+                              slice(run.start - keys.start, run.stop - keys.start), self._tile_mask(rows, run)))
+        return tiles or None
+
+    def _runs(self, rows, seen):
+        """The keys `seen` by some query of `rows`, in up to three runs: those only some of them see (the
+        starts of their documents and windows), those every one of them sees (no mask), and the rows' own
+        keys (the causal mask, where nothing else masks them)."""
+        every = min(max(seen.start, self.lowest(rows.stop - 1, highest=True)), seen.stop)  # all see from here
+        own = min(max(every, rows.start), seen.stop)  # ... to the rows' own keys
+        runs = [slice(seen.start, every), slice(every, own), slice(own, seen.stop)]
+        return [run for run in runs if run.start < run.stop]
+
+    def _tile_mask(self, queries, keys):
+        if self.lowest(queries.stop - 1, highest=True) <= keys.start:  # no query's document or window starts later
+            if keys.stop - 1 <= queries.start:
+                return False
+            if keys == queries:
+                return True
+        device = (self.first if self.first is not None else torch.empty(0)).device
+        index = torch.arange(keys.start, keys.stop, device=device)
+        at = torch.arange(queries.start, queries.stop, device=device).unsqueeze(1)
+        lo = torch.zeros(1, 1, 1, dtype=torch.long, device=device) if self.first is None else self.first[:, queries, None]
+        if self.window is not None:
+            lo = torch.maximum(lo, at - self.window + 1)
+        return ((index <= at) & (index >= lo)).unsqueeze(1)  # (batch or 1, 1, queries, keys)
 
     def ring_plan(self, rank, n_ranks, chunk):
         return _RingPlan(self, rank, n_ranks, chunk)
 
     @staticmethod
     def kernels_for(kernels):
-        """The kernels with the rows of a block that see no key set apart (`_without_keyless_rows`)."""
-        forward, backward = kernels
-        return (lambda q, k, v, mask: _without_keyless_rows(*forward(q, k, v, mask), mask)), backward
+        """The block kernels run tile by tile (`_tiled`)."""
+        return _tiled(kernels)
+
+
+def _tiled(kernels):
+    """(forward, backward) over a block's tiles by the block kernels `kernels`: the tiles' outputs and
+    log-sum-exps merged into their rows', and each tile's share of dQ, dK, dV. Rows that see no key (of no
+    tile, or of their tile's mask) get output 0 and the lowest finite log-sum-exp (`_without_keyless_rows`)."""
+    forward, backward = kernels
+
+    def tiled_forward(q, k, v, tiles):
+        merged = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=merged, device=q.device)
+        lse = torch.full(q.shape[:-1], torch.finfo(merged).min, dtype=merged, device=q.device)
+        for rows, columns, mask in tiles:  # (several tiles of the same rows are merged as the ring's blocks)
+            tile_out, tile_lse = _without_keyless_rows(*forward(q[:, :, rows], k[:, :, columns], v[:, :, columns],
+                                                                mask), mask)
+            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], tile_out, tile_lse)
+        return out, lse
+
+    def tiled_backward(d_out, q, k, v, out, lse, tiles):
+        summed = torch.promote_types(q.dtype, torch.float32)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=summed, device=t.device) for t in (q, k, v))
+        for rows, columns, mask in tiles:
+            tile_dq, tile_dk, tile_dv = backward(d_out[:, :, rows], q[:, :, rows], k[:, :, columns], v[:, :, columns],
+                                                 out[:, :, rows], lse[:, :, rows], mask)
+            dq[:, :, rows] += tile_dq
+            dk[:, :, columns] += tile_dk
+            dv[:, :, columns] += tile_dv
+        return dq, dk, dv
+
+    return tiled_forward, tiled_backward
 
 
 def _without_keyless_rows(out, lse, mask):
-    """A block's (output, log-sum-exp) with the rows its mask lets see no key set to 0 and to the lowest finite
+    """A tile's (output, log-sum-exp) with the rows its mask lets see no key set to 0 and to the lowest finite
     value, standing in for log 0 = -inf: merging two -inf would be inf - inf (NaN), and each kernel leaves its
     own values there (the reference NaN; the CPU kernel a log-sum-exp of 0, which the merge would count as a
-    weight of 1). Blocks of plain causal attention (mask True or False) have no such rows."""
+    weight of 1). Plain causal masks (True or False) have no such rows."""
     if not isinstance(mask, torch.Tensor):
         return out, lse
     keyless = ~mask.any(dim=-1)  # (batch or 1, 1, queries)
     return out.masked_fill(keyless.unsqueeze(-1), 0), lse.masked_fill(keyless, torch.finfo(lse.dtype).min)
+
+
+class WithSinks:
+    """`masks` with attention sinks (gpt-oss): a learned logit per head, sinks (heads,), in every query's
+    softmax denominator, so that a query may give part of its attention to nothing. A sink is a block whose
+    output is 0 and whose log-sum-exp is the sink: merged once per row (`with_sinks`) into the output and
+    log-sum-exp the blocks made, which backward then recomputes every block's probabilities from (so dQ, dK,
+    dV account for it), and its own gradient, dL/dsink = -sum over rows of exp(sink - L) rowsum(dO * O)
+    (`_SinkGradient`). Anything else is masks'."""
+
+    def __init__(self, masks, sinks):
+        self.masks, self.sinks = masks, sinks
+
+    def __getattr__(self, name):
+        return getattr(self.masks, name)
+
+    def with_sinks(self, out, lse):
+        sink = self.sinks.detach().to(lse.dtype).view(-1, 1).expand_as(lse)
+        return merge(out, lse, torch.zeros_like(out), sink)
+
+    def sink_gradients(self, out, lse):
+        return _SinkGradient.apply(out, lse, self.sinks)
+
+
+class _SinkGradient(torch.autograd.Function):
+    """out unchanged forward; backward, the sinks' gradient from it and its log-sum-exp (those the sinks were
+    merged into; out's own autograd Function hands the gradient of its output on as is)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, sinks):
+        ctx.save_for_backward(out, lse, sinks)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        out, lse, sinks = ctx.saved_tensors
+        p_sink = torch.exp(sinks.to(lse.dtype).view(-1, 1) - lse)  # (batch, heads, queries)
+        d_sinks = -(p_sink * (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2))
+        return grad_out, None, d_sinks.to(sinks.dtype)
 
 
 class _RingPlan(RingPlan):
@@ -593,7 +725,8 @@ class AllGatherAttention(torch.autograd.Function):
             if before_mask is not None:  # the first chunk has no keys before it (within documents: may see none)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], *kernels[0](qh[qi], k_all[:, :, before],
                                                                        v_all[:, :, before], before_mask))
-        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        out, lse = masks.with_sinks(torch.cat(out, dim=2), torch.cat(lse, dim=2))
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.kernels, ctx.masks = group, kernels, masks
         ctx.mark_non_differentiable(lse)
@@ -624,11 +757,12 @@ class AllGatherAttention(torch.autograd.Function):
 
 
 def all_gather_attention(q, k, v, group, *,  # beyond the article:
-                         kernels=EXPLICIT, documents=None):
+                         kernels=EXPLICIT, documents=None, window=None, sinks=None):
     """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
-    masks = attention_masks(documents)
+    masks = attention_masks(documents, window, sinks)
     with precision_as_given(q, k, v):
-        return AllGatherAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
+        out, lse = AllGatherAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
+    return masks.sink_gradients(out, lse), lse
 
 
 # ---------------------------------------------------------------------------
@@ -688,15 +822,17 @@ class Relayout(torch.autograd.Function):
 
 
 class CausalAttention(torch.autograd.Function):
-    """Causal attention of a whole sequence (in natural order) by one block kernel, within documents if
-    `masks` says so, keeping what ring attention keeps (q, k, v, the output and the log-sum-exp: on head
-    shards the same sizes as its sequence shards; the mask is made again in backward)."""
+    """Causal attention of a whole sequence (in natural order) on one device, by the block kernels: one
+    block, or within documents and windows the tiles of it that a query sees (`VisibleMasks`), with sinks
+    if `masks` has them. It keeps what ring attention keeps (q, k, v, the output and the log-sum-exp: on
+    head shards the same sizes as its sequence shards; the masks are made again in backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, kernels, masks):
         heads_per_kv, whole = q.shape[1] // k.shape[1], slice(0, q.shape[2])
         out, lse = kernels[0](q, repeat_kv(k, heads_per_kv), repeat_kv(v, heads_per_kv), masks.mask(whole, whole))
-        out, lse = out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
+        out, lse = masks.with_sinks(out, lse.to(torch.promote_types(q.dtype, torch.float32)))
+        out = _token_major(out.to(q.dtype))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernels, ctx.masks = kernels, masks
         ctx.mark_non_differentiable(lse)
@@ -712,19 +848,34 @@ class CausalAttention(torch.autograd.Function):
                 None, None)
 
 
+def _token_major(x):
+    """x (batch, heads, seq, features) laid out (batch, seq, heads, features) in memory, as a model's output
+    projection reads the heads' outputs (in place, no copy of its own to keep); a copy only if it is not."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def one_device_attention(q, k, v, *, kernels=EXPLICIT, documents=None, window=None, sinks=None):
+    """ring_attention's result for a whole sequence on one device, (output, log-sum-exp): the single device's
+    attention core, computing only the tiles a query sees (CausalAttention), and the all-to-all's."""
+    masks = attention_masks(documents, window, sinks)
+    with precision_as_given(q, k, v):
+        out, lse = CausalAttention.apply(q, k, v, masks.kernels_for(kernels), masks)
+    return masks.sink_gradients(out, lse), lse
+
+
 def all_to_all_attention(q, k, v, group, *,  # beyond the article:
-                         kernels=EXPLICIT, documents=None):
+                         kernels=EXPLICIT, documents=None, window=None, sinks=None):
     """ring_attention's output by DeepSpeed-Ulysses: to head shards, attention, back to sequence shards
     (and the log-sum-exp of this rank's heads over the whole sequence, second). The head shards hold the
-    sequence in natural order (sequence_to_heads puts it so), where documents' ids index it directly."""
+    sequence in natural order (sequence_to_heads puts it so), where documents' ids index it directly; a
+    rank's heads are the r-th of N runs of them, and so are their sinks."""
     n = dist.get_world_size(group)
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(f"all-to-all attention splits the heads over {n} ranks: {q.shape[1]} query and "
                          f"{k.shape[1]} key/value heads do not divide")
     on_heads = (Relayout.apply(t, group, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
-    masks = attention_masks(documents)
-    with precision_as_given(q, k, v):
-        out, lse = CausalAttention.apply(*on_heads, masks.kernels_for(kernels), masks)
+    own_sinks = None if sinks is None else sinks.chunk(n)[dist.get_rank(group)]
+    out, lse = one_device_attention(*on_heads, kernels=kernels, documents=documents, window=window, sinks=own_sinks)
     return Relayout.apply(out, group, heads_to_sequence, sequence_to_heads), lse
 
 
@@ -735,17 +886,27 @@ def all_to_all_attention(q, k, v, group, *,  # beyond the article:
 MODES = {"ring": ring_attention, "allgather": all_gather_attention, "alltoall": all_to_all_attention}
 
 
+class AttentionCore:
+    """A drop-in for model.causal_attention on one device: `one_device_attention` on the fused block kernels
+    (`default_kernels`), computing only the tiles a query sees; called as core(q, k, v, documents, window=,
+    sinks=), documents the whole sequence's document ids or None."""
+
+    def __call__(self, q, k, v, documents=None, window=None, sinks=None):
+        kernels = default_kernels(q.device, q.dtype, q.shape[-1], v.shape[-1])
+        return one_device_attention(q, k, v, kernels=kernels, documents=documents, window=window, sinks=sinks)[0]
+
+
 class ContextParallelCore:
-    """A drop-in for model.causal_attention on zigzag-sharded sequences, by one of the three ways on the fused
-    block kernels (`default_kernels`: the production path; the ways' own default is the written-out blocks):
-    called as core(q, k, v, documents), documents the whole sequence's document ids or None."""
+    """AttentionCore on zigzag-sharded sequences, by one of the three ways on the fused block kernels (the
+    production path; the ways' own default is the written-out blocks)."""
 
     def __init__(self, group, mode="ring"):
         self.group, self.attention = group, MODES[mode]
 
-    def __call__(self, q, k, v, documents=None):
+    def __call__(self, q, k, v, documents=None, window=None, sinks=None):
         kernels = default_kernels(q.device, q.dtype, q.shape[-1], v.shape[-1])
-        return self.attention(q, k, v, self.group, kernels=kernels, documents=documents)[0]
+        return self.attention(q, k, v, self.group, kernels=kernels, documents=documents, window=window,
+                              sinks=sinks)[0]
 
 
 def apply_context_parallel(model, group, mode="ring"):
@@ -788,7 +949,7 @@ def apply_context_parallel(model, group, mode="ring"):
 # queries, keys) with aligned rows (`_efficient_bias`). FlashAttention on CUDA takes no mask, so
 # CUDA_FLASH hands masked blocks to the memory-efficient kernel, fused too and taking the same dtypes (the
 # written-out reference would hold a block's scores in float32). A row of a block that sees no key gets
-# output 0 and the lowest finite log-sum-exp whatever the kernel (DocumentMasks.kernels_for; the CPU kernel
+# output 0 and the lowest finite log-sum-exp whatever the kernel (VisibleMasks.kernels_for; the CPU kernel
 # returns a log-sum-exp of 0 there).
 _EFFICIENT_LSE_TILE = 1 if torch.version.hip else 32
 
@@ -969,25 +1130,45 @@ def _self_check_documents(seq_len, device):
     return torch.stack([torch.arange(seq_len), torch.arange(seq_len) // 4]).to(device)
 
 
-def _check_against_full_attention(attention, n_heads, n_kv_heads, rank, n, device, kernels, documents=None):
+def _full_attention(q, k, v, documents=None, window=None, sinks=None):
+    """The whole sequence's attention written out: query i sees key j if j <= i, in its document if
+    documents are given, within the window if given; each head's sink, if given, in the denominator."""
+    at = torch.arange(q.shape[2], device=q.device)
+    seen = (at[None, :] <= at[:, None]) & (at[:, None] - at[None, :] < (window or q.shape[2]))
+    if documents is not None:
+        seen = seen & (documents[:, :, None] == documents[:, None, :])
+    k, v = (repeat_kv(t, q.shape[1] // k.shape[1]) for t in (k, v))
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~seen.unsqueeze(-3), float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(scores, dim=-1)[..., :k.shape[2]] @ v
+
+
+def _leaf(t):
+    return None if t is None else t.clone().requires_grad_()
+
+
+def _check_against_full_attention(attention, n_heads, n_kv_heads, rank, n, device, kernels, documents=None,
+                                  window=None, with_sinks=False):
     """The largest difference of `attention` (ring_attention, ...) from full causal attention (output, dQ, dK,
-    dV) on this rank, within documents if given: the mask written out from the ids, for the whole sequence."""
+    dV, and the sinks' gradient) on this rank, within documents, a window and with sinks if given: the whole
+    sequence's attention written out (`_full_attention`)."""
     g = torch.Generator().manual_seed(0)
     q, grad = (torch.randn(2, n_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
     k, v = (torch.randn(2, n_kv_heads, 4 * n, 8, generator=g, dtype=torch.float64).to(device) for _ in range(2))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    mask = None
-    if documents is not None:  # query i sees key j: j <= i in the same document
-        earlier = torch.ones(4 * n, 4 * n, dtype=torch.bool, device=device).tril()
-        mask = (earlier & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
-    expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    sinks = torch.randn(n_heads, generator=g, dtype=torch.float64).to(device) if with_sinks else None
+    full, full_sinks = [t.clone().requires_grad_() for t in (q, k, v)], _leaf(sinks)
+    expected = _full_attention(*full, documents, window, full_sinks)
     expected.backward(grad)
-    local = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    out, _ = attention(*local, None, kernels=kernels, documents=documents)
+    local, local_sinks = [shard_sequence(t, n, rank, dim=2).requires_grad_() for t in (q, k, v)], _leaf(sinks)
+    out, _ = attention(*local, None, kernels=kernels, documents=documents, window=window, sinks=local_sinks)
     out.backward(shard_sequence(grad, n, rank, dim=2))
     worst = (out - shard_sequence(expected, n, rank, dim=2)).abs().max().item()
     for mine, reference in zip(local, full):
         worst = max(worst, (mine.grad - shard_sequence(reference.grad, n, rank, dim=2)).abs().max().item())
+    if with_sinks:  # each rank's share of the sinks' gradient (its queries'; its heads' under the all-to-all)
+        dist.all_reduce(local_sinks.grad)
+        worst = max(worst, (local_sinks.grad - full_sinks.grad).abs().max().item())
     worst_all = torch.tensor([worst], device=device)
     dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
     return worst_all.item()
@@ -1000,12 +1181,16 @@ def _self_check():
     # In float64: the fused CPU kernel and the reference; on CUDA the reference only (no fused CUDA kernel
     # takes float64; tests/test_cuda.py checks those against the reference in bfloat16 and float32).
     kernel_sets = [("fused", FUSED), ("explicit", EXPLICIT)] if device.type == "cpu" else [("explicit", EXPLICIT)]
-    # Plain causal attention, then within packed documents (the ring skipping blocks and messages).
-    for documents, within in [(None, ""), (_self_check_documents(4 * n, device), " within packed documents")]:
+    # Plain causal attention, then within packed documents (the ring skipping blocks and messages), then
+    # also within a window of 3 tokens and with sinks.
+    documents = _self_check_documents(4 * n, device)
+    cases = [((None, None, False), ""), ((documents, None, False), " within packed documents"),
+             ((documents, 3, True), " within packed documents, a window of 3 and sinks")]
+    for seen, within in cases:
         for (name, kernels), n_kv_heads in [(k, h) for k in kernel_sets for h in (4, 1)]:  # multi-head and GQA
             comm_bytes.clear(), blocks_computed.clear()
             difference = _check_against_full_attention(ring_attention, 4, n_kv_heads, rank, n, device, kernels,
-                                                       documents)
+                                                       *seen)
             worst = max(worst, difference)
             if rank == 0:
                 print(f"cp.py self-check on {n} ranks ({backend}), {name} blocks, 4 query heads, {n_kv_heads} "
@@ -1018,7 +1203,7 @@ def _self_check():
         for mode, heads, kv_heads in [("allgather", 4, 1), ("alltoall", 2 * n, 2 * n)]:
             comm_bytes.clear()
             difference = _check_against_full_attention(MODES[mode], heads, kv_heads, rank, n, device,
-                                                       kernel_sets[0][1], documents)
+                                                       kernel_sets[0][1], *seen)
             worst = max(worst, difference)
             if rank == 0:
                 print(f"cp.py self-check on {n} ranks ({backend}), {mode}: largest difference from full causal "

@@ -81,6 +81,10 @@ class GPTConfig:
     bias: bool = True            # biases in the linear layers and LayerNorms
     qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
     qk_norm: bool = False        # RMSNorm of each head's q and k before the rotation (Qwen3, OLMo 2, Gemma 3)
+    # what a query sees besides the causal order (see causal_attention)
+    sliding_window: int = 0      # a token sees at most this many latest tokens, itself included (0: no window)
+    window_layers: tuple = field(default_factory=tuple)  # which blocks have the window; empty: all of them
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
     # multi-head latent attention (DeepSeek-V2 and V3; kv_lora_rank > 0 turns it on, see LatentAttention)
     kv_lora_rank: int = 0        # the compressed latent every head's keys and values come from
     q_lora_rank: int = 0         # the queries' own low-rank bottleneck (0: none, queries straight from x)
@@ -121,7 +125,7 @@ class GPTConfig:
         self.padded_vocab_size = self.padded_vocab_size or self.vocab_size
         self.max_seq_len = self.max_seq_len or self.seq_len
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
-        self.moe_layers = tuple(self.moe_layers)
+        self.moe_layers, self.window_layers = tuple(self.moe_layers), tuple(self.window_layers)
         if self.head_dim < 1:
             raise ValueError(f"head_dim={self.head_dim} must be at least 1")
         if not 1 <= self.n_kv_heads <= self.n_head or self.n_head % self.n_kv_heads:
@@ -153,12 +157,20 @@ class GPTConfig:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if (self.d_shared or self.shared_expert_gate) and not self.n_shared_experts:
             raise ValueError("d_shared and shared_expert_gate shape the shared expert: they need n_shared_experts")
-        bad = [i for i in self.moe_layers if not 0 <= i < self.n_layer]
-        if bad:
-            raise ValueError(f"moe_layers {bad} are not layers of a {self.n_layer}-layer model")
+        for name, layers in [("moe_layers", self.moe_layers), ("window_layers", self.window_layers)]:
+            bad = [i for i in layers if not 0 <= i < self.n_layer]
+            if bad:
+                raise ValueError(f"{name} {bad} are not layers of a {self.n_layer}-layer model")
+        if self.sliding_window < 0 or (self.window_layers and not self.sliding_window):
+            raise ValueError(f"window_layers {list(self.window_layers)} need a sliding_window of at least 1 token")
 
     def is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and (not self.moe_layers or layer in self.moe_layers)
+
+    def window(self, layer: int):
+        """How many latest tokens a query of this layer sees, itself included; None: every earlier one."""
+        windowed = self.sliding_window and (not self.window_layers or layer in self.window_layers)
+        return self.sliding_window if windowed else None
 
     @property
     def q_dim(self) -> int:
@@ -272,25 +284,46 @@ def token_positions(pos, documents):
     return (index - first_of_document)[:, pos.to(documents.device)]
 
 
-def document_mask(documents, queries, keys):
-    """(batch, 1, queries, keys) True where query i may attend key j: j <= i in the same document. queries and
+def visible(documents, window, queries, keys):
+    """(batch or 1, 1, queries, keys) True where query i may attend key j: j <= i, in the same document
+    (documents None: one sequence), and within the window, i - j < window (None: no window). queries and
     keys: their indices in the sequence (any subset of it, in any order)."""
-    earlier = keys[None, :] <= queries[:, None]
-    same = documents[:, queries, None] == documents[:, None, keys]
-    return (earlier & same).unsqueeze(1)
+    mask = keys[None, :] <= queries[:, None]
+    if window is not None:
+        mask = mask & (queries[:, None] - keys[None, :] < window)
+    if documents is not None:
+        mask = mask & (documents[:, queries, None] == documents[:, None, keys])
+    return mask.expand(1 if documents is None else documents.shape[0], -1, -1).unsqueeze(1)
 
 
-def causal_attention(q, k, v, documents=None):
-    """softmax(q kᵀ / √d + causal mask) v for (batch, heads, seq, head_dim) tensors; with documents (batch,
-    seq), each token attends only to the earlier tokens of its own document (document_mask).
+def causal_attention(q, k, v, documents=None, window=None, sinks=None):
+    """softmax(q kᵀ / √d + mask) v for (batch, heads, seq, head_dim) tensors: each query attends to the
+    earlier keys it may see (`visible`: with documents (batch, seq), those of its own document; with a
+    window, the `window` latest). sinks (heads,): a learned logit per head added to each softmax's
+    denominator (gpt-oss), which lets a query give part of its attention to nothing.
 
     k and v may have fewer heads than q (grouped-query attention): each group
     of consecutive query heads shares one key/value head.
+
+    The readable reference, holding a (seq, seq) mask when anything but the causal order masks: training
+    runs cp.py's core instead, which computes only the blocks of keys a query sees.
     """
+    gqa = q.shape[1] != k.shape[1]
+    if documents is None and window is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     everything = torch.arange(q.shape[2], device=q.device)
-    mask = None if documents is None else document_mask(documents, everything, everything)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return masked_attention(q, k, v, visible(documents, window, everything, everything), sinks)
+
+
+def masked_attention(q, k, v, mask, sinks=None):
+    """softmax(q kᵀ / √d, where mask allows) v, with each head's sink logit in the denominator if given."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return weights.to(v.dtype) @ v
 
 
 def rotary_frequencies(config, head_dim, dtype, device):
@@ -372,8 +405,15 @@ def head_norm(config: GPTConfig):
     return nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
 
 
+def query_sees(module, config, layer):
+    """Give an attention layer what its queries see besides the causal order (passed to its core): its
+    window (None: none) and, with attention_sinks, one learned sink logit per query head."""
+    module.window = config.window(layer)
+    module.sinks = nn.Parameter(torch.empty(config.n_head)) if config.attention_sinks else None
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer=0):
         super().__init__()
         self.head_dim = config.head_dim
         self.group = config.n_head // config.n_kv_heads  # query heads per key/value head
@@ -385,6 +425,7 @@ class CausalSelfAttention(nn.Module):
         self.frequencies = partial(rotary_frequencies, config, self.head_dim) if config.position == "rope" else None
         self.rotary_gain = yarn_gains(config)[0]
         self.core = causal_attention  # the swappable seam (see the module docstring)
+        query_sees(self, config, layer)
 
     def forward(self, x, pos, documents=None):
         qkv = self.qkv(x)
@@ -398,7 +439,7 @@ class CausalSelfAttention(nn.Module):
         if self.frequencies:
             frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
             q, k = rotary(q, pos, frequencies, self.rotary_gain), rotary(k, pos, frequencies, self.rotary_gain)
-        y = self.core(q, k, v, documents)
+        y = self.core(q, k, v, documents, window=self.window, sinks=self.sinks)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -433,7 +474,7 @@ class LatentAttention(nn.Module):
     times YaRN's softmax gain, which multiplies q here.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer=0):
         super().__init__()
         self.nope, self.rope, self.v_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_down, self.q_down_norm, self.q_up = low_rank(config.d_model, config.q_lora_rank, config.q_dim)
@@ -445,6 +486,7 @@ class LatentAttention(nn.Module):
         self.rotary_gain, self.softmax_gain = yarn_gains(config)
         self.core = causal_attention  # the swappable seam (see the module docstring)
         self.compressed = unchanged  # a second seam: where tensor parallelism's region begins (tp.py)
+        query_sees(self, config, layer)
 
     def forward(self, x, pos, documents=None):
         latent, k_rope = self.kv_down(x).split([self.kv_down_norm.normalized_shape[0], self.rope], dim=-1)
@@ -461,7 +503,7 @@ class LatentAttention(nn.Module):
         k_rope = rotary(k_rope.unsqueeze(1), pos, frequencies, self.rotary_gain)  # one head, for every head
         q = torch.cat([q_nope, q_rope], dim=-1) * self.softmax_gain
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        y = self.core(q, k, v, documents)
+        y = self.core(q, k, v, documents, window=self.window, sinks=self.sinks)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -473,7 +515,8 @@ class KVCache:
     """One attention layer's keys and values of the tokens so far, for generation: an attention core, swapped in
     for `CausalSelfAttention.core` (`attention_cores`), that appends the new tokens' keys and values (already
     QK-normed and rotated at their positions) to those it holds and attends to them all. The new tokens are the
-    last ones, so the causal mask is aligned to the end: the query at position t sees keys 0..t."""
+    last ones, so the causal mask is aligned to the end: the query at position t sees keys 0..t (within a window,
+    the latest `window` of them)."""
 
     def __init__(self):
         self.k = self.v = None
@@ -484,15 +527,14 @@ class KVCache:
     def clear(self):
         self.k = self.v = None
 
-    def __call__(self, q, k, v, documents=None):
+    def __call__(self, q, k, v, documents=None, window=None, sinks=None):
         if documents is not None:
             raise ValueError("a key/value cache holds one sequence a row: no packed documents")
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
-        keys = torch.arange(k.shape[2], device=q.device)
-        mask = keys <= keys[k.shape[2] - q.shape[2]:, None]  # (queries, keys): query i sits at len(keys) - len(q) + i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        keys = torch.arange(k.shape[2], device=q.device)  # query i sits at len(keys) - len(q) + i
+        return masked_attention(q, k, v, visible(None, window, keys[k.shape[2] - q.shape[2]:], keys), sinks)
 
 
 @contextmanager
@@ -687,7 +729,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.norm1 = make_norm(config)
-        self.attn = LatentAttention(config) if config.kv_lora_rank else CausalSelfAttention(config)
+        self.attn = (LatentAttention if config.kv_lora_rank else CausalSelfAttention)(config, layer)
         self.norm2 = make_norm(config)
         self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
 

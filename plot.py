@@ -466,18 +466,18 @@ def run_timeline(log_path):
 
 
 def document_masking(results, lengths=(7, 3, 12, 1, 9), n_ranks=4):
-    """Packed documents (model.py's document_mask): left, which keys each query of one packed sequence attends
+    """Packed documents (model.py's visible): left, which keys each query of one packed sequence attends
     to, cut into cp.py's 2N zigzag chunks; right, ring attention's blocks (query chunk, key chunk) each rank
     computes at each step, plain causal against document masking (a block whose mask is empty is skipped)."""
     import torch
-    from model import document_ids, document_mask
+    from model import document_ids, visible
     seq_len = sum(lengths)
     ends = torch.tensor(lengths).cumsum(0) - 1
     idx = torch.ones(1, seq_len, dtype=torch.long)
     idx[0, ends] = 0  # the EOS id: 0
     documents = document_ids(idx, 0)
     everything = torch.arange(seq_len)
-    mask = document_mask(documents, everything, everything)[0, 0]
+    mask = visible(documents, None, everything, everything)[0, 0]
     chunk = seq_len // (2 * n_ranks)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
     left.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.4)
@@ -495,7 +495,7 @@ def document_masking(results, lengths=(7, 3, 12, 1, 9), n_ranks=4):
                     queries = torch.arange(q_chunk * chunk, (q_chunk + 1) * chunk)
                     keys = torch.arange(k_chunk * chunk, (k_chunk + 1) * chunk)
                     causal[rank, step] += k_chunk <= q_chunk
-                    masked[rank, step] += bool(document_mask(documents, queries, keys).any())
+                    masked[rank, step] += bool(visible(documents, None, queries, keys).any())
     right.imshow(masked / np.maximum(causal, 1), cmap="Greens", vmin=0, vmax=1.2)
     for rank in range(n_ranks):
         for step in range(n_ranks):

@@ -552,6 +552,9 @@ def split_block(block, config, plan):
         split_latent_attention(block.attn, plan, config)
     else:
         split_attention(block.attn, plan, config.head_dim)
+    if getattr(block.attn, "sinks", None) is not None:  # attention sinks (gpt-oss): one a query head, split with them
+        block.attn.sinks = _sharded_parameter(block.attn.sinks, 0, plan.group)
+        block.attn.layouts = {"sinks": (0, None)}
     if hasattr(block.mlp, "experts"):  # mixture of experts: the router is replicated, the experts ep.py's
         split_moe(block.mlp, plan)
     else:

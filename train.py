@@ -552,8 +552,13 @@ def tensor_parallel(model, mesh, args, moe_layers):
 
 
 def context_parallel(model, mesh, args, device):
-    """Ring attention in every block; returns the positions of this rank's tokens in the sequence."""
+    """Ring attention (or --cp-mode's way) in every block; returns the positions of this rank's tokens in the
+    sequence. Without context parallelism, cp.py's one-device core: like ring attention's, it computes only
+    the tiles of keys a query sees within its document and window (model.py's causal_attention is the
+    readable reference, holding a (seq, seq) mask)."""
     if mesh.size("cp") == 1:
+        for block in model.blocks:
+            block.attn.core = cp.AttentionCore()
         return None
     cp.apply_context_parallel(model, mesh.groups["cp"], args.cp_mode)
     return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)
@@ -582,15 +587,16 @@ def tied_across_stages(config, args):
 def compile_blocks(model):
     """torch.compile the forward of every block this rank runs, in place (parameter names unchanged).
 
-    The compiler fuses a block's element-wise work around its matrix products. What communicates
-    inside a block stays eager, as one graph break each: context-parallel attention (ring attention's
-    point-to-point, whose shape of work changes block by block, and the other modes' collectives) and
+    The compiler fuses a block's element-wise work around its matrix products. What communicates or plans
+    on the host inside a block stays eager, as one graph break each: the attention core (which tiles a query
+    sees, decided from the document ids; ring attention's point-to-point, whose shape of work changes block
+    by block, and the other modes' collectives) and
     the expert-parallel MoE layer (token counts known only at run time). Module hooks (ZeRO-3 gathering a block's weights) stay outside the compiled forward.
     """
     for block in model.blocks:
         if isinstance(block, torch.nn.Identity):  # another pipeline stage's
             continue
-        if isinstance(block.attn.core, cp.ContextParallelCore):
+        if isinstance(block.attn.core, (cp.AttentionCore, cp.ContextParallelCore)):
             block.attn.core = torch.compiler.disable(block.attn.core)
         if isinstance(block.mlp, ep.ExpertParallelMoE):
             block.mlp.forward = torch.compiler.disable(block.mlp.forward)

@@ -14,8 +14,8 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe",
-                 "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj")
+ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "mistral_window", "qwen2", "qwen2_window",
+                 "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj")
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
@@ -54,7 +54,8 @@ def tiny_config(arch: str, transformers: int = 4) -> dict:
     mistral = dict(_LLAMA, head_dim=8, rope_theta=1000000.0, sliding_window=None,
                    rms_norm_eps=1e-5)
     del mistral["rope_scaling"]
-    if arch == "mistral":
+    if arch in ("mistral", "mistral_window"):  # Mistral 7B v0.1's window on every layer, of 6 tokens here
+        mistral.update(sliding_window=6 if arch == "mistral_window" else None)
         return dict(model_type="mistral", architectures=["MistralForCausalLM"], **mistral,
                     torch_dtype="float32", transformers_version="4.46.0")
     if arch == "mixtral":
@@ -62,9 +63,10 @@ def tiny_config(arch: str, transformers: int = 4) -> dict:
                     num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
                     output_router_logits=False, router_jitter_noise=0.0,
                     torch_dtype="float32", transformers_version="4.46.0")
-    if arch == "qwen2":
-        qwen = dict(_LLAMA, rope_theta=1000000.0, tie_word_embeddings=True,
-                    use_sliding_window=False, sliding_window=None, max_window_layers=4)
+    if arch in ("qwen2", "qwen2_window"):  # qwen2_window: a window of 6 on the layers from max_window_layers on
+        windowed = arch == "qwen2_window"
+        qwen = dict(_LLAMA, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=windowed,
+                    sliding_window=6 if windowed else None, max_window_layers=2 if windowed else 4)
         return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **qwen,
                     torch_dtype="float32", transformers_version="4.46.0")
     if arch in _QWEN_MOE or arch == "qwen3":
@@ -155,7 +157,7 @@ def _as_transformers5(cfg: dict) -> dict:
         rope.setdefault("rope_type", rope.get("type", "default"))
         out["rope_parameters"] = rope
     if cfg["model_type"] in ("qwen2", "qwen3", "qwen2_moe"):
-        out["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+        out["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in _layer_windows(cfg)]
     if cfg["model_type"] in ("qwen3", "qwen3_moe", "qwen2_moe"):
         out["sliding_window"] = 0 if cfg["model_type"] == "qwen2_moe" else None
     if cfg["model_type"] == "qwen3_moe":
@@ -532,6 +534,20 @@ def _swiglu(w, x, p):
     return _lin(w, torch.nn.functional.silu(_lin(w, x, p + "gate_proj")) * _lin(w, x, p + "up_proj"), p + "down_proj")
 
 
+def _layer_windows(cfg):
+    """Each layer's sliding window (None: full attention), as transformers' configs derive them: Mistral's and
+    Mixtral's sliding_window on every layer (MistralAttention); the Qwens' only with use_sliding_window (their
+    __init__ or __post_init__ sets sliding_window None otherwise), on the layers layer_types names
+    "sliding_attention", which default to those from max_window_layers on (configuration_qwen2.py)."""
+    n = cfg["num_hidden_layers"]
+    if cfg["model_type"] in ("mistral", "mixtral"):
+        return [cfg.get("sliding_window")] * n
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    types = cfg.get("layer_types") or ["sliding_attention" if window is not None and i >= cfg.get("max_window_layers", n)
+                                       else "full_attention" for i in range(n)]
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 def _llama_logits(cfg, w, ids):
     """modeling_llama / modeling_mistral / modeling_qwen2 / modeling_mixtral / modeling_qwen3 /
     modeling_qwen3_moe / modeling_qwen2_moe *ForCausalLM."""
@@ -539,9 +555,6 @@ def _llama_logits(cfg, w, ids):
     d, eps = cfg.get("head_dim") or h // nh, cfg["rms_norm_eps"]
     qkv_bias, o_bias = _attention_biases(cfg)
     mlp_bias = cfg["model_type"] == "llama" and cfg.get("mlp_bias", False)
-    if cfg["model_type"] not in ("mistral", "mixtral") and cfg.get("use_sliding_window"):
-        raise NotImplementedError("Qwen's sliding window")
-    window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "mixtral") else None
     angles = torch.arange(ids.shape[1], dtype=torch.float64)[:, None] * _rope_inv_freq(cfg, d)
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos(), emb.sin()
@@ -556,7 +569,7 @@ def _llama_logits(cfg, w, ids):
             q, k = _rms(q, w[p + "self_attn.q_norm.weight"], eps), _rms(k, w[p + "self_attn.k_norm.weight"], eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         v = _heads(_lin(w, a, p + "self_attn.v_proj", qkv_bias), nkv)
-        o = _merge(_attend(q, k, v, d ** -0.5, window))
+        o = _merge(_attend(q, k, v, d ** -0.5, _layer_windows(cfg)[i]))
         x = x + _lin(w, o, p + "self_attn.o_proj", o_bias)
         m = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
         if _is_sparse(cfg, i):

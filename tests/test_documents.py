@@ -21,7 +21,11 @@ from training import cli
 pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
 
 EOS = "16"  # the synthetic language's most frequent id at the tiny preset: documents of about a dozen tokens
-PACKED = [*EQUIVALENCE, "--seq-len", "32", "--document-mask", "--eos-id", EOS]
+# A window of 6 tokens on every second layer (shorter than some documents, longer than others, crossing every
+# cp=4 chunk boundary) and a sink on every head: each query sees what its document, its window and its sink
+# leave it, through every way of splitting attention.
+WINDOWS_AND_SINKS = ["--sliding-window", "6", "--window-layers", "1:1", "--attention-sinks"]
+PACKED = [*EQUIVALENCE, "--seq-len", "32", "--document-mask", "--eos-id", EOS, *WINDOWS_AND_SINKS]
 LLAMA = ["--arch", "llama", "--kv-heads", "2"]  # rotary positions restart at each document
 
 DEEP = ["--layers", "4"]

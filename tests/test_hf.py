@@ -196,6 +196,8 @@ LAYOUTS = [
     ("llama3.1", 4, ["--cp", "2", "--tp", "2", "--sp"]),  # rotary scaling at cp's zigzag positions; RMSNorm 1e-5
     ("llama", 2, ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "4"]),
     ("mistral", 2, ["--zero", "3"]),
+    ("mistral_window", 4, ["--tp", "2", "--cp", "2", "--cp-mode", "allgather"]),  # a window of 6 in 16 tokens
+    ("qwen2_window", 2, ["--pp", "2"]),                 # ... on the last two layers, the second stage's
     ("qwen2", 4, ["--tp", "2", "--sp", "--cp", "2"]),   # q/k/v biases split by heads; RMSNorm 1e-6 under sp
     ("qwen2", 4, ["--pp", "2", "--tp", "2"]),            # tied across stages and split by tp
     ("mixtral", 4, ["--ep", "2", "--tp", "2"]),          # experts over ep, each split by tp
@@ -227,7 +229,8 @@ def test_layouts_train_as_one_device_from_the_folder(tmp_path, folders, arch, wo
 
 
 EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.1", 1, []),
-           ("mistral", 2, ["--zero", "3"]), ("qwen2", 2, ["--tp", "2"]), ("mixtral", 2, ["--ep", "2"]),
+           ("mistral", 2, ["--zero", "3"]), ("mistral_window", 2, ["--cp", "2"]), ("qwen2", 2, ["--tp", "2"]),
+           ("qwen2_window", 2, ["--tp", "2"]), ("mixtral", 2, ["--ep", "2"]),
            ("llama", 2, ["--pp", "2", "--zero", "1"]), ("qwen3", 2, ["--tp", "2"]),
            ("qwen3_moe", 2, ["--tp", "2", "--ep", "2"]), ("qwen2_moe", 2, ["--tp", "2", "--expert-tp", "2"]),
            ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, [])]
@@ -283,7 +286,8 @@ def test_settings_model_py_cannot_represent_are_refused_by_name(tmp_path):
                                  ("gpt2", "scale_attn_by_inverse_layer_idx", True),
                                  ("llama", "hidden_act", "gelu"),
                                  ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
-                                 ("llama", "mlp_bias", True), ("mistral", "sliding_window", 8)]:
+                                 ("llama", "mlp_bias", True),
+                                 ("qwen2_window", "layer_types", ["chunked_attention"] * 4)]:
         config = hf_models.tiny_config(arch) | {setting: value}
         hf_models.make_folder(str(tmp_path / arch), arch, config=config)
         args = cli.parse_args([*ARGS, "--init-from", str(tmp_path / arch)])
@@ -296,9 +300,11 @@ DEEPSEEK_EXPERTS = ["--arch", "deepseek", "--experts", "4", "--top-k", "2", "--s
 
 
 @pytest.mark.parametrize("model", [["--arch", "gpt"], ["--arch", "llama"], ["--arch", "llama", "--experts", "4"],
-                                   DEEPSEEK_EXPERTS], ids=["gpt2", "llama", "mixtral", "deepseek_v3"])
+                                   ["--arch", "llama", "--sliding-window", "5"], DEEPSEEK_EXPERTS],
+                         ids=["gpt2", "llama", "mixtral", "mistral", "deepseek_v3"])
 def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model):
-    """A run that did not start from a folder is written as GPT-2, Llama, Mixtral or DeepSeek-V3 (its config made
+    """A run that did not start from a folder is written as GPT-2, Llama, Mixtral, Mistral (a window on every
+    layer) or DeepSeek-V3 (its config made
     here), and the independent reference computes from that folder the logits model.py computes from the
     checkpoint (DeepSeek-V3's: after a step of --balance bias, its routing bias moved, written as
     e_score_correction_bias; its rotated rows interleaved; latent norms of epsilon 1e-6 beside blocks' of 1e-5)."""
@@ -320,19 +326,25 @@ def test_a_run_from_scratch_exports_as_the_matching_architecture(tmp_path, model
 
 
 def test_qwen_settings_model_py_cannot_represent_are_refused_by_name():
-    """Qwen3's biases on q, k, v and o but none in its MLP, a sliding window on some layers, Qwen3's long-context
-    YaRN scaling (its model card's rope_scaling), and an exported model no family here computes."""
-    qwen3, qwen2_moe = hf_models.tiny_config("qwen3"), hf_models.tiny_config("qwen2_moe", transformers=5)
+    """Qwen3's biases on q, k, v and o but none in its MLP, Qwen3's long-context YaRN scaling (its model card's
+    rope_scaling), and exported models no family here computes: a shared expert beside Mixtral's, windows
+    where the Qwens (from max_window_layers on) or Mistral (every layer) have none, attention sinks."""
+    qwen3 = hf_models.tiny_config("qwen3")
     for config, pattern in [
             (qwen3 | {"attention_bias": True}, "attention_bias"),
-            (qwen2_moe | {"use_sliding_window": True, "sliding_window": 8}, "sliding_window"),
             (qwen3 | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
              "rope_scaling.*'yarn'")]:
         with pytest.raises(hf.UnsupportedModel, match=pattern):
             hf.config_from_hf(config, seq_len=16)
     mixtral_like = hf.config_from_hf(hf_models.tiny_config("qwen3_moe"), seq_len=12)
-    with pytest.raises(hf.UnsupportedModel, match="shared expert"):
-        hf.hf_from_config(dataclasses.replace(mixtral_like, qk_norm=False, n_shared_experts=1))
+    qwen2, mistral = (hf.config_from_hf(hf_models.tiny_config(arch), seq_len=12) for arch in ("qwen2", "mistral"))
+    for config, pattern in [
+            (dataclasses.replace(mixtral_like, qk_norm=False, n_shared_experts=1), "shared expert"),
+            (dataclasses.replace(qwen2, sliding_window=4, window_layers=(0, 2)), "qwen2 .* a sliding window on these"),
+            (dataclasses.replace(mistral, sliding_window=4, window_layers=(1,)), "mistral .* every layer"),
+            (dataclasses.replace(qwen2, attention_sinks=True), "attention sinks")]:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.hf_from_config(config)
 
 
 def test_the_qwen_moe_layers_are_those_transformers_makes_sparse():

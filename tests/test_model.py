@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from training.meter import ActivationMeter
 from model import (GPT, IGNORE, KVCache, MoE, GPTConfig, apply_recomputation, causal_attention, document_ids,
-                   document_mask, document_targets, load_balancing_loss, route, rotary, rotary_frequencies,
-                   token_positions, update_route_biases)
+                   document_targets, load_balancing_loss, route, rotary, rotary_frequencies,
+                   token_positions, update_route_biases, visible)
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
@@ -39,7 +39,7 @@ def explicit_attention(q, k, v, mask):
 
 def attention_masked_by_positions(pos):
     """An attention core where query i sees key j exactly when pos[j] <= pos[i]."""
-    def core(q, k, v, documents=None):  # (no packed documents in these tests)
+    def core(q, k, v, documents=None, window=None, sinks=None):  # (no documents, windows or sinks here)
         return explicit_attention(q, k, v, pos[None, :] > pos[:, None])
     return core
 
@@ -677,9 +677,13 @@ def test_document_ids_positions_and_mask():
     assert documents.tolist() == [[0, 0, 1, 1, 1, 2, 3]]
     assert token_positions(torch.arange(7), documents).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
     assert token_positions(torch.tensor([6, 2, 3]), documents).tolist() == [[0, 0, 1]]  # a shard's, in its order
-    mask = document_mask(documents, torch.arange(7), torch.arange(7))[0, 0]
+    mask = visible(documents, None, torch.arange(7), torch.arange(7))[0, 0]
     expected = torch.tensor([[documents[0, j] == documents[0, i] and j <= i for j in range(7)] for i in range(7)])
     assert torch.equal(mask, expected)
+    windowed = visible(documents, 2, torch.arange(7), torch.arange(7))[0, 0]  # itself and the one before
+    assert torch.equal(windowed, expected & (torch.arange(7)[:, None] - torch.arange(7) < 2))
+    assert torch.equal(visible(None, 2, torch.arange(7), torch.arange(7))[0, 0],
+                       torch.ones(7, 7, dtype=torch.bool).tril() & ~torch.ones(7, 7, dtype=torch.bool).tril(-2))
     assert document_targets(idx, idx, EOS).tolist() == [[3, IGNORE, 4, 5, IGNORE, IGNORE, 6]]
     assert torch.equal(token_positions(torch.arange(7), None), torch.arange(7))  # no documents: the index
 

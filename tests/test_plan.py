@@ -371,21 +371,17 @@ def test_latent_attention_cp_carries_keys_of_head_dim_and_values_of_v_head_dim(m
         assert predicted[f"comm_cp_{kind}_bytes"] == [c.n_layer * sent] * 2
 
 
-def test_latent_attention_on_one_cpu_keeps_the_softmax_probabilities_and_on_cuda_does_not():
-    """One device's core: PyTorch's CPU flash kernel wants values as wide as the keys, so latent attention runs the
-    composite, which keeps b x heads x s x s probabilities (and copies of q, k, v); CUDA's memory-efficient
-    kernel keeps q, k, v (a view of kv_up's output), the output and its log-sum-exp. Doubling the sequence
-    doubles the CUDA figure's blocks, not the CPU's."""
-    def block_bytes(seq, device):
+def test_latent_attention_on_one_device_keeps_no_softmax_probabilities():
+    """One device's core (cp.AttentionCore) keeps q, k, v (v a view of kv_up's output), the output and its
+    log-sum-exp whatever computes the blocks (on CPUs latent attention's values, narrower than its keys, go to
+    the written-out blocks, whose scores backward makes again): no term grows with the sequence squared, so
+    twice the sequence keeps twice the bytes a block (tests/test_deepseek.py checks the figure against the
+    meter)."""
+    def block_bytes(seq):
         args = cli.parse_args([*TINY_DEEPSEEK, "--seq-len", str(seq)])
         c = cli.model_config(args, cli.data_vocab_size(args))
-        return plan.block_activations(c, plan.layout_of(args, 1, device), 0), c
-    (cpu, c), (cuda, _) = block_bytes(16, "cpu"), block_bytes(16, "cuda")
-    tokens, wide = 16 * 16, 8
-    copies = tokens * (c.q_dim + c.kv_dim + c.v_dim) * wide
-    kept = tokens * (c.q_dim + c.kv_dim + c.n_head * (c.qk_nope_head_dim + c.v_head_dim)) * wide
-    assert cpu - cuda == copies + 16 * c.n_head * 16 ** 2 * wide - kept - tokens * (c.v_dim + c.n_head) * wide
-    assert block_bytes(32, "cuda")[0] == 2 * cuda and block_bytes(32, "cpu")[0] > 2 * cpu
+        return plan.block_activations(c, plan.layout_of(args, 1), 0)
+    assert block_bytes(32) == 2 * block_bytes(16)
 
 
 def test_ep_all_to_all_splits_inside_and_across_nodes_by_where_the_peers_are():
@@ -413,7 +409,7 @@ def test_deepseek_v3_layout_puts_each_ep_rank_on_a_node_of_its_own():
     args = cli.parse_args([*DEEPSEEK_V3, "--pp", "16", "--ep", "64", "--zero", "1", "--batch-size", "15360",
                            "--micro-batches", "120", "--dtype", "bfloat16", "--recompute", "full"])
     c = cli.model_config(args, cli.data_vocab_size(args))
-    layout = plan.layout_of(args, 2048, "cuda")
+    layout = plan.layout_of(args, 2048)
     where = plan.first_of_stage(layout, 5)
     assert plan.group_members(layout, where, ("ep",))[:3] == [5, 21, 37]
     assert plan.expert_nodes(c, layout, where, 8) == plan.ExpertNodes(nodes=64, near=0, peers=63, group_nodes=8,

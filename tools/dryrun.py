@@ -203,10 +203,10 @@ def dry_run(args, rank, world, compute=False):
                 record = trainer.train_step(0)
     finally:
         dist.destroy_process_group()
-    predicted = {field: values[rank] for field, values in plan.predict(args, world, device.type).items()
+    predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
                  if field in MEMORY or field.startswith("comm_")}
     measured = {field: record[field] for field in (*predicted, *MEASURED_ONLY)}
-    peaks = plan.predict_peaks(args, world, device.type)
+    peaks = plan.predict_peaks(args, world)
     predicted["peak_resident_bytes"] = max(peaks["startup_peak_bytes"][rank], peaks["step_peak_bytes"][rank])
     return measured, predicted
 

@@ -100,6 +100,14 @@ def parse_args(argv=None):
                    help="the MLP's hidden width (default: the preset's; with --arch gpt, 4 x --d-model)")
     p.add_argument("--qk-norm", action="store_true",
                    help="QK-norm: an RMSNorm of each head's queries and keys before the rotation (Qwen3, OLMo 2)")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                   help="a query sees at most the W latest tokens, itself included (Mistral, Gemma 3, gpt-oss), on "
+                        "the layers --window-layers names (default: every layer)")
+    p.add_argument("--window-layers", default=None, metavar="LAYERS",
+                   help="which layers have the --sliding-window: their indices (0,2,4), or LOCAL:GLOBAL, runs of "
+                        "LOCAL windowed layers each followed by GLOBAL full ones (Gemma 3's 5:1, gpt-oss's 1:1)")
+    p.add_argument("--attention-sinks", action="store_true",
+                   help="a learned logit per head in every attention softmax's denominator (gpt-oss)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2, "
                         "Qwen3, the Qwen MoEs, DeepSeek-V3): its config.json sets the model (not --model, --arch, "
@@ -514,7 +522,8 @@ def expert_flags(args):
 
 # The flags that shape the model over a preset: {flag: GPTConfig field}.
 SHAPE_FLAGS = {"--d-model": "d_model", "--heads": "n_head", "--head-dim": "head_dim", "--d-ff": "d_ff",
-               "--qk-norm": "qk_norm"}
+               "--qk-norm": "qk_norm", "--sliding-window": "sliding_window", "--attention-sinks": "attention_sinks",
+               "--window-layers": "window_layers"}
 
 
 def shape_flags(args):
@@ -522,9 +531,23 @@ def shape_flags(args):
     given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in SHAPE_FLAGS}
     given = {flag: value for flag, value in given.items() if value is not None and value is not False}
     for flag, value in given.items():
-        if value < 1:
+        if isinstance(value, int) and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     return given
+
+
+def window_layers(pattern, n_layer):
+    """The layers --window-layers names: indices "0,2,4", or "LOCAL:GLOBAL", from layer 0 runs of LOCAL
+    windowed layers each followed by GLOBAL full ones."""
+    try:
+        if ":" not in pattern:
+            return tuple(int(i) for i in pattern.split(","))
+        local, full = (int(n) for n in pattern.split(":"))
+        if local < 1 or full < 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--window-layers {pattern}: give layer indices (0,2,4) or LOCAL:GLOBAL (5:1)") from None
+    return tuple(i for i in range(n_layer) if i % (local + full) < local)
 
 
 def model_config(args, vocab_size):
@@ -556,6 +579,8 @@ def model_config(args, vocab_size):
     if args.kv_heads:
         shape.update(n_kv_heads=args.kv_heads)
     shape.update({SHAPE_FLAGS[flag]: value for flag, value in shape_given.items()})
+    if args.window_layers:
+        shape["window_layers"] = window_layers(args.window_layers, shape["n_layer"])
     shape.update({field: value for field, value in expert_flags(args).items() if value is not None})
     if shape.get("n_experts") and not 1 <= shape.get("top_k", 2) <= shape["n_experts"]:
         raise ConfigError(f"--top-k {shape.get('top_k', 2)} must be between 1 and --experts {shape['n_experts']}")

@@ -239,6 +239,8 @@ def with_layers(hf_config, n_layer):
     their tensors would be a broken folder to whatever reads it for speculative decoding)."""
     key = "n_layer" if hf_config.get("model_type") == "gpt2" else "num_hidden_layers"
     held = dict(hf_config, **{key: n_layer})
+    if isinstance(hf_config.get("layer_types"), list):  # (the kinds of the layers kept)
+        held["layer_types"] = hf_config["layer_types"][:n_layer]
     if hf_config.get("num_nextn_predict_layers"):
         held["num_nextn_predict_layers"] = 0
     return held
@@ -263,7 +265,7 @@ def config_from_hf(hf, seq_len, **training):
         raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(TABLES)}")
     try:
         fields = (gpt2_fields(hf) if model_type == "gpt2" else deepseek_fields(hf) if model_type == "deepseek_v3"
-                  else llama_fields(hf, seq_len))
+                  else llama_fields(hf))
     except UnsupportedModel:
         raise
     except KeyError as e:
@@ -297,7 +299,7 @@ def check_types(model_type, fields):
             fine = type(value) in (int, float) and math.isfinite(value)
         elif kind is bool or field.default is None:
             fine = type(value) is bool
-        elif field.name == "moe_layers":
+        elif field.name in ("moe_layers", "window_layers"):
             fine = all(type(i) is int for i in value)
         else:
             fine = isinstance(value, kind)
@@ -324,13 +326,10 @@ def gpt2_fields(hf):
                 bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
 
 
-def llama_fields(hf, seq_len):
+def llama_fields(hf):
     model_type, d, heads = hf["model_type"], hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("hidden_act", "silu") != "silu":
         refuse(hf, "hidden_act", "model.py's gated MLP is SwiGLU (silu)")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if window is not None and window < seq_len:
-        refuse(hf, "sliding_window", f"model.py attends to the whole sequence, longer ({seq_len}) than the window")
     bias = hf.get("attention_bias", False)
     if model_type == "llama" and hf.get("mlp_bias", False) != bias:
         refuse(hf, "mlp_bias", "model.py has biases in every linear layer or in none (besides q, k, v)")
@@ -339,8 +338,30 @@ def llama_fields(hf, seq_len):
                   d_model=d, d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
                   position="rope", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", bias=bias,
                   qkv_bias=True if model_type == "qwen2" else bias,
-                  tie_embeddings=hf.get("tie_word_embeddings", False), **rope_fields(hf))
+                  tie_embeddings=hf.get("tie_word_embeddings", False), **rope_fields(hf), **window_fields(hf))
     return fields | FAMILY_FIELDS.get(model_type, lambda hf: {})(hf)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def window_fields(hf):
+    """model.py's sliding_window and window_layers from a Llama-block config: Mistral's and Mixtral's
+    sliding_window on every layer; the Qwens' only with use_sliding_window (their config classes set
+    sliding_window to None otherwise), on the layers from max_window_layers on, or where the config lists each
+    layer's kind (layer_types, as transformers 5 writes it, and 4.5x reads it), on its "sliding_attention"
+    ones. A window of None or 0: none. A window longer than the training sequence changes nothing in training
+    but is kept (for generation, and to write it back)."""
+    n, qwen = hf["num_hidden_layers"], hf["model_type"].startswith("qwen")
+    window = hf.get("sliding_window") if not qwen or hf.get("use_sliding_window", False) else None
+    if not window:
+        return {}
+    first = hf.get("max_window_layers", n) if qwen else 0
+    kinds = hf.get("layer_types") or ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+    if len(kinds) != n or not set(kinds) <= set(LAYER_TYPES):
+        refuse(hf, "layer_types", f"model.py's layers are {' or '.join(LAYER_TYPES)}, one each of {n}")
+    layers = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    return dict(sliding_window=window, window_layers=() if len(layers) == n else layers) if layers else {}
 
 
 def mixtral_fields(hf):
@@ -630,7 +651,8 @@ def llama_family(c):
     elif c.shared_expert_gate:
         family = "qwen2_moe"
     else:
-        family = "mixtral" if c.n_experts else "qwen2" if c.qkv_bias and not c.bias else "llama"
+        family = ("mixtral" if c.n_experts else "qwen2" if c.qkv_bias and not c.bias else
+                  "mistral" if c.sliding_window else "llama")
     every_layer = not c.moe_layers or len(c.moe_layers) == c.n_layer
     lacks = {  # (family: [(what model.py has, that the family's modeling code has not)])
         "mixtral": [(c.n_shared_experts, "a shared expert"), (not every_layer, "dense layers beside the MoE ones"),
@@ -640,6 +662,16 @@ def llama_family(c):
         "qwen3_moe": [(c.bias or c.qkv_bias, "biases"), (c.n_shared_experts, "a shared expert")],
         "qwen2_moe": [(c.bias, "biases besides those of q, k, v")],
     }
+    windows = window_layers(c)
+    tail = windows == list(range(c.n_layer - len(windows), c.n_layer))  # the Qwens': from max_window_layers on
+    for name in lacks.keys() | {family}:  # where a window may be, and the sinks none of them has
+        every = name in ("mistral", "mixtral")
+        lacks[name] = lacks.get(name, []) + [
+            (c.attention_sinks, "attention sinks"),
+            (windows and (len(windows) < c.n_layer if every else not tail),
+             "a sliding window on these layers" + (" (it has one on every layer)" if every else
+                                                   " (the Qwens' are the last ones, from max_window_layers)"))]
+    lacks["mistral"] = lacks.get("mistral", []) + [(c.bias, "biases")]
     if c.n_experts:  # (Mixtral's and the Qwen MoEs' routers: a softmax over every expert, gates as they come)
         lacks[family] = lacks.get(family, []) + [
             (c.router_scoring != "softmax", f"{c.router_scoring} router scores"),
@@ -697,14 +729,33 @@ def deepseek_config(c, common):
                 rope_interleave=True, rms_norm_eps=c.norm_eps, hidden_act="silu", attention_bias=False, **common)
 
 
+def window_layers(c):
+    """The layers of config c that have its sliding window, listed."""
+    return [i for i in range(c.n_layer) if c.window(i)]
+
+
+def qwen_window_config(c):
+    """The Qwens' window settings, if it has one: use_sliding_window, the window and the first windowed layer
+    (max_window_layers; transformers 5 makes its layer_types of them)."""
+    windows = window_layers(c)
+    return dict(use_sliding_window=True, sliding_window=c.sliding_window, max_window_layers=windows[0]) if windows \
+        else {}
+
+
+def window_config(c):
+    """Mistral's and Mixtral's window setting, if it has one (on every layer)."""
+    return dict(sliding_window=c.sliding_window) if c.sliding_window else {}
+
+
 EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
     "llama": lambda c: dict(attention_bias=c.bias, mlp_bias=c.bias),
-    "qwen2": lambda c: {},
-    "mixtral": lambda c: dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k),
-    "qwen3": lambda c: dict(attention_bias=False),
-    "qwen3_moe": lambda c: dict(attention_bias=False, **qwen_experts_config(c)),
+    "mistral": window_config,
+    "qwen2": qwen_window_config,
+    "mixtral": lambda c: dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k, **window_config(c)),
+    "qwen3": lambda c: dict(attention_bias=False, **qwen_window_config(c)),
+    "qwen3_moe": lambda c: dict(attention_bias=False, **qwen_experts_config(c), **qwen_window_config(c)),
     "qwen2_moe": lambda c: dict(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=c.d_shared,
-                                **qwen_experts_config(c)),
+                                **qwen_experts_config(c), **qwen_window_config(c)),
 }
 
 

@@ -70,9 +70,8 @@ Where the numbers come from:
   token and layer from what model.py's operators save (Korthikanti et al.,
   2022, count them the same way for Megatron's block), per attention kind
   (attention_of: CausalSelfAttention's grouped heads, DeepSeek's latent
-  attention) on the kernels of `--device` (cpu, as the tests run; cuda:
-  one device's latent attention on the memory-efficient kernel, not the
-  CPU's composite). Mixture-of-experts traffic and activations assume
+  attention; cp.py's cores keep what a fused kernel keeps on every
+  device). Mixture-of-experts traffic and activations assume
   balanced routing (each expert gets its fair share of every rank's tokens).
 
 - Peak resident memory (`predict_peaks`, the last line of the table, and

@@ -40,9 +40,10 @@ def grouped_attention_activations(c, layout, tokens):
             attention += tokens * (q + c.kv_dim) // t * a
     if proj_copies_heads(c, layout):
         attention += tokens * q // t * a
-    attention += head_norm_activations(c, layout, tokens) + document_mask_bytes(c, layout)
-    # The core's own: its log-sum-exp (and a mask), and its output unless proj reads it in place
-    core = tokens * c.n_head // t * wide + document_mask_bytes(c, layout)
+    attention += head_norm_activations(c, layout, tokens)
+    # The core's own: its log-sum-exp, and its output unless proj reads it in place. No mask: within documents
+    # and windows, cp.py's cores (one device's too) make each tile's mask again in backward from the ids.
+    core = tokens * c.n_head // t * wide
     if proj_copies_heads(c, layout):  # proj keeps its own copy of the output, so the core's goes too
         core += tokens * q // t * a
     return AttentionSaved(attention - core if layout.recompute == "selective" else attention, core)
@@ -83,7 +84,7 @@ def latent_attention_activations(c, layout, tokens):
     core = LATENT_CORES[latent_core(c, layout)]
     own = core.own(c, layout, tokens)
     selective = layout.recompute == "selective"  # the checkpoint keeps the core's inputs, not its own tensors
-    proj_input = 0 if core.output_in_place and c.n_head // t == 1 and not selective else outputs
+    proj_input = 0 if core.output_in_place and not proj_copies_heads(c, layout) and not selective else outputs
     kept = x + queries + latent + rotations + proj_input
     if selective or core.keeps_inputs:
         kept += inputs
@@ -109,20 +110,17 @@ class LatentCore(NamedTuple):
 
 
 def latent_core(c, layout):
-    """Which core runs: context parallelism's (cp.py: 'ring', 'allgather', 'alltoall'), or on one device PyTorch's
-    scaled_dot_product_attention: a fused kernel ('fused') where the device has one for these widths (CPU's
-    flash kernel wants values as wide as the keys; CUDA's memory-efficient one takes them narrower), else its
-    written-out composite ('math')."""
-    if layout.cp > 1:
-        return layout.cp_mode
-    return "fused" if layout.device == "cuda" or c.v_head_dim == c.head_dim else "math"
+    """Which core runs: context parallelism's (cp.py: 'ring', 'allgather', 'alltoall'), or on one device cp.py's
+    one-device core ('one device', cp.AttentionCore), which keeps what a fused kernel keeps whatever the
+    kernel (the written-out blocks too: their scores are made again in backward)."""
+    return layout.cp_mode if layout.cp > 1 else "one device"
 
 
 def kernel_output(c, layout, tokens):
     """What a fused core keeps of its own: its output (this rank's heads, v_head_dim features each) and its
-    log-sum-exp per head; on one device, with packed documents, the mask it was given (document_mask_bytes)."""
+    log-sum-exp per head (no mask, see grouped_attention_activations)."""
     t, a = layout.tp, layout.activation_bytes
-    return (tokens * c.v_dim // t * a + tokens * c.n_head // t * max(a, 4)) + document_mask_bytes(c, layout)
+    return tokens * c.v_dim // t * a + tokens * c.n_head // t * max(a, 4)
 
 
 def head_shard_copies(c, layout, tokens):
@@ -131,21 +129,7 @@ def head_shard_copies(c, layout, tokens):
     return copies + kernel_output(c, layout, tokens)
 
 
-def math_core(c, layout, tokens):
-    """PyTorch's composite attention (at::_scaled_dot_product_attention_math), in float32 or wider: q scaled and
-    k transposed and scaled (copies), v as its batched product reads it, and the softmax's probabilities,
-    b x heads x s x s (the causal or document mask is added to the scores in place, and not kept). v is a
-    contiguous copy, but with one head a rank, in its own dtype, the product reads it in place: a view of
-    kv_up's output, so that whole output."""
-    t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
-    v = tokens * c.v_dim // t * wide
-    if c.n_head // t == 1 and a == wide:
-        v = tokens * c.n_head * (c.qk_nope_head_dim + c.v_head_dim) // t * a
-    scores = layout.micro_batch * c.n_head // t * c.seq_len ** 2 * wide
-    return tokens * (c.q_dim + c.kv_dim) // t * wide + v + scores
-
-
-LATENT_CORES = {"fused": LatentCore(kernel_output, True, True), "math": LatentCore(math_core, False, False),
+LATENT_CORES = {"one device": LatentCore(kernel_output, True, True),
                 "ring": LatentCore(kernel_output, True, True), "allgather": LatentCore(kernel_output, True, True),
                 "alltoall": LatentCore(head_shard_copies, False, False)}
 
@@ -194,14 +178,6 @@ def position_rows(layout):
     return layout.micro_batch if layout.documents else 1
 
 
-def document_mask_bytes(c, layout):
-    """Packed documents: the fused kernel keeps the block-diagonal causal mask it was given, (b, 1, s, s) in the
-    activations' dtype, for its backward (every head and tensor-parallel rank shares it). cp.py's three ways
-    keep none: their backward makes each block's mask again from the documents' ids."""
-    masked = layout.documents and layout.cp == 1
-    return layout.micro_batch * c.seq_len ** 2 * layout.activation_bytes if masked else 0
-
-
 def rotated_kept(layout):
     """Whether the rotated q and k are kept for backward: the attention core keeps its inputs (one device,
     ring attention, the all-gather), or selective recomputation keeps the inputs of the core it reruns;
@@ -210,9 +186,8 @@ def rotated_kept(layout):
 
 
 def proj_copies_heads(c, layout):
-    """Whether the attention's output projection keeps its own contiguous copy of the heads' outputs: a
-    linear without bias does; with bias it reads them in place when they come from PyTorch's fused kernel
-    (laid out token-major, as the queries it reads off q | k | v), but ring attention returns them head-major,
-    and so does the kernel given QK-norm's queries (new tensors, head-major). A rank with one head has them
-    contiguous either way."""
-    return c.n_head // layout.tp > 1 and (not c.bias or layout.cp > 1 or c.qk_norm)
+    """Whether the attention's output projection keeps its own contiguous copy of the heads' outputs: ring
+    attention and the all-gather return them head-major, and Ulysses's in new tensors; cp.py's one-device
+    core returns them token-major (`cp._token_major`), as the projection reads them in place. A rank with
+    one head has them contiguous either way."""
+    return c.n_head // layout.tp > 1 and layout.cp > 1

@@ -34,10 +34,6 @@ def parse_args(argv=None):
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("--world", type=int, required=True, help="ranks (GPUs) of the run")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (inside: fast links)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="whose kernels the activations are modelled on: cpu (exact for runs on CPUs) or cuda (where "
-                        "they differ: latent attention on one device runs CUDA's memory-efficient kernel, not the "
-                        "CPU's composite, which keeps the softmax's s x s probabilities)")
     p.add_argument("--json", action="store_true", help="print the prediction as log.jsonl's fields, per rank")
     p.add_argument("--search", action="store_true",
                    help="list the layouts of --world ranks that fit --memory (tp, pp, cp, ZeRO, hybrid sharding, "
@@ -70,7 +66,7 @@ def expert_split(layout, config):
 def print_table(args, plan_args):
     """One row per pipeline stage (its first rank: others differ at most by ZeRO's step counters, and under
     Muon by the pieces of matrices they hold and assemble: print_muon), the busiest first."""
-    layout = layout_of(args, plan_args.world, plan_args.device)
+    layout = layout_of(args, plan_args.world)
     config = cli.model_config(args, cli.data_vocab_size(args))
     print(describe(layout, args, config))
     rows = []
@@ -149,8 +145,7 @@ def main(argv=None):
         if plan_args.search:
             search(args, plan_args)
         elif plan_args.json:
-            print(json.dumps({**predict(args, plan_args.world, plan_args.device),
-                              **predict_peaks(args, plan_args.world, plan_args.device)}))
+            print(json.dumps({**predict(args, plan_args.world), **predict_peaks(args, plan_args.world)}))
         else:
             print_table(args, plan_args)
     except cli.ConfigError as e:

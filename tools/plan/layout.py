@@ -33,7 +33,6 @@ class Layout:
     documents: bool = False  # packed documents (--document-mask): attention masked, positions per sequence
     optimizer: str = "adamw"  # --optimizer: "muon" steps the blocks' matrices with Muon (training/muon.py)
     muon_gather: bool = False  # --muon-assembly gather: every holder of a matrix assembles it, not one owner
-    device: str = "cpu"  # the kernels activations are modelled on: "cpu" (as tests run) or "cuda" (see latent_core)
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
@@ -88,10 +87,9 @@ class Layout:
 placement_of = functools.lru_cache(maxsize=None)(pp.Placement.of)  # (--search asks for the same ones often)
 
 
-def layout_of(args, world, device="cpu", data=None):
-    """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none), its
-    activations modelled on `device`'s kernels ("cpu" or "cuda"); data: the data's DataInfo where it has been
-    read."""
+def layout_of(args, world, data=None):
+    """The Layout train.py would build from these flags on `world` ranks (a cli.ConfigError if none); data:
+    the data's DataInfo where it has been read."""
     described = data or cli.describe_data(args)  # the data's meta.json, read once for both
     _, shape = cli.check_args(args, world, described)
     return Layout(world=world, dp=shape.dp, dp_shard=shape.dp_shard or shape.dp, tp=shape.tp, pp=shape.pp,
@@ -101,7 +99,7 @@ def layout_of(args, world, device="cpu", data=None):
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
                   bucket_bytes=int(args.bucket_mb * 2**20),
                   documents=cli.document_eos(args, data=described) is not None,
-                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather", device=device)
+                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather")
 
 
 def coordinates(layout, rank):

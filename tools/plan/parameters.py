@@ -32,8 +32,8 @@ REPLICATED = ("norm", "pos_emb", "router", "shared_gate", "attn.q_down.", "attn.
 def tp_sharded(name):
     """Whether tensor parallelism splits this parameter N ways (tp.py): the column-parallel q|k|v (latent
     attention's q_up and kv_up), fc (and their biases), the row-parallel proj weights, the vocabulary-parallel
-    embedding and head. REPLICATED's and row-parallel biases are not."""
-    if name.endswith(("qkv.bias", "fc.bias")):
+    embedding and head, the attention sinks (by heads). REPLICATED's and row-parallel biases are not."""
+    if name.endswith(("qkv.bias", "fc.bias", "attn.sinks")):  # (attention sinks: one a query head)
         return True
     return name.endswith(".weight") and not any(part in name for part in REPLICATED)
 

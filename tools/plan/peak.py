@@ -80,10 +80,10 @@ def written_by(layout, where, expert):
     return where["dp"] == where["cp"] == 0
 
 
-def predict_peaks(args, world, device="cpu"):
+def predict_peaks(args, world):
     """{field: [bytes of rank 0, rank 1, ...]}: each rank's peak resident memory at start-up, during a step,
     while a checkpoint is saved and while one is loaded, and the largest of the four (peak_bytes)."""
-    layout = layout_of(args, world, device)
+    layout = layout_of(args, world)
     config = cli.model_config(args, cli.data_vocab_size(args))
     stages = [(predict_stage(config, layout, stage), working_sets(config, layout, stage)) for stage in range(layout.pp)]
     ranks = []

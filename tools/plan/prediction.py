@@ -131,10 +131,10 @@ def comm_fields(traffic):
             for dim, kinds in train.COMM_KINDS.items() for kind in kinds}
 
 
-def predict(args, world, device="cpu"):
+def predict(args, world):
     """{field: [value of rank 0, rank 1, ...]} for the run train.py would make of args on `world` ranks:
     log.jsonl's memory and traffic fields, and recompute_bytes (see activation_peak)."""
-    layout = layout_of(args, world, device)
+    layout = layout_of(args, world)
     config = cli.model_config(args, cli.data_vocab_size(args))
     stages = [predict_stage(config, layout, stage) for stage in range(layout.pp)]
     ranks = []

@@ -17,7 +17,7 @@ def powers_of_two(limit):
     return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
 
 
-def candidate_layouts(args, world, gpus_per_node, device="cpu"):
+def candidate_layouts(args, world, gpus_per_node):
     """Every (tp, pp, cp, ep, expert-tp, zero, dp_shard, recompute) train.py accepts for these flags on `world`
     ranks, tp within a node (its collectives are on every block's critical path) and sequence parallelism on
     with tp (the same traffic for less memory); the experts' split folded over each stage's ranks
@@ -36,7 +36,7 @@ def candidate_layouts(args, world, gpus_per_node, device="cpu"):
                                     "expert_tp": expert_tp, "zero": zero, "dp_shard": dp_shard,
                                     "recompute": recompute, "sp": tp > 1})
                                 try:
-                                    yield candidate, layout_of(candidate, world, device)
+                                    yield candidate, layout_of(candidate, world)
                                 except (cli.ConfigError, ValueError):
                                     continue
 
@@ -110,8 +110,7 @@ def search(args, plan_args):
     counted."""
     config = cli.model_config(args, cli.data_vocab_size(args))
     fits, too_large = [], 0
-    for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node,
-                                                 plan_args.device):
+    for candidate, layout in candidate_layouts(args, plan_args.world, plan_args.gpus_per_node):
         if layout.optimizer == "muon":
             if muon_floor(config, layout) > plan_args.memory:
                 continue
