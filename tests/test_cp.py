@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from training import cli
+from tools import plan
 import cp
 import model
 from distributed import run_on_ranks, self_check_alone
@@ -537,6 +538,22 @@ def test_the_other_ways_compose_as_ring_attention_does(tmp_path, mode, flags, mo
     for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)], timeout=180):
         assert_matches_oracle(result, oracle([*ARGV, *model]))
     assert_matches_plan(tmp_path, argv, 4)
+
+
+def test_ring_attention_under_windows_trains_as_one_device_and_sends_what_the_planner_counts(tmp_path):
+    """A window of 5 tokens on every second layer and a sink on every head, cp 4 (chunks of 4): the ring
+    trains as one device does, and each rank sends exactly the bytes tools/plan/ counts for it from cp.py's
+    plan (ring_messages), which differ from rank to rank (rank 0's block goes one hop, the others' round the
+    ring, and a block's accumulators come home from the last rank that needed it): none more than without
+    the window, some less."""
+    argv = [*ARGV, "--arch", "llama", "--seq-len", "32", "--sliding-window", "5", "--window-layers", "1:1",
+            "--attention-sinks", "--cp", "4"]
+    for result in run_on_ranks(4, train_worker, [*argv, "--out", str(tmp_path)]):
+        assert_matches_oracle(result, oracle(argv[:-2]))
+    assert_matches_plan(tmp_path, argv, 4)
+    sent = plan.predict(cli.parse_args(argv), 4)["comm_cp_send_recv_bytes"]
+    without = plan.predict(cli.parse_args([*argv[:-7], "--cp", "4"]), 4)["comm_cp_send_recv_bytes"]
+    assert all(s <= w for s, w in zip(sent, without)) and sum(sent) < sum(without) and len(set(sent)) > 1
 
 
 def test_all_to_all_needs_whole_heads_on_each_rank():

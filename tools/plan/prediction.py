@@ -14,7 +14,7 @@ from tools.plan.layout import coordinates, group_index, layout_of, stage_place
 from tools.plan.memory import ADAM_STEP_BYTES, state_memory
 from tools.plan.muon import muon_ranks
 from tools.plan.parameters import config_key, rank_parameters
-from tools.plan.traffic import cp_traffic, moe_traffic, pp_traffic, tp_traffic
+from tools.plan.traffic import cp_traffic, moe_traffic, pp_traffic, ring_differs_by_rank, tp_traffic
 from training import cli
 
 
@@ -65,8 +65,10 @@ def model_parallel_stage(config_fields, layout, stage):
     split = pp.split_layers(config.n_layer, n_model_chunks)
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, n_model_chunks - 1 in chunks
-    per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last),
-                       "cp": cp_traffic(config, layout, layers), **moe_traffic(config, layout, layers)}
+    per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last), "cp": cp_traffic(config, layout, layers),
+                       **moe_traffic(config, layout, layers)}
+    if ring_differs_by_rank(config, layout):  # (each cp rank's, the first's "cp" too)
+        per_micro_batch.update({f"cp {r}": cp_traffic(config, layout, layers, r) for r in range(1, layout.cp)})
     traffic = {"pp": pp_traffic(config, layout, stage),
                **{group: Counter({k: v * layout.micro_batches for k, v in c.items()})
                   for group, c in per_micro_batch.items()}}
@@ -104,12 +106,14 @@ def muon_rank(stage_prediction, layout, where):
 
 
 def rank_traffic(stage_prediction, layout, where):
-    """The stage's traffic as the rank at `where` sends it: under Muon with the all-to-alls of its optimizers'
-    assembly ("optim"), which differ from rank to rank (the owners answer for the matrices they assemble)."""
-    if not stage_prediction["muon"]:
-        return stage_prediction["traffic"]
-    sent = muon_rank(stage_prediction, layout, where).sent
-    return {**stage_prediction["traffic"], "optim": Counter(all_to_all=sent)}
+    """The stage's traffic as the rank at `where` sends it: its cp rank's ring ("cp {r}", where it differs), and under Muon with the
+    all-to-alls of its optimizers' assembly ("optim"), which differ from rank to rank (the owners answer for
+    the matrices they assemble)."""
+    traffic = {group: counter for group, counter in stage_prediction["traffic"].items() if not group.startswith("cp ")}
+    traffic["cp"] = stage_prediction["traffic"].get(f"cp {where['cp']}", traffic["cp"])  # (see ring_differs_by_rank)
+    if stage_prediction["muon"]:
+        traffic["optim"] = Counter(all_to_all=muon_rank(stage_prediction, layout, where).sent)
+    return traffic
 
 
 LOGGED_UNDER = {  # traffic group -> the dimension train.py logs it under (the counter of the file that sends it)

@@ -1,7 +1,9 @@
 """Traffic of the model-parallel dimensions (tp, cp, the MoE layers' groups, pp), per micro-batch, forward and
 backward."""
+import functools
 from collections import Counter
 
+import cp
 from dp import ring_bytes_sent
 from tools.plan.attention import attention_of
 
@@ -85,7 +87,12 @@ def tp_traffic(config, layout, layers, first, last):
     return traffic
 
 
-def cp_traffic(config, layout, layers):
+def ring_differs_by_rank(config, layout):
+    """Whether the ring's traffic differs from cp rank to cp rank: under a sliding window (cp_traffic)."""
+    return layout.cp > 1 and layout.cp_mode == "ring" and bool(config.sliding_window)
+
+
+def cp_traffic(config, layout, layers, cp_rank=0):
     """Context parallelism's bytes per micro-batch (cp.py, each way's formula), with k, v and q the bytes of this
     rank's K, V and Q shards (V of its own width, c.v_dim: latent attention's values are narrower than its keys)
     and o of the heads' output (n_head x v_head_dim features):
@@ -95,9 +102,10 @@ def cp_traffic(config, layout, layers):
                  (N-1) (k + v) each
       alltoall   q, k, v to head shards and the output back, forward, and their gradients in backward:
                  (N-1)/N of each
-    Recomputation runs the forward's part again. With packed documents the ring's figure is its most: a K/V
-    block that no rank ahead needs in any row of the micro-batch goes no further, which depends on the data
-    (cp.py's tests count the bytes saved exactly)."""
+    Recomputation runs the forward's part again. Under a sliding window the ring's K/V blocks and their
+    gradients go only as far as a query sees, which differs from rank to rank (cp_rank's: `ring_messages`).
+    With packed documents the ring's figure is its most: a K/V block that no rank ahead needs in any row of
+    the micro-batch goes no further, which depends on the data (cp.py's tests count the bytes saved exactly)."""
     n = layout.cp
     if n == 1:
         return Counter()
@@ -113,9 +121,25 @@ def cp_traffic(config, layout, layers):
         # on head shards): checkpoint's recomputation stops there, before the output goes back.
         recomputed = {"none": 0, "selective": q + k + v, "full": q + k + v + o}[layout.recompute]
         return Counter(all_to_all=len(layers) * (n - 1) * (2 * (q + k + v + o) + recomputed) // n)
-    forward = (n - 1) * (k + v)
-    backward = (n - 1) * (k + v) + n * (k + v)  # dK, dV travel in K's and V's dtype
-    return Counter(send_recv=len(layers) * (forward_passes * forward + backward))
+    chunk = c.seq_len // (2 * n)
+    windows = Counter(c.window(layer) for layer in layers)  # {window or None: layers}
+    kv_passes, gradient_messages = (sum(counts) for counts in zip(*(
+        [count * m for m in ring_messages(n, cp_rank, window, chunk)] for window, count in windows.items())))
+    forward = kv_passes * (k + v)
+    backward = forward + gradient_messages * (k + v)  # dK, dV travel in K's and V's dtype
+    return Counter(send_recv=forward_passes * forward + backward)
+
+
+@functools.lru_cache(maxsize=None)
+def ring_messages(n, rank, window, chunk):
+    """(K/V passes, dK/dV messages) of one ring attention call on ring rank `rank`, from cp.py's own plan:
+    N-1 and N under plain causal attention, where every block goes round the whole ring and its accumulators
+    home; with a window, a block goes only as far as some query sees it, and its accumulators come home from
+    there (a rank holding a block at a step sends accumulators on if it added to them or relays them)."""
+    plan = cp.attention_masks(None, window).ring_plan(rank, n, chunk)
+    kv_passes = sum(plan.passes_on(step) for step in range(n))
+    holds = [bool(plan.blocks(step)) or (step > 0 and plan.receives(step - 1)) for step in range(n)]
+    return kv_passes, sum(held and plan.gradients_to(step) is not None for step, held in enumerate(holds))
 
 
 def moe_traffic(config, layout, layers):
