@@ -17,21 +17,22 @@ Backward recomputes each block's probabilities from the final L (P = exp(S - L))
 accumulators travel round the ring with their K/V block until they are home.
 
 First the article: the zigzag split, one block and the merge, ring attention forward and backward on the
-block computation written out. After the banner "Beyond the article": packed documents (masks from the
-document ids, the ring skipping what no query needs), the all-gather (Llama 3) and all-to-all
-(DeepSpeed-Ulysses) ways on the same shards, the glue to model.py, PyTorch's fused block kernels, the
-self-check. Longer design notes: docs/design-cp.md.
+block computation written out. After the banner "Beyond the article": what a query sees (packed documents,
+sliding windows: blocks cut into tiles of the keys seen, the ring skipping what no query needs; attention
+sinks), the all-gather (Llama 3) and all-to-all (DeepSpeed-Ulysses) ways on the same shards, one device's
+core, the glue to model.py, PyTorch's fused block kernels, the self-check. Design notes: docs/design-cp.md.
 
 What a model must offer (the contract for copying this file alone): its attention calls a replaceable
 function on q, k, v of shape (batch, heads, seq, head_dim) after any rotary embedding (k and v may have
 fewer heads: grouped-query attention), and, for packed documents, the document ids (batch, seq) of the
-WHOLE sequence in natural order (non-decreasing along a row; None: one causal sequence); and it takes
+WHOLE sequence in natural order (non-decreasing along a row; None: one causal sequence), by the same seam
+the layer's window (int or None) and sinks (a parameter of one logit per head, or None); and it takes
 token positions as an argument, so that a rank's shard (`shard_sequence`) is embedded at its true
 positions (`zigzag_positions`). The glue is one line per attention layer, `core = ContextParallelCore(group)`
-(ring attention on PyTorch's fused kernels; mode="allgather" or "alltoall" for the other ways), or
-`core = lambda q, k, v, documents=None: ring_attention(q, k, v, group, documents=documents)[0]` on the
-written-out blocks (pass kernels=default_kernels(q.device, q.dtype, q.shape[-1]) for the fused ones);
-plus sharding the batch. Gradients are then averaged over the group as data parallelism does.
+(ring attention on PyTorch's fused kernels; mode="allgather" or "alltoall" for the other ways; on one
+device `AttentionCore()`), called as core(q, k, v, documents, window=, sinks=), or `core = lambda q, k, v:
+ring_attention(q, k, v, group)[0]` on the written-out blocks; plus sharding the batch. Gradients are then
+averaged over the group as data parallelism does.
 
 Self-check: torchrun --nproc_per_node 4 cp.py
 """

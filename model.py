@@ -13,9 +13,10 @@ Everything is plain PyTorch on one device. The parallel files never change
 this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:
 
-- `CausalSelfAttention.core(q, k, v, documents)` (and `LatentAttention.core`) is the attention core
-  (context parallelism replaces it with ring attention; `GPT.generate`, for
-  the length of a call, with a key/value cache, `KVCache`);
+- `CausalSelfAttention.core(q, k, v, documents, window=, sinks=)` (and `LatentAttention.core`) is the
+  attention core (training replaces it with cp.py's, which computes only the
+  keys a query sees, and context parallelism with ring attention; `GPT.generate`,
+  for the length of a call, with a key/value cache, `KVCache`);
 - `GPT.loss_fn(logits, targets, tokens=None)` is the cross-entropy (tensor
   parallelism replaces it with one that never gathers the vocabulary-sharded
   logits);
@@ -29,6 +30,10 @@ back, each ended by an EOS token. With `documents` (each token's document,
 document's first token (`token_positions`), and the prediction that would
 cross into the next document (the target after an EOS) is marked IGNORE and
 left out of the loss. Without it (None), one causal sequence, as GPT-2 trained.
+A layer may also see only the latest `sliding_window` tokens (Mistral, Qwen2,
+Gemma 3, gpt-oss: `window_layers` says which layers), and with
+`attention_sinks` each head has a learned logit in its softmax's denominator
+(gpt-oss): both are the layer's own, passed to its core with the documents.
 
 Initial values are drawn by position (`initial_values`): each element's is a
 function of (seed, parameter name, its position in the full tensor), so a

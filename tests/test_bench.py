@@ -69,6 +69,11 @@ def test_quick_documents_row_times_document_masking_against_plain_causal(tmp_pat
         causal, masked = ([json.loads(line) for line in open(tmp_path / "documents" / "runs" / f"{name}-{arm}0" /
                                                            "log.jsonl")] for arm in ("causal", "documents"))
         assert causal[-1]["tokens_seen"] == masked[-1]["tokens_seen"] and causal[0]["loss"] != masked[0]["loss"]
+    long = json.loads((tmp_path / "long_sequences.json").read_text())  # --quick's: documents and a window
+    assert len(long["rows"]) == 2 and [row.get("window") for row in long["rows"].values()] == [None, 64]
+    for row in long["rows"].values():
+        low, high = row["speed_range"]
+        assert low <= row["speed_ratio"] <= high and min(row["peak_resident_bytes"].values()) > 0
 
 
 def test_quick_zero_pipeline_sets_zero3_beside_zero1_under_1f1b(tmp_path):

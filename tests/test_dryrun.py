@@ -38,9 +38,13 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
     (50, ["--arch", "deepseek", "--tp", "2", "--sp", "--recompute", "selective", "--zero", "2"]),
     (7, ["--arch", "deepseek", "--cp", "2", "--experts", "4", "--top-k", "2", "--shared-experts", "1",
          "--expert-groups", "2", "--group-top-k", "1", "--ep", "4", "--zero", "1", "--aux-loss-scope", "sequence"]),
+    # A window on every second layer and sinks under a cp=4 ring: rank 4 is cp rank 2, whose ring sends less
+    # than rank 0's (the planner's per-rank figure), and the core keeps no mask
+    (4, ["--cp", "4", "--tp", "2", "--arch", "llama", "--seq-len", "32", "--sliding-window", "5", "--window-layers",
+         "1:1", "--attention-sinks", "--zero", "1"]),
 ], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "qwen3-attention-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4",
         "tp2-experts-shared-recomputed-zero1", "ep4-expert-tp2-tp2-sp-zero1", "deepseek-tp2-sp-selective-zero2",
-        "deepseek-cp2-ep4-groups-per-sequence-zero1"])
+        "deepseek-cp2-ep4-groups-per-sequence-zero1", "window-sinks-cp4-ring-tp2-zero1"])
 def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, rank, flags):
     out = dry_run("--world", "64", "--rank", str(rank), "--json", *TINY, *flags, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]

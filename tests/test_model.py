@@ -308,7 +308,8 @@ def test_generate_with_top_k_one_is_greedy_decoding():
 
 # The key/value cache: the same tokens as running the whole context every step, for every kind of block
 CACHED = {"gpt": {}, "llama-gqa": LLAMA, "qwen3-qk-norm": QWEN3, "gpt-moe": dict(n_experts=4, moe_layers=(1,)),
-          "llama-moe": dict(LLAMA, n_experts=4, top_k=2, n_shared_experts=1)}
+          "llama-moe": dict(LLAMA, n_experts=4, top_k=2, n_shared_experts=1),
+          "llama-window-sinks": dict(LLAMA, sliding_window=3, window_layers=(0,), attention_sinks=True)}
 SAMPLING = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0), "top-k": dict(temperature=0.8, top_k=5)}
 
 
@@ -320,14 +321,18 @@ def with_and_without_cache(model, prompt, new, **sampling):
 
 def test_kv_cache_attends_new_queries_to_the_keys_up_to_their_positions():
     """Fed in pieces (a prompt, then three tokens at once, then one), the cache attends each query to the keys
-    up to its own position: causal attention over the whole sequence (here with grouped-query attention)."""
+    up to its own position (within a window, the latest of them): causal attention over the whole sequence
+    (here with grouped-query attention, and with sinks)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    cache = KVCache()
-    pieces = [cache(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in [(0, 5), (5, 8), (8, 9)]]
-    torch.testing.assert_close(torch.cat(pieces, dim=2), causal_attention(q, k, v), rtol=1e-12, atol=1e-14)
-    assert len(cache) == 9
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    for seen in ({}, dict(window=3, sinks=sinks)):  # and within a window of 3, with sinks
+        cache = KVCache()
+        pieces = [cache(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **seen) for a, b in [(0, 5), (5, 8), (8, 9)]]
+        torch.testing.assert_close(torch.cat(pieces, dim=2), causal_attention(q, k, v, **seen), rtol=1e-12,
+                                   atol=1e-14)
+        assert len(cache) == 9
 
 
 @pytest.mark.parametrize("sampling", SAMPLING.values(), ids=SAMPLING.keys())

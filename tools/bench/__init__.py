@@ -55,7 +55,7 @@ must end with exactly the weights of the same run uninterrupted
 The modules, one a part of the benchmark:
     common.py         what the parts share: FULL and QUICK, torchrun launches, logs and results, paired ratios
     table.py          Part 1: the table's configurations (CONFIGS), the scaling check, the recomputation modes
-    documents.py      'documents': document masking against plain causal attention
+    documents.py      'documents': document masking and windows against plain causal attention, long sequences
     planner.py        'planner': tools/plan/figure.py's strategies, measured
     pipeline.py       'pipeline': the five schedules' bubbles and timelines, ZB-V beside PyTorch's
     precision.py      'precision': bfloat16 before and after its mixed-precision policy

@@ -12,12 +12,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interval=25, skip=5, rounds=36, k=1,
             scaling_rounds=3, scaling_steps=25, attention_lengths=[2048, 4096, 8192, 16384],
             document_lengths=["short", "half", "long"],
+            long_sequences=dict(model="small", arch="llama", steps=6, skip=2, rounds=3, rows=[
+                dict(seq_len=8192, batch_size=1, documents=256), dict(seq_len=8192, batch_size=1, documents=1024),
+                dict(seq_len=8192, batch_size=1, window=256), dict(seq_len=2048, batch_size=2, documents=256)]),
             zero_pipeline=dict(batch_size=64, micro_batches=8, steps=6, rounds=15),
             muon=dict(batch_size=32, micro_batches=1, rounds=12, k=3),
             muon_convergence=dict(model="small", batch_size=32, steps=300, eval_interval=50,
                                   lrs=dict(adamw=[1e-3, 3e-3, 1e-2, 3e-2], muon=[1e-3, 3e-3, 1e-2, 3e-2])))
 QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, rounds=6, k=1,
              scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512], document_lengths=["short", "long"],
+             long_sequences=dict(model="tiny", arch="llama", steps=4, skip=1, rounds=1, rows=[
+                 dict(seq_len=1024, batch_size=1, documents=64), dict(seq_len=1024, batch_size=1, window=64)]),
              zero_pipeline=dict(batch_size=16, micro_batches=4, steps=5, rounds=3),
              muon=dict(batch_size=8, micro_batches=1, rounds=2, k=1),
              muon_convergence=dict(model="tiny", batch_size=8, steps=20, eval_interval=10,

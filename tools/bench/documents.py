@@ -1,5 +1,6 @@
-"""Packed documents: train.py with document masking against plain causal attention, and the attention core
-alone, on random documents of each length distribution."""
+"""Packed documents and sliding windows: train.py with document masking against plain causal attention, and the
+attention core alone, on random documents of each length distribution; and at long sequences, documents of a
+few hundred tokens and a window against plain causal attention, speed and peak memory."""
 import os
 import statistics
 import time
@@ -31,10 +32,11 @@ def packed_data(folder, seq_len, mean_sequences, vocab_size, n_tokens=1 << 18, s
 
 
 def attention_times(config, micro_batch, documents, rounds):
-    """Seconds of one attention forward and backward (model.py's core) with the documents' mask and with plain
-    causal attention, alternated `rounds` times in this process: {arm: per round}."""
+    """Seconds of one attention forward and backward (training's core on one device, cp.AttentionCore) within
+    the documents and plain causal, alternated `rounds` times in this process: {arm: per round}."""
     import torch
-    from model import causal_attention
+    from cp import AttentionCore
+    causal_attention = AttentionCore()
     head_dim = config.head_dim
     g = torch.Generator().manual_seed(0)
     q = torch.randn(micro_batch, config.n_head, config.seq_len, head_dim, generator=g, requires_grad=True)
@@ -93,3 +95,44 @@ def documents_check(settings, out):
                           attention_time_range=[min(attention), max(attention)])
     return dict(model=settings["model"], rounds=rounds, steps=steps, micro_batch=micro_batch, seq_len=config.seq_len,
                 rows=rows)
+
+
+def long_sequences_check(settings, out):
+    """train.py on one rank at long sequences (settings["long_sequences"]: its rows), each row's masked run
+    (--document-mask on packed documents of a mean length, or --sliding-window on the same data unmasked)
+    beside plain causal attention (--no-document-mask) in alternated order in each round, on the same data:
+    tokens per second and peak resident memory of each, the median and range of the rounds' speed ratios
+    (masked over causal: above 1, faster)."""
+    long = settings["long_sequences"]
+    rows = {}
+    for row in long["rows"]:
+        name = f"seq {row['seq_len']} x{row['batch_size']}, " + (
+            f"documents of {row['documents']}" if "documents" in row else f"window {row['window']} (unpacked)")
+        data = os.path.join(out, "long", f"documents{row.get('documents', 256)}")
+        per_sequence = packed_data(data, row["seq_len"], row.get("documents", 256) / row["seq_len"], 256,
+                                   n_tokens=1 << 20)
+        common = ["--model", long["model"], "--arch", long["arch"], "--data", data, "--seq-len", str(row["seq_len"]),
+                  "--batch-size", str(row["batch_size"]), "--steps", str(long["steps"]), "--eval-interval",
+                  str(long["steps"]), "--out", os.path.join(out, "long", "runs")]
+        masked = ["--document-mask"] if "documents" in row else ["--no-document-mask", "--sliding-window",
+                                                                 str(row["window"])]
+        per_round = []
+        for r in range(long["rounds"]):
+            print(f"bench: long sequences, {name}, round {r + 1} of {long['rounds']}", flush=True)
+            arms = [("causal", ["--no-document-mask"]), ("masked", masked)][::1 if r % 2 else -1]
+            result = {}
+            for arm, flags in arms:
+                run = f"{len(rows)}-{arm}{r}"
+                torchrun(1, "train.py", *common, *flags, "--name", run)
+                log = read_log(os.path.join(out, "long", "runs", run, "log.jsonl"))
+                result[arm] = dict(tokens_per_s=tokens_per_s(log[long["skip"]:]),
+                                   peak_resident_bytes=max(e["peak_resident_bytes"][0] for e in log))
+            per_round.append(result)
+        speed = [r["masked"]["tokens_per_s"] / r["causal"]["tokens_per_s"] for r in per_round]
+        rows[name] = dict(**row, documents_per_sequence=per_sequence if "documents" in row else None,
+                          tokens_per_s={arm: statistics.median(r[arm]["tokens_per_s"] for r in per_round)
+                                        for arm in ("causal", "masked")},
+                          peak_resident_bytes={arm: max(r[arm]["peak_resident_bytes"] for r in per_round)
+                                               for arm in ("causal", "masked")},
+                          speed_ratio=statistics.median(speed), speed_range=[min(speed), max(speed)])
+    return dict(model=long["model"], arch=long["arch"], rounds=long["rounds"], steps=long["steps"], rows=rows)
