@@ -182,7 +182,7 @@ def ring_attention(q, k, v, group, *,  # beyond the article:
     sharded), non-decreasing along a row (attention stays within each document); window, a query sees at
     most this many latest tokens, itself included; sinks (heads,), a learned logit per head in the softmax's
     denominator."""
-    masks = attention_masks(documents, window, sinks)
+    masks = attention_masks(documents, window, sinks, q.device)
     with precision_as_given(q, k, v):
         out, lse = RingAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
     return masks.sink_gradients(out, lse), lse
@@ -431,22 +431,26 @@ def _wait(works):
 # packed sequence of short documents, or a short window, costs what its visible pairs cost, not the causal
 # triangle, and no (seq, seq) mask exists. What is not skipped: docs/design-cp.md.
 
-def attention_masks(documents, window=None, sinks=None):
+def attention_masks(documents, window=None, sinks=None, device=None):
     """What each block of this call computes: plain causal attention (documents and window None), or the
-    tiles of what a query sees (`VisibleMasks`); with sinks (heads,), each head's sink merged in."""
-    masks = CausalMasks() if documents is None and window is None else _visible_masks(documents, window)
+    tiles of what a query sees (`VisibleMasks`, its masks made on `device`, the queries'); with sinks
+    (heads,), each head's sink merged in."""
+    if documents is None and window is None:
+        masks = CausalMasks()
+    else:
+        masks = _visible_masks(documents, window, documents.device if documents is not None else device)
     return masks if sinks is None else WithSinks(masks, sinks)
 
 
 @functools.lru_cache(maxsize=8)  # (a tensor hashes by identity; a cached one is held, so none can alias it)
-def _visible_masks(documents, window):
+def _visible_masks(documents, window, device):
     """Every layer of a micro-batch asks with the same ids tensor: its masks (one per window) are kept and
     given again, so the ids go to the host once per micro-batch, not once per layer (on a GPU each copy
     makes the host wait for the device)."""
-    return VisibleMasks(_first_keys(documents), window)
+    return VisibleMasks(_first_keys(documents), window, device)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=8)
 def _first_keys(documents):
     """(on the ids' device, on the host): the index of the first token of each token's document, (batch,
     seq); None without documents."""
@@ -462,19 +466,20 @@ def _first_keys(documents):
 class VisibleMasks(CausalMasks):
     """Causal attention within packed documents and/or a sliding window: query i sees keys lo[i]..i, lo[i] =
     max(first[i], i - window + 1), first[i] its document's first token (first: `_first_keys`, None: one
-    document a row; window None: no window).
+    document a row; window None: no window); the masks are made on `device`.
 
     lo does not decrease along a row, so queries qs..qe-1 together see keys of at most lo[qs]..qe-1:
     whether a block sees anything, and which keys each tile of its queries needs, is decided on the host
-    from lo's smallest value over the rows (`lowest`). A block's "mask" is its `tiles`: runs of `tile`
-    queries, each against the one run of keys it sees, with its own mask (True: causal, the tile's own keys;
-    False: all of them; else a boolean tensor, True where a query sees a key, made on the ids' device when
-    asked for, again in backward). `kernels_for` runs the block kernels tile by tile.
+    from lo's smallest and largest values over the rows (`lowest`). A block's "mask" is its tiles: runs of
+    `tile` queries, each against the run of keys it sees, cut where the mask changes kind (`_runs`), each
+    with its own mask (True: causal, the tile's own keys; False: all of them; else a boolean tensor, True
+    where a query sees a key, made on the ids' device when asked for, again in backward). `kernels_for`
+    runs the block kernels tile by tile.
     """
     tile = 128  # queries per tile: the fastest measured on CPUs at 8192 tokens (docs/documents.md)
 
-    def __init__(self, first, window):
-        self.window = window
+    def __init__(self, first, window, device=None):
+        self.window, self.device = window, device
         self.first, self.first_on_host = first or (None, None)
         # lo's smallest and largest value over the rows, at each query (host lists: asked per tile)
         self.low, self.high = ([None, None] if first is None else
@@ -505,10 +510,12 @@ class VisibleMasks(CausalMasks):
     def _runs(self, rows, seen):
         """The keys `seen` by some query of `rows`, in up to three runs: those only some of them see (the
         starts of their documents and windows), those every one of them sees (no mask), and the rows' own
-        keys (the causal mask, where nothing else masks them)."""
+        keys (the causal mask, where nothing else masks them); in one run (one mask) where the second would
+        be shorter than a tile, whose kernel call would cost more than the mask it saves."""
         every = min(max(seen.start, self.lowest(rows.stop - 1, highest=True)), seen.stop)  # all see from here
         own = min(max(every, rows.start), seen.stop)  # ... to the rows' own keys
-        runs = [slice(seen.start, every), slice(every, own), slice(own, seen.stop)]
+        runs = [slice(seen.start, every), slice(every, own), slice(own, seen.stop)] if own - every >= self.tile \
+            else [seen]
         return [run for run in runs if run.start < run.stop]
 
     def _tile_mask(self, queries, keys):
@@ -517,10 +524,9 @@ class VisibleMasks(CausalMasks):
                 return False
             if keys == queries:
                 return True
-        device = (self.first if self.first is not None else torch.empty(0)).device
-        index = torch.arange(keys.start, keys.stop, device=device)
-        at = torch.arange(queries.start, queries.stop, device=device).unsqueeze(1)
-        lo = torch.zeros(1, 1, 1, dtype=torch.long, device=device) if self.first is None else self.first[:, queries, None]
+        index = torch.arange(keys.start, keys.stop, device=self.device)
+        at = torch.arange(queries.start, queries.stop, device=self.device).unsqueeze(1)
+        lo = self.first[:, queries, None] if self.first is not None else torch.zeros(1, 1, 1, device=self.device).long()
         if self.window is not None:
             lo = torch.maximum(lo, at - self.window + 1)
         return ((index <= at) & (index >= lo)).unsqueeze(1)  # (batch or 1, 1, queries, keys)
@@ -541,16 +547,26 @@ def _tiled(kernels):
     forward, backward = kernels
 
     def tiled_forward(q, k, v, tiles):
+        if len(tiles) == 1 and tiles[0][0] == slice(0, q.shape[2]):  # one tile, the whole block's queries
+            _, columns, mask = tiles[0]
+            return _without_keyless_rows(*forward(q, k[:, :, columns], v[:, :, columns], mask), mask)
         merged = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=merged, device=q.device)
+        # token-major, (batch, queries, heads, features) in memory, as the fused kernels lay their outputs
+        out = torch.zeros((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]), dtype=merged, device=q.device)
+        out = out.transpose(1, 2)
         lse = torch.full(q.shape[:-1], torch.finfo(merged).min, dtype=merged, device=q.device)
-        for rows, columns, mask in tiles:  # (several tiles of the same rows are merged as the ring's blocks)
+        written = None  # the rows the last tile wrote: the next tile of the same rows is merged into them
+        for rows, columns, mask in tiles:
             tile_out, tile_lse = _without_keyless_rows(*forward(q[:, :, rows], k[:, :, columns], v[:, :, columns],
                                                                 mask), mask)
-            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], tile_out, tile_lse)
+            if rows == written:
+                tile_out, tile_lse = merge(out[:, :, rows], lse[:, :, rows], tile_out, tile_lse)
+            out[:, :, rows], lse[:, :, rows], written = tile_out, tile_lse, rows
         return out, lse
 
     def tiled_backward(d_out, q, k, v, out, lse, tiles):
+        if len(tiles) == 1 and tiles[0][:2] == (slice(0, q.shape[2]), slice(0, k.shape[2])):  # the block whole
+            return backward(d_out, q, k, v, out, lse, tiles[0][2])
         summed = torch.promote_types(q.dtype, torch.float32)
         dq, dk, dv = (torch.zeros(t.shape, dtype=summed, device=t.device) for t in (q, k, v))
         for rows, columns, mask in tiles:
@@ -760,7 +776,7 @@ class AllGatherAttention(torch.autograd.Function):
 def all_gather_attention(q, k, v, group, *,  # beyond the article:
                          kernels=EXPLICIT, documents=None, window=None, sinks=None):
     """ring_attention's result by all-gathering K and V instead of passing them round a ring."""
-    masks = attention_masks(documents, window, sinks)
+    masks = attention_masks(documents, window, sinks, q.device)
     with precision_as_given(q, k, v):
         out, lse = AllGatherAttention.apply(q, k, v, group, masks.kernels_for(kernels), masks)
     return masks.sink_gradients(out, lse), lse
@@ -858,7 +874,7 @@ def _token_major(x):
 def one_device_attention(q, k, v, *, kernels=EXPLICIT, documents=None, window=None, sinks=None):
     """ring_attention's result for a whole sequence on one device, (output, log-sum-exp): the single device's
     attention core, computing only the tiles a query sees (CausalAttention), and the all-to-all's."""
-    masks = attention_masks(documents, window, sinks)
+    masks = attention_masks(documents, window, sinks, q.device)
     with precision_as_given(q, k, v):
         out, lse = CausalAttention.apply(q, k, v, masks.kernels_for(kernels), masks)
     return masks.sink_gradients(out, lse), lse

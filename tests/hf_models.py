@@ -543,8 +543,9 @@ def _layer_windows(cfg):
     if cfg["model_type"] in ("mistral", "mixtral"):
         return [cfg.get("sliding_window")] * n
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-    types = cfg.get("layer_types") or ["sliding_attention" if window is not None and i >= cfg.get("max_window_layers", n)
-                                       else "full_attention" for i in range(n)]
+    first = cfg.get("max_window_layers", n)
+    types = cfg.get("layer_types") or ["sliding_attention" if window is not None and i >= first else "full_attention"
+                                       for i in range(n)]
     return [window if kind == "sliding_attention" else None for kind in types]
 
 

@@ -333,7 +333,7 @@ def test_the_one_device_core_computes_only_what_a_query_sees_and_equals_full_att
             expected[0].backward(grad)
             for mine, reference_leaves in [(leaves[1], leaves[0]), (leaves[2], leaves[0])]:
                 assert max((a.grad - b.grad).abs().max() for a, b in zip(mine, reference_leaves)) < 1e-12
-    masks = cp.attention_masks(documents, 3)
+    masks = cp.attention_masks(documents, 3, device=documents.device)
     tiles = masks.mask(slice(0, seq_len), slice(0, seq_len))
     seen = document_mask(documents, 3)[:, 0]
     pairs = sum((rows.stop - rows.start) * (columns.stop - columns.start) for rows, columns, _ in tiles)

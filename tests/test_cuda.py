@@ -74,12 +74,13 @@ def test_cuda_kernels_chosen_by_dtype_and_head_size():
     assert cp.default_kernels(cuda, torch.bfloat16, 192, 128) is cp.CUDA_EFFICIENT  # latent attention's widths
 
 
-def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len, v_head_dim=64, seen=False):
+def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len, v_head_dim=64, seen=None):
     """Ring attention on a ring of one rank (so every kind of block runs: causal and not, merged) with
     fused CUDA kernels and with the written-out blocks, forward and backward: the dtypes returned, and
     each result's largest difference relative to the largest reference value. v_head_dim: the values'
-    width (the queries' and keys' is 64). seen: within documents of about 37 tokens, a window of 50 and
-    with sinks (their gradient last), by the one-device core (tiles of 32 queries, masked and not)."""
+    width (the queries' and keys' is 64). seen "documents": within documents of about 37 tokens, a window
+    of 50 and with sinks (their gradient last), by the one-device core (tiles of 32 queries, masked and
+    not); "window": the window alone (its masks made on the queries' device), with sinks."""
     import cp
     device, dtype, fused = torch.device("cuda"), getattr(torch, dtype_name), getattr(cp, kernels_name)
     g = torch.Generator(device=device).manual_seed(0)
@@ -88,12 +89,12 @@ def ring_kernels_on_cuda(kernels_name, dtype_name, seq_len, v_head_dim=64, seen=
             for width in (64, v_head_dim))
     grad = grad[..., :v_head_dim]
     sinks = torch.randn(8, device=device, generator=g) if seen else None
-    options = dict(documents=torch.arange(seq_len, device=device).div(37, rounding_mode="floor").expand(2, -1),
-                   window=50) if seen else {}
+    documents = torch.arange(seq_len, device=device).div(37, rounding_mode="floor").expand(2, -1)
+    options = dict(documents=documents if seen == "documents" else None, window=50) if seen else {}
     cp.VisibleMasks.tile = 32
     results = {}
     for kernels in (fused, cp.EXPLICIT):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, *[sinks][:seen])]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, *([sinks] if seen else []))]
         if seen:
             out, lse = cp.one_device_attention(*leaves[:3], kernels=kernels, sinks=leaves[3], **options)
         else:
@@ -122,13 +123,14 @@ def test_ring_attention_with_the_cuda_kernels_equals_the_written_out_blocks(kern
     assert max(out, *grads) < tolerance
 
 
+@pytest.mark.parametrize("seen", ["documents", "window"])
 @pytest.mark.parametrize("kernels,dtype,tolerance", [("CUDA_FLASH", "bfloat16", 4 * 2**-8),
                                                      ("CUDA_EFFICIENT", "float32", 1e-4)])
-def test_the_one_device_core_within_documents_windows_and_sinks_on_cuda(kernels, dtype, tolerance):
+def test_the_one_device_core_within_documents_windows_and_sinks_on_cuda(kernels, dtype, tolerance, seen):
     """The tiles a query sees (masked ones on the memory-efficient kernel, the others on FlashAttention where
     the dtype has it) and the sinks, against the written-out blocks, forward and backward (tolerance as
     above; the sinks' gradient is a float32 sum over every row of terms the kernels rounded alike)."""
-    result, = run_on_ranks(1, ring_kernels_on_cuda, kernels, dtype, 256, 64, True)
+    result, = run_on_ranks(1, ring_kernels_on_cuda, kernels, dtype, 256, 64, seen)
     assert result["dtypes"] == [f"torch.{dtype}", "torch.float32"] + [f"torch.{dtype}"] * 3 + ["torch.float32"]
     out, lse, *grads = result["differences"]
     assert lse < tolerance / 10 and max(out, *grads) < tolerance

@@ -103,17 +103,17 @@ def long_sequences_check(settings, out):
     beside plain causal attention (--no-document-mask) in alternated order in each round, on the same data:
     tokens per second and peak resident memory of each, the median and range of the rounds' speed ratios
     (masked over causal: above 1, faster)."""
-    long = settings["long_sequences"]
+    long, folder = settings["long_sequences"], os.path.join(out, "documents", "long")
     rows = {}
     for row in long["rows"]:
         name = f"seq {row['seq_len']} x{row['batch_size']}, " + (
             f"documents of {row['documents']}" if "documents" in row else f"window {row['window']} (unpacked)")
-        data = os.path.join(out, "long", f"documents{row.get('documents', 256)}")
+        data = os.path.join(folder, f"documents{row.get('documents', 256)}")
         per_sequence = packed_data(data, row["seq_len"], row.get("documents", 256) / row["seq_len"], 256,
                                    n_tokens=1 << 20)
         common = ["--model", long["model"], "--arch", long["arch"], "--data", data, "--seq-len", str(row["seq_len"]),
                   "--batch-size", str(row["batch_size"]), "--steps", str(long["steps"]), "--eval-interval",
-                  str(long["steps"]), "--out", os.path.join(out, "long", "runs")]
+                  str(long["steps"]), "--out", os.path.join(folder, "runs")]
         masked = ["--document-mask"] if "documents" in row else ["--no-document-mask", "--sliding-window",
                                                                  str(row["window"])]
         per_round = []
@@ -124,7 +124,7 @@ def long_sequences_check(settings, out):
             for arm, flags in arms:
                 run = f"{len(rows)}-{arm}{r}"
                 torchrun(1, "train.py", *common, *flags, "--name", run)
-                log = read_log(os.path.join(out, "long", "runs", run, "log.jsonl"))
+                log = read_log(os.path.join(folder, "runs", run, "log.jsonl"))
                 result[arm] = dict(tokens_per_s=tokens_per_s(log[long["skip"]:]),
                                    peak_resident_bytes=max(e["peak_resident_bytes"][0] for e in log))
             per_round.append(result)
