@@ -166,7 +166,9 @@ class GPTConfig:
             bad = [i for i in layers if not 0 <= i < self.n_layer]
             if bad:
                 raise ValueError(f"{name} {bad} are not layers of a {self.n_layer}-layer model")
-        if self.sliding_window < 0 or (self.window_layers and not self.sliding_window):
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be at least 1 token (0: no window)")
+        if self.window_layers and not self.sliding_window:
             raise ValueError(f"window_layers {list(self.window_layers)} need a sliding_window of at least 1 token")
 
     def is_moe(self, layer: int) -> bool:

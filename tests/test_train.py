@@ -49,6 +49,12 @@ QUICK = ["--model", "tiny", "--batch-size", "8", "--lr", "1e-2", "--log-interval
     (2, ["--tp", "2", "--heads", "3", "--head-dim", "8"], "--tp 2: attention heads 3 does not divide by the "
                                                           "tensor-parallel size 2"),
     (2, ["--tp", "2", "--d-ff", "33"], "--tp 2: MLP hidden size 33 does not divide by the tensor-parallel size 2"),
+    # What a query sees: a window of whole tokens, on layers the model has
+    (1, ["--sliding-window", "0"], "--sliding-window must be at least 1, got 0"),
+    (1, ["--window-layers", "1:1"], "--window-layers 1:1: window_layers [0] need a sliding_window of at least 1 token"),
+    (1, ["--sliding-window", "4", "--window-layers", "2"], "window_layers [2] are not layers of a 2-layer model"),
+    (1, ["--sliding-window", "4", "--window-layers", "a:b"], "--window-layers a:b: give layer indices (0,2,4) or "
+                                                             "LOCAL:GLOBAL (5:1)"),
     (1, ["--balance", "bias"], "--shared-experts, --balance and --aux-loss-scope shape mixture-of-experts layers: "
                                "they need --experts"),
     (1, ["--aux-loss-scope", "sequence"], "--aux-loss-scope shape mixture-of-experts layers: they need --experts"),
@@ -218,6 +224,9 @@ def test_shape_flags_are_refused_with_a_folder(tmp_path):
     hf_models.make_folder(str(tmp_path), "llama")
     with pytest.raises(cli.ConfigError, match=r"--head-dim, --qk-norm: --init-from .* sets the model's shape"):
         cli.check_args(cli.parse_args([*QUICK, "--init-from", str(tmp_path), "--head-dim", "16", "--qk-norm"]), 1)
+    with pytest.raises(cli.ConfigError, match=r"--sliding-window, --attention-sinks: --init-from .* sets the model"):
+        cli.check_args(cli.parse_args([*QUICK, "--init-from", str(tmp_path), "--sliding-window", "8",
+                                       "--attention-sinks"]), 1)
 
 
 def test_vocabulary_flags(tmp_path):
