@@ -470,7 +470,7 @@ class VisibleMasks(CausalMasks):
 
     lo does not decrease along a row, so queries qs..qe-1 together see keys of at most lo[qs]..qe-1:
     whether a block sees anything, and which keys each tile of its queries needs, is decided on the host
-    from lo's smallest and largest values over the rows (`lowest`). A block's "mask" is its tiles: runs of
+    from lo's smallest and largest values over the rows (`first_key`). A block's "mask" is its tiles: runs of
     `tile` queries, each against the run of keys it sees, cut where the mask changes kind (`_runs`), each
     with its own mask (True: causal, the tile's own keys; False: all of them; else a boolean tensor, True
     where a query sees a key, made on the ids' device when asked for, again in backward). `kernels_for`
@@ -485,23 +485,23 @@ class VisibleMasks(CausalMasks):
         self.low, self.high = ([None, None] if first is None else
                                [self.first_on_host.min(0).values.tolist(), self.first_on_host.max(0).values.tolist()])
 
-    def lowest(self, i, highest=False):
-        """The first key query i sees in any row (highest: in every row)."""
-        first = self.high if highest else self.low
+    def first_key(self, i, in_every_row=False):
+        """The first key query i sees in some row (in_every_row: the first it sees in every row, the latest)."""
+        first = self.high if in_every_row else self.low
         return max(0 if first is None else first[i], 0 if self.window is None else i - self.window + 1)
 
     def sees(self, queries, keys):
         """Whether any query of the block sees any of its keys: the first query at or after the keys' start
         sees the block's keys if any query does."""
         i = max(queries.start, keys.start)
-        return i < queries.stop and keys.start < keys.stop and self.lowest(i) < keys.stop
+        return i < queries.stop and keys.start < keys.stop and self.first_key(i) < keys.stop
 
     def mask(self, queries, keys):
         """The block's tiles [(rows, columns, mask)], slices within the block's queries and keys; None if none."""
         tiles = []
         for start in range(queries.start, queries.stop, self.tile):
             rows = slice(start, min(start + self.tile, queries.stop))
-            seen = slice(max(keys.start, self.lowest(start)), min(keys.stop, rows.stop))
+            seen = slice(max(keys.start, self.first_key(start)), min(keys.stop, rows.stop))
             for run in self._runs(rows, seen):
                 tiles.append((slice(rows.start - queries.start, rows.stop - queries.start),
                               slice(run.start - keys.start, run.stop - keys.start), self._tile_mask(rows, run)))
@@ -512,14 +512,14 @@ class VisibleMasks(CausalMasks):
         starts of their documents and windows), those every one of them sees (no mask), and the rows' own
         keys (the causal mask, where nothing else masks them); in one run (one mask) where the second would
         be shorter than a tile, whose kernel call would cost more than the mask it saves."""
-        every = min(max(seen.start, self.lowest(rows.stop - 1, highest=True)), seen.stop)  # all see from here
+        every = min(max(seen.start, self.first_key(rows.stop - 1, in_every_row=True)), seen.stop)  # all see from here
         own = min(max(every, rows.start), seen.stop)  # ... to the rows' own keys
         runs = [slice(seen.start, every), slice(every, own), slice(own, seen.stop)] if own - every >= self.tile \
             else [seen]
         return [run for run in runs if run.start < run.stop]
 
     def _tile_mask(self, queries, keys):
-        if self.lowest(queries.stop - 1, highest=True) <= keys.start:  # no query's document or window starts later
+        if self.first_key(queries.stop - 1, in_every_row=True) <= keys.start:  # no document or window starts later
             if keys.stop - 1 <= queries.start:
                 return False
             if keys == queries:
@@ -623,7 +623,7 @@ class _SinkGradient(torch.autograd.Function):
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad_out, *_):
+    def backward(ctx, grad_out):
         out, lse, sinks = ctx.saved_tensors
         p_sink = torch.exp(sinks.to(lse.dtype).view(-1, 1) - lse)  # (batch, heads, queries)
         d_sinks = -(p_sink * (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2))

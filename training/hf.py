@@ -661,17 +661,16 @@ def llama_family(c):
         "qwen3": [(c.bias or c.qkv_bias, "biases (Qwen3's attention_bias puts them on q, k, v and o alone)")],
         "qwen3_moe": [(c.bias or c.qkv_bias, "biases"), (c.n_shared_experts, "a shared expert")],
         "qwen2_moe": [(c.bias, "biases besides those of q, k, v")],
+        "mistral": [(c.bias, "biases")],
     }
-    windows = window_layers(c)
-    tail = windows == list(range(c.n_layer - len(windows), c.n_layer))  # the Qwens': from max_window_layers on
-    for name in lacks.keys() | {family}:  # where a window may be, and the sinks none of them has
-        every = name in ("mistral", "mixtral")
-        lacks[name] = lacks.get(name, []) + [
-            (c.attention_sinks, "attention sinks"),
-            (windows and (len(windows) < c.n_layer if every else not tail),
-             "a sliding window on these layers" + (" (it has one on every layer)" if every else
-                                                   " (the Qwens' are the last ones, from max_window_layers)"))]
-    lacks["mistral"] = lacks.get("mistral", []) + [(c.bias, "biases")]
+    # Windows: Mistral's and Mixtral's on every layer, the Qwens' on the last ones (from max_window_layers)
+    windows, every = window_layers(c), family in ("mistral", "mixtral")
+    tail = windows == list(range(c.n_layer - len(windows), c.n_layer))
+    lacks[family] = lacks.get(family, []) + [
+        (c.attention_sinks, "attention sinks"),
+        (windows and (len(windows) < c.n_layer if every else not tail),
+         "a sliding window on these layers" + (" (it has one on every layer)" if every else
+                                               " (the Qwens' are the last ones, from max_window_layers)"))]
     if c.n_experts:  # (Mixtral's and the Qwen MoEs' routers: a softmax over every expert, gates as they come)
         lacks[family] = lacks.get(family, []) + [
             (c.router_scoring != "softmax", f"{c.router_scoring} router scores"),

@@ -10,7 +10,7 @@ from tools.bench.attention import ATTENTION_ARMS, attention_by_length, worker_at
 from tools.bench.checkpoints import checkpoint_comparison, worker_checkpoint
 from tools.bench.common import FULL, QUICK, REPO, read_json, write_json
 from tools.bench.comparisons import WORKERS, run_comparisons
-from tools.bench.documents import documents_check, long_sequences_check
+from tools.bench.documents import documents_part
 from tools.bench.muon import muon_check, muon_convergence, worker_muon
 from tools.bench.pipeline import pipeline_schedules
 from tools.bench.planner import planner_check
@@ -129,22 +129,7 @@ def main():
         for kind, row in checkpoints["summary"].items():
             print(f"checkpoint {kind:17s} {row['seconds']:7.1f} s, peak resident {row['peak_bytes'] / 2**30:.2f} GiB")
     if not args.only or "documents" in args.only:
-        documents = documents_check(settings, args.out)
-        write_json(os.path.join(args.out, "documents.json"), documents)
-        for name, row in documents["rows"].items():
-            print(f"documents {name:5s} ({row['documents_per_sequence']:.1f} a sequence): step time x"
-                  f"{row['step_time_ratio']:.2f} ({row['step_time_range'][0]:.2f}-{row['step_time_range'][1]:.2f}), "
-                  f"attention x{row['attention_time_ratio']:.2f} ({row['attention_time_range'][0]:.2f}-"
-                  f"{row['attention_time_range'][1]:.2f}) of plain causal's")
-    if not args.only or "documents" in args.only:
-        long = long_sequences_check(settings, args.out)
-        write_json(os.path.join(args.out, "long_sequences.json"), long)
-        for name, row in long["rows"].items():
-            low, high = row["speed_range"]
-            print(f"long sequences {name}: tok/s {row['tokens_per_s']['causal']:,.0f} causal, "
-                  f"{row['tokens_per_s']['masked']:,.0f} masked (x{row['speed_ratio']:.2f}, {low:.2f}-{high:.2f}); "
-                  f"peak {row['peak_resident_bytes']['causal'] / 2**30:.2f} GiB causal, "
-                  f"{row['peak_resident_bytes']['masked'] / 2**30:.2f} GiB masked")
+        documents_part(settings, args.out)
     if not args.only or "zero_pipeline" in args.only:
         zero = zero_pipeline_check(settings, args.out)
         write_json(os.path.join(args.out, "zero_pipeline.json"), zero)

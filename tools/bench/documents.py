@@ -8,6 +8,26 @@ import time
 from tools.bench.common import read_log, tokens_per_s, torchrun, write_json
 
 
+def documents_part(settings, out):
+    """'documents': the short sequences' rows (documents.json) and the long ones' (long_sequences.json),
+    written and printed."""
+    documents = documents_check(settings, out)
+    write_json(os.path.join(out, "documents.json"), documents)
+    for name, row in documents["rows"].items():
+        print(f"documents {name:5s} ({row['documents_per_sequence']:.1f} a sequence): step time x"
+              f"{row['step_time_ratio']:.2f} ({row['step_time_range'][0]:.2f}-{row['step_time_range'][1]:.2f}), "
+              f"attention x{row['attention_time_ratio']:.2f} ({row['attention_time_range'][0]:.2f}-"
+              f"{row['attention_time_range'][1]:.2f}) of plain causal's")
+    long = long_sequences_check(settings, out)
+    write_json(os.path.join(out, "long_sequences.json"), long)
+    for name, row in long["rows"].items():
+        low, high = row["speed_range"]
+        print(f"long sequences {name}: tok/s {row['tokens_per_s']['causal']:,.0f} causal, "
+              f"{row['tokens_per_s']['masked']:,.0f} masked (x{row['speed_ratio']:.2f}, {low:.2f}-{high:.2f}); "
+              f"peak {row['peak_resident_bytes']['causal'] / 2**30:.2f} GiB causal, "
+              f"{row['peak_resident_bytes']['masked'] / 2**30:.2f} GiB masked")
+
+
 # Document length distributions: each document's length is geometric with this mean, in sequences.
 DOCUMENT_LENGTHS = {"short": 1 / 8, "half": 1 / 2, "long": 2}
 

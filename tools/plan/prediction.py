@@ -106,9 +106,9 @@ def muon_rank(stage_prediction, layout, where):
 
 
 def rank_traffic(stage_prediction, layout, where):
-    """The stage's traffic as the rank at `where` sends it: its cp rank's ring ("cp {r}", where it differs), and under Muon with the
-    all-to-alls of its optimizers' assembly ("optim"), which differ from rank to rank (the owners answer for
-    the matrices they assemble)."""
+    """The stage's traffic as the rank at `where` sends it: its cp rank's ring ("cp {r}", where it differs),
+    and under Muon with the all-to-alls of its optimizers' assembly ("optim"), which differ from rank to rank
+    (the owners answer for the matrices they assemble)."""
     traffic = {group: counter for group, counter in stage_prediction["traffic"].items() if not group.startswith("cp ")}
     traffic["cp"] = stage_prediction["traffic"].get(f"cp {where['cp']}", traffic["cp"])  # (see ring_differs_by_rank)
     if stage_prediction["muon"]:
