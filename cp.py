@@ -447,11 +447,11 @@ def _visible_masks(documents, window, device):
     """Every layer of a micro-batch asks with the same ids tensor: its masks (one per window) are kept and
     given again, so the ids go to the host once per micro-batch, not once per layer (on a GPU each copy
     makes the host wait for the device)."""
-    return VisibleMasks(_first_keys(documents), window, device)
+    return VisibleMasks(first_keys(documents), window, device)
 
 
 @functools.lru_cache(maxsize=8)
-def _first_keys(documents):
+def first_keys(documents):
     """(on the ids' device, on the host): the index of the first token of each token's document, (batch,
     seq); None without documents."""
     if documents is None:
@@ -465,7 +465,7 @@ def _first_keys(documents):
 
 class VisibleMasks(CausalMasks):
     """Causal attention within packed documents and/or a sliding window: query i sees keys lo[i]..i, lo[i] =
-    max(first[i], i - window + 1), first[i] its document's first token (first: `_first_keys`, None: one
+    max(first[i], i - window + 1), first[i] its document's first token (first: `first_keys`, None: one
     document a row; window None: no window); the masks are made on `device`.
 
     lo does not decrease along a row, so queries qs..qe-1 together see keys of at most lo[qs]..qe-1:

@@ -48,6 +48,7 @@ from training import checkpoint, flight, hf, integrity, muon, stragglers, tensor
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
 from training.data import open_data
+from training.flex import FlexAttentionCore
 from training.launch import (Preemption, exit_with_error, first_problem, in_collective, init_distributed,
                              rank_and_world, where)
 from training.meter import (ActivationMeter, device_memory_bytes, device_peak_bytes, optimizer_bytes,
@@ -554,11 +555,11 @@ def tensor_parallel(model, mesh, args, moe_layers):
 def context_parallel(model, mesh, args, device):
     """Ring attention (or --cp-mode's way) in every block; returns the positions of this rank's tokens in the
     sequence. Without context parallelism, cp.py's one-device core: like ring attention's, it computes only
-    the tiles of keys a query sees within its document and window (model.py's causal_attention is the
-    readable reference, holding a (seq, seq) mask)."""
+    the tiles of keys a query sees within its document and window, on CUDA by FlexAttention's block masks
+    (training/flex.py; model.py's causal_attention is the readable reference, holding a (seq, seq) mask)."""
     if mesh.size("cp") == 1:
         for block in model.blocks:
-            block.attn.core = cp.AttentionCore()
+            block.attn.core = FlexAttentionCore()
         return None
     cp.apply_context_parallel(model, mesh.groups["cp"], args.cp_mode)
     return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)

@@ -136,6 +136,41 @@ def test_the_one_device_core_within_documents_windows_and_sinks_on_cuda(kernels,
     assert lse < tolerance / 10 and max(out, *grads) < tolerance
 
 
+def flex_on_cuda(dtype_name, seq_len, seen):
+    """training/flex.py's core (compiled FlexAttention over its block mask, sinks merged) against cp.py's
+    one-device core on the written-out blocks, forward and backward: each result's largest difference relative
+    to the largest reference value. seen as in ring_kernels_on_cuda, over seq_len tokens."""
+    import cp
+    from training.flex import FlexAttentionCore, flex_applies
+    device, dtype = torch.device("cuda"), getattr(torch, dtype_name)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, grad = (torch.randn(2, 8, seq_len, 64, device=device, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, seq_len, 64, device=device, generator=g).to(dtype) for _ in range(2))  # GQA
+    sinks = torch.randn(8, device=device, generator=g)
+    documents = torch.arange(seq_len, device=device).div(37, rounding_mode="floor").expand(2, -1)
+    options = dict(documents=documents if seen == "documents" else None, window=50)
+    assert flex_applies(q, v, options["documents"], options["window"])
+    results = []
+    for attention in (FlexAttentionCore(),
+                      lambda *t, **o: cp.one_device_attention(*t, kernels=cp.EXPLICIT, **o)[0]):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = attention(*leaves[:3], sinks=leaves[3], **options)
+        out.backward(grad)
+        results.append([out, *(t.grad for t in leaves)])
+    return [((a.double() - b.double()).abs().max() / b.double().abs().max()).item() for a, b in zip(*results)]
+
+
+@pytest.mark.parametrize("seen", ["documents", "window"])
+@pytest.mark.parametrize("seq_len", [300, 1024])  # blocks of 128 and a part one; eight whole ones
+@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 4 * 2**-8), ("float32", 1e-4)])
+def test_flexattention_core_equals_the_written_out_blocks_on_cuda(dtype, tolerance, seq_len, seen):
+    """The core train.py installs on one GPU, where FlexAttention takes documents and windows: output, dQ, dK, dV
+    and the sinks' gradient (through FlexAttention's log-sum-exp) against the written-out blocks (tolerance as
+    above: the kernel rounds its probabilities and output to the inputs' dtype, the reference does not)."""
+    result, = run_on_ranks(1, flex_on_cuda, dtype, seq_len, seen)
+    assert max(result) < tolerance
+
+
 def test_ring_attention_with_values_of_their_own_width_on_cuda():
     """Latent attention's values are narrower than its keys (DeepSeek-V3: 128 against 192): the memory-efficient
     kernel takes them, and equals the written-out blocks as with one width (tolerance as above)."""
