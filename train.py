@@ -44,7 +44,7 @@ from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_,
 from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
-from training import checkpoint, flight, hf, integrity, muon, stragglers, tensorfile
+from training import checkpoint, flight, fp8, hf, integrity, muon, stragglers, tensorfile
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
 from training.data import open_data
@@ -67,6 +67,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
     "cp": ("send_recv", "all_gather", "reduce_scatter", "all_to_all"),
     "ep": ("all_to_all",),
     "optim": ("all_to_all",),  # Muon's assembly of matrices (training/muon.py)
+    "fp8": ("all_reduce",),    # the float8 scales' maxima over the groups splitting a layer (training/fp8.py)
 }
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
@@ -183,7 +184,10 @@ def parallelize(model, mesh, args, values, device, precision):
     positions = context_parallel(model, mesh, args, device)
     # "Pipeline Parallelism": this rank keeps its stage's layers (V chunks of them with interleaving).
     chunks = pipeline_parallel(model, mesh, args, positions)
-    # Not a dimension: compiled blocks, and activation recomputation around what runs (ring attention too).
+    # Not a dimension: float8 products, compiled blocks, and activation recomputation around what runs (ring
+    # attention too).
+    if args.fp8:
+        fp8.apply_fp8(model, args.fp8)
     if args.compile:
         compile_blocks(model)
     apply_recomputation(model, args.recompute)
@@ -412,7 +416,7 @@ class Trainer:
         """Cumulative bytes sent by this rank, per (dimension, collective kind)."""
         sources = {"dp": self.grad_sync.comm_bytes, "tp": tp.comm_bytes,
                    "pp": {"send_recv": self.runner.bytes_sent, "all_reduce": self.tied.bytes_sent},
-                   "cp": cp.comm_bytes, "ep": ep.comm_bytes, "optim": muon.comm_bytes}
+                   "cp": cp.comm_bytes, "ep": ep.comm_bytes, "optim": muon.comm_bytes, "fp8": fp8.comm_bytes}
         return {f"comm_{dim}_{kind}_bytes": sources[dim].get(kind, 0)
                 for dim, kinds in COMM_KINDS.items() for kind in kinds}
 

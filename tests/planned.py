@@ -10,7 +10,7 @@ from tools import plan
 ACTIVATION_MARGIN = {"float64": 0, "float32": 0, "bfloat16": 0}
 # With top-k below the number of experts, what an expert receives depends on the router: these are
 # predicted for balanced routing.
-ROUTED = ("comm_ep_all_to_all_bytes", "comm_tp_all_reduce_bytes", "activation_peak_bytes")
+ROUTED = ("comm_ep_all_to_all_bytes", "comm_tp_all_reduce_bytes", "comm_fp8_all_reduce_bytes", "activation_peak_bytes")
 
 
 def logged_records(out_dir):

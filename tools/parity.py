@@ -44,7 +44,7 @@ import model as model_lib
 import train
 from mesh import Mesh
 from tools import convert
-from training import checkpoint, cli, hf
+from training import checkpoint, cli, fp8, hf
 from training.data import open_data
 from training.local import run_on_ranks
 
@@ -69,6 +69,8 @@ def reference_steps(argv, skipped_steps=(), record=False):
     model = train.build_model(config, args.seed, torch.float64, torch.device("cpu"))
     if args.init_from:  # a Hugging Face folder's weights (read whole, as one device can)
         model.load_state_dict(hf.load_state_dict(args.init_from, config))
+    if args.fp8:  # the same float8 products, on the one device's tensors
+        fp8.apply_fp8(model, args.fp8)
     optimizer = train.single_device_optimizer(model, args)
     eos_id = cli.document_eos(args, data=data.info)  # packed documents, each ended by it (None: one sequence each)
     result = dict(losses=[], grad_norms=[], gradients=[], weights=[])

@@ -134,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the weights', activations' and every message's dtype (float64 for checks); bfloat16 "
                         "trains as Megatron-LM and FSDP2 do, with float32 master weights and reduction")
+    p.add_argument("--fp8", choices=("rowwise", "tensorwise"), default=None,
+                   help="the blocks' linear layers compute in float8 by this recipe (training/fp8.py): rowwise "
+                        "scales, the same under every layout, or one scale a tensor; on a GPU with --dtype bfloat16")
     p.add_argument("--master-dtype", choices=DTYPES, default=None,
                    help="the optimizer's weights and moments (default: float32 under bfloat16, else --dtype)")
     p.add_argument("--reduce-dtype", choices=DTYPES, default=None,
@@ -235,6 +238,18 @@ def parse_args(argv=None):
     return args
 
 
+def check_fp8(args):
+    """--fp8 on a GPU: one with float8 matrix units (compute capability 8.9: Ada, Hopper, Blackwell), in
+    bfloat16 (the rowwise products' only output dtype there). On CPUs any dtype (float64 for the checks)."""
+    if not args.fp8 or not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise ConfigError(f"--fp8 needs a GPU with float8 matrix units (compute capability 8.9 or later); this "
+                          f"one, {torch.cuda.get_device_name()}, has {torch.cuda.get_device_capability()}")
+    if args.dtype != "bfloat16":
+        raise ConfigError(f"--fp8 on a GPU trains with --dtype bfloat16, not {args.dtype}")
+
+
 def check_args(args, world, data=None):
     """(the model config, the mesh's shape) these flags describe on `world` ranks, or a ConfigError saying
     what is wrong. With --init-from the folder's config.json sets the model (its layers, experts, top-k),
@@ -265,6 +280,7 @@ def check_args(args, world, data=None):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     check_profile(args)
+    check_fp8(args)
     if args.tensorboard and not dashboard.available():
         raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard): the project "
                           "does not depend on it otherwise")

@@ -33,6 +33,7 @@ class Layout:
     documents: bool = False  # packed documents (--document-mask): attention masked, positions per sequence
     optimizer: str = "adamw"  # --optimizer: "muon" steps the blocks' matrices with Muon (training/muon.py)
     muon_gather: bool = False  # --muon-assembly gather: every holder of a matrix assembles it, not one owner
+    fp8: str = None        # --fp8's recipe: the blocks' linears in float8 (training/fp8.py), None: not
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
@@ -99,7 +100,7 @@ def layout_of(args, world, data=None):
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
                   bucket_bytes=int(args.bucket_mb * 2**20),
                   documents=cli.document_eos(args, data=described) is not None,
-                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather")
+                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather", fp8=args.fp8)
 
 
 def coordinates(layout, rank):

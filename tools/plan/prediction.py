@@ -14,7 +14,7 @@ from tools.plan.layout import coordinates, group_index, layout_of, stage_place
 from tools.plan.memory import ADAM_STEP_BYTES, state_memory
 from tools.plan.muon import muon_ranks
 from tools.plan.parameters import config_key, rank_parameters
-from tools.plan.traffic import cp_traffic, moe_traffic, pp_traffic, ring_differs_by_rank, tp_traffic
+from tools.plan.traffic import cp_traffic, fp8_traffic, moe_traffic, pp_traffic, ring_differs_by_rank, tp_traffic
 from training import cli
 
 
@@ -66,7 +66,7 @@ def model_parallel_stage(config_fields, layout, stage):
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, n_model_chunks - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last), "cp": cp_traffic(config, layout, layers),
-                       **moe_traffic(config, layout, layers)}
+                       "fp8": fp8_traffic(config, layout, layers), **moe_traffic(config, layout, layers)}
     if ring_differs_by_rank(config, layout):  # (each cp rank's, the first's "cp" too)
         per_micro_batch.update({f"cp {r}": cp_traffic(config, layout, layers, r) for r in range(1, layout.cp)})
     traffic = {"pp": pp_traffic(config, layout, stage),
@@ -121,7 +121,8 @@ LOGGED_UNDER = {  # traffic group -> the dimension train.py logs it under (the c
     "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
     "tp_rows": "ep", "expert_tp": "ep",  # ep.py's all-to-alls over the tp and expert-tp groups
     "expert_tp_bias": "tp",              # tp.py's all-reduce over the expert-tp group
-    "optim": "optim"}                    # training/muon.py's all-to-alls over the stage
+    "optim": "optim",                    # training/muon.py's all-to-alls over the stage
+    "fp8": "fp8"}                        # training/fp8.py's maxima over the tp and expert-tp groups
 
 
 def comm_fields(traffic):

@@ -5,6 +5,8 @@ from collections import Counter
 
 import cp
 from dp import ring_bytes_sent
+from ep import is_expert_parameter
+from tools.plan.parameters import config_key, model_parameters
 from tools.plan.attention import attention_of
 
 
@@ -179,6 +181,44 @@ def moe_traffic(config, layout, layers):
             bias = ring_bytes_sent("all_reduce", c.d_model * layout.weight_bytes, layout.expert_tp)
             traffic["expert_tp_bias"] = Counter(all_reduce=moe_layers * c.n_experts // layout.ep * bias)
     return traffic
+
+
+def fp8_traffic(config, layout, layers):
+    """The float8 scales' maxima reduced over the groups splitting a linear layer (training/fp8.py), float32,
+    per micro-batch: a row-parallel layer's in forward (run again under full recomputation), a column-parallel
+    layer's in backward. Rowwise: a maximum per token (its rows: the rank's tokens; an expert's, those it
+    received over its expert-tp group, taken as balanced) and one per weight row or column; tensorwise: one
+    a tensor, the input's again in backward for dW (and the row-parallel weight's)."""
+    traffic = Counter()
+    if not layout.fp8:
+        return traffic
+    forwards = 2 if layout.recompute == "full" else 1
+    held = config.n_experts // layout.ep  # experts of a layer this rank holds (those of its ep rank: as many)
+    for name, shape in fp8_weights(config, layers):
+        expert = is_expert_parameter(name)
+        group = layout.expert_tp if expert else layout.tp
+        if group == 1 or expert and int(name.split(".experts.")[1].split(".")[0]) >= held:
+            continue
+        rows = (tokens_per_rank(config, layout) if not expert else
+                layout.expert_tp * layout.ep * routed_tokens(config, layout) * config.top_k // config.n_experts)
+        out, features = shape
+        if name.endswith("proj.weight"):  # row-parallel: out by features/group, summed over its input features
+            sizes = [(rows, forwards), (out, forwards)] if layout.fp8 == "rowwise" else [(1, 2 * forwards + 2)]
+        else:  # column-parallel: out/group by features, dX summed over its output features
+            sizes = [(rows, 1), (features, 1)] if layout.fp8 == "rowwise" else [(1, 1), (1, forwards + 1)]
+        for numel, times in sizes:
+            traffic["all_reduce"] += times * ring_bytes_sent("all_reduce", 4 * numel, group)
+    return traffic
+
+
+def fp8_weights(config, layers):
+    """[(name, (out, in))] of the linear layers of `layers` that compute in float8 (training/fp8.py's choice:
+    every block matrix but the routers, shared experts' gates and latent attention's replicated down-projections
+    (which no layout splits, so they reduce nothing))."""
+    prefixes = tuple(f"blocks.{layer}." for layer in layers)
+    return [(name, shape) for name, shape in model_parameters(config_key(config))
+            if name.startswith(prefixes) and len(shape) == 2
+            and not any(part in name for part in ("router", "shared_gate", "q_down", "kv_down"))]
 
 
 def pp_traffic(config, layout, stage):
