@@ -9,7 +9,8 @@ blocks it skips), memory_planned.png (tools/plan/'s memory per strategy by
 sequence length), memory_measured.png (tools/bench/'s small runs of the same
 strategies, measured beside predicted), timelines.png (the pipeline
 schedules as measured), muon_convergence.png (Muon's and AdamW's learning-rate
-sweeps, where results/muon_convergence.json exists) and results/results.md (the
+sweeps, where results/muon_convergence.json exists), fp8.png (each --fp8 recipe's
+loss beside bfloat16's, where results/fp8.json exists) and results/results.md (the
 seed table's columns, plus memory, communication and efficiency, the comparisons
 with PyTorch's built-ins, ZeRO-3 beside ZeRO-1 under 1F1B where
 results/zero_pipeline.json exists, and Muon beside AdamW where results/muon.json does).
@@ -316,6 +317,32 @@ def muon_convergence(results):
     save(fig, results, "muon_convergence.png")
 
 
+def fp8_convergence(results):
+    """python -m tools.bench --only fp8: each recipe's training loss beside bfloat16's (moving averages), and its
+    difference from bfloat16's step by step."""
+    fp8 = optional_result(results, "fp8.json")
+    if fp8 is None:
+        return
+    arms = fp8["arms"]
+    window = max(1, len(arms["bfloat16"]["losses"]) // 40)
+    smooth = lambda values: np.convolve(values, np.ones(window) / window, mode="valid")  # noqa: E731
+    fig, (curves, difference) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (arm, run), colour in zip(arms.items(), ("black", "tab:blue", "tab:red")):
+        steps = np.arange(len(run["losses"]) - window + 1) + window - 1
+        curves.plot(steps, smooth(run["losses"]), color=colour, lw=1, label=f"{arm}: final {run['final_loss']:.4f}")
+        if arm != "bfloat16":
+            gap = np.array(run["losses"]) - np.array(arms["bfloat16"]["losses"])
+            difference.plot(steps, smooth(gap), color=colour, lw=1,
+                            label=f"{arm}: final {run['final_loss'] - arms['bfloat16']['final_loss']:+.4f}")
+    difference.axhline(0, color="black", lw=0.5)
+    curves.set(xlabel="step", ylabel="loss", yscale="log", title=f"training loss (mean of {window} steps)")
+    difference.set(xlabel="step", ylabel="loss - bfloat16's", title="difference from bfloat16, same batches")
+    for ax in (curves, difference):
+        ax.legend(fontsize=8)
+    fig.suptitle("--fp8 beside bfloat16: " + " ".join(fp8["flags"]), fontsize=9)
+    save(fig, results, "fp8.png")
+
+
 PARTS = [("param", "parameters", "tab:blue"), ("grad", "gradients", "tab:orange"),
          ("optim", "optimizer state", "tab:green"), ("activations", "activations (+ one block recomputed)", "tab:red")]
 MODES = ("none", "selective", "full")
@@ -536,6 +563,7 @@ def main():
     measured_memory(results)
     timelines(results)
     muon_convergence(results)
+    fp8_convergence(results)
     document_masking(results)
     print(f"plot.py: figures and results.md written to {results}")
 

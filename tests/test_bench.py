@@ -76,6 +76,23 @@ def test_quick_documents_row_times_document_masking_against_plain_causal(tmp_pat
         assert low <= row["speed_ratio"] <= high and min(row["peak_resident_bytes"].values()) > 0
 
 
+def test_quick_fp8_trains_each_recipe_beside_bfloat16_on_the_same_batches(tmp_path):
+    """--only fp8: bfloat16 and each recipe from the same weights on the same batches: their first losses differ
+    only by the float8 products' rounding, their final losses are the means of the last steps' logged."""
+    run = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--out", str(tmp_path), "--only", "fp8"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "fp8.json").read_text())
+    arms = result["arms"]
+    assert list(arms) == ["bfloat16", "rowwise", "tensorwise"] and "cuda" not in result  # no GPU here
+    for arm, row in arms.items():
+        assert len(row["losses"]) == 12 and row["final_loss"] == sum(row["losses"][-4:]) / 4
+        if arm != "bfloat16":
+            assert row["losses"][0] != arms["bfloat16"]["losses"][0]  # float8 computed this one
+            assert abs(row["losses"][0] - arms["bfloat16"]["losses"][0]) < 0.05 * arms["bfloat16"]["losses"][0]
+    assert "fp8 rowwise" in run.stdout and "fp8 tensorwise" in run.stdout
+
+
 def test_quick_zero_pipeline_sets_zero3_beside_zero1_under_1f1b(tmp_path):
     """--only zero_pipeline: train.py with --zero 1 and --zero 3 under 1F1B (pp 2 x dp 2), in turn in each round in
     the same processes; per rank the logged memory and bytes, as dp.py's docstring has them."""

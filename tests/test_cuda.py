@@ -171,6 +171,39 @@ def test_flexattention_core_equals_the_written_out_blocks_on_cuda(dtype, toleran
     assert max(result) < tolerance
 
 
+def fp8_products_on(device_name, recipe):
+    """training/fp8.py's float8 linear in bfloat16 on `device_name`: (y, dX, dW) as float64 on the CPU, from the
+    same operands (shapes its CUDA kernels must pad: 40 input features, 24 output, 5 tokens)."""
+    from training import fp8
+    g = torch.Generator().manual_seed(0)
+    x, weight, grad = (torch.randn(*shape, generator=g) for shape in ((5, 40), (24, 40), (5, 24)))
+    x[1] = 0
+    x[2, 0] = 1e4  # past e4m3's range before scaling
+    leaves = [t.to(device_name, torch.bfloat16).requires_grad_() for t in (x, weight)]
+    y = fp8.float8_linear(*leaves, None, fp8.RECIPES[recipe], fp8.Split())
+    y.backward(grad.to(device_name, torch.bfloat16))
+    return [t.double().cpu() for t in (y, leaves[0].grad, leaves[1].grad)]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_products_on_cuda_equal_the_cpus(recipe):
+    """torch._scaled_mm on the GPU against the CPU's, from the same float8 operands (the scales are powers of two
+    of the same maxima, and both casts round to nearest even): each sums exact products in float32 in its own
+    order and rounds to bfloat16, so they agree to two bfloat16 roundings of the largest value (2^-7)."""
+    for cuda, cpu in zip(fp8_products_on("cuda", recipe), fp8_products_on("cpu", recipe)):
+        assert (cuda - cpu).abs().max() <= 2**-7 * cpu.abs().max()
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_training_on_one_gpu_runs_and_its_loss_falls(tmp_path, recipe):
+    out = torchrun(1, "train.py", "--model", "small", "--dtype", "bfloat16", "--fp8", recipe, "--steps", "40",
+                   "--lr", "1e-2", "--eval-interval", "1000", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    config, log = read_run(tmp_path / "gpu1_tp1_pp1_cp1_ep1")
+    losses, floor = [e["loss"] for e in log], config["entropy_floor"]
+    assert config["args"]["fp8"] == recipe and losses[-1] - floor < 0.5 * (losses[0] - floor)  # as bfloat16's, above
+
+
 def test_ring_attention_with_values_of_their_own_width_on_cuda():
     """Latent attention's values are narrower than its keys (DeepSeek-V3: 128 against 192): the memory-efficient
     kernel takes them, and equals the written-out blocks as with one width (tolerance as above)."""

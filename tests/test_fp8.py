@@ -12,6 +12,7 @@ from model import GPT
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
 from training import cli, fp8
+from training.checkpoint import Checkpoint
 
 E4M3_TOP, E5M2_TOP = 448.0, 57344.0
 
@@ -166,6 +167,28 @@ def test_tensorwise_equals_one_process_under_tp_and_within_its_distance_under_dp
     assert max(abs(a - b) / b for a, b in zip(dp2["losses"], one_process["losses"])) < 2**-4
     assert largest_difference(dp2, one_process) > 1e2 * 1e-9
     assert_matches_plan(tmp_path / "tp", [*TENSORWISE, "--tp", "2"], 2)
+
+
+def test_a_checkpoint_saved_with_fp8_resumes_without_it_and_back(tmp_path):
+    """FP8 keeps no state: its checkpoint holds the tensors a plain run's does; resumed with --fp8 the run goes on
+    exactly (one process's FP8 run), resumed without it the same weights train in the run's dtype (other losses),
+    and that run's checkpoint resumes with --fp8 again."""
+    argv = [*ROWWISE, "--steps", "4", "--tp", "2"]
+    plain_argv = [flag for flag in argv if flag not in ("--fp8", "rowwise")]
+    run_dir = "gpu2_tp2_pp1_cp1_ep1"
+    first = run_on_ranks(2, train_worker, [*argv, "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
+    saved = tmp_path / "a" / run_dir / "checkpoint-00000002"
+    again = run_on_ranks(2, train_worker, [*argv, "--resume", str(saved), "--out", str(tmp_path / "b")])[0]
+    assert_matches_oracle(dict(losses=first["losses"] + again["losses"], state_dict=again["state_dict"]),
+                          oracle([*ROWWISE, "--steps", "4"]))
+    plain = run_on_ranks(2, train_worker, [*plain_argv, "--resume", str(saved), "--stop-at", "3",
+                                           "--out", str(tmp_path / "c")])[0]
+    assert plain["losses"][0] != again["losses"][0] and abs(plain["losses"][0] - again["losses"][0]) < 1e-2
+    plain_saved = tmp_path / "c" / run_dir / "checkpoint-00000003"
+    back = run_on_ranks(2, train_worker, [*argv, "--resume", str(plain_saved), "--out", str(tmp_path / "d")])[0]
+    assert len(back["losses"]) == 1
+    run_on_ranks(2, train_worker, [*plain_argv, "--stop-at", "2", "--out", str(tmp_path / "e")])
+    assert Checkpoint(saved).tensors == Checkpoint(tmp_path / "e" / run_dir / "checkpoint-00000002").tensors
 
 
 def test_fp8_flag_is_refused_for_an_unknown_recipe():

@@ -37,8 +37,8 @@ def worst(out):
     (16, ["--tp", "2", "--sp", "--pp", "2", "--cp", "2", "--ep", "2", "--experts", "4", "--zero", "1",
           "--arch", "llama", "--layers", "4"]),
     (4, ["--zero", "3", "--tp", "2", "--arch", "llama", "--document-mask", "--eos-id", "16", "--seq-len", "32",
-         "--optimizer", "muon", "--sliding-window", "5", "--window-layers", "0", "--attention-sinks"]),
-], ids=["tp2-sp-pp2-cp2-ep2-zero1-llama", "zero3-tp2-documents-window-sinks-muon"])
+         "--optimizer", "muon", "--sliding-window", "5", "--window-layers", "0", "--attention-sinks", "--fp8", "rowwise"]),
+], ids=["tp2-sp-pp2-cp2-ep2-zero1-llama", "zero3-tp2-documents-window-sinks-muon-fp8"])
 def test_composed_layouts_are_within_tolerance_and_exit_0(world, flags):
     out = parity(world, *flags)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

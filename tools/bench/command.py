@@ -11,6 +11,7 @@ from tools.bench.checkpoints import checkpoint_comparison, worker_checkpoint
 from tools.bench.common import FULL, QUICK, REPO, read_json, write_json
 from tools.bench.comparisons import WORKERS, run_comparisons
 from tools.bench.documents import documents_part
+from tools.bench.fp8 import fp8_part
 from tools.bench.muon import muon_check, muon_convergence, worker_muon
 from tools.bench.pipeline import pipeline_schedules
 from tools.bench.planner import planner_check
@@ -63,7 +64,8 @@ def main():
                                              "'checkpoint' for sharded against "
                                              "consolidated checkpoints, 'pipeline' for the five schedules' "
                                              "timelines, 'precision' for bfloat16 before and after its "
-                                             "mixed-precision policy); the rest "
+                                             "mixed-precision policy, 'fp8' for each --fp8 recipe beside "
+                                             "bfloat16); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
@@ -173,6 +175,8 @@ def main():
                   f"(x{row['step_time_ratio']:.2f}, {row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}), peak "
                   f"{row['before']['peak_resident_gib']:.2f} -> {row['after']['peak_resident_gib']:.2f} GiB, sent "
                   f"{row['before']['comm_bytes']:,} -> {row['after']['comm_bytes']:,} bytes")
+    if not args.only or "fp8" in args.only:
+        fp8_part(settings, args.out)
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])
     elif "scaling" in earlier["machine.json"]:
