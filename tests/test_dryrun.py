@@ -32,10 +32,12 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
     # all-gathers the outputs, again in the recomputation (the shared expert's tensors come after).
     (45, ["--tp", "2", "--experts", "4", "--top-k", "2", "--shared-experts", "1", "--recompute", "full", "--zero", "1"]),
     # Expert parallelism (and expert tp), routed as the planner assumes, balanced (tools/dryrun.balanced_experts)
-    (29, ["--ep", "4", "--expert-tp", "2", "--tp", "2", "--sp", "--experts", "8", "--top-k", "2", "--zero", "1"]),
+    # (in float8: the maxima reduced over tp and expert tp)
+    (29, ["--ep", "4", "--expert-tp", "2", "--tp", "2", "--sp", "--experts", "8", "--top-k", "2", "--zero", "1",
+          "--fp8", "rowwise"]),
     # DeepSeek's latent attention (values narrower than keys), on one device's composite core and cp's ring, with
     # its sigmoid router's group-limited routing over ep
-    (50, ["--arch", "deepseek", "--tp", "2", "--sp", "--recompute", "selective", "--zero", "2"]),
+    (50, ["--arch", "deepseek", "--tp", "2", "--sp", "--recompute", "selective", "--zero", "2", "--fp8", "tensorwise"]),
     (7, ["--arch", "deepseek", "--cp", "2", "--experts", "4", "--top-k", "2", "--shared-experts", "1",
          "--expert-groups", "2", "--group-top-k", "1", "--ep", "4", "--zero", "1", "--aux-loss-scope", "sequence"]),
     # A window on every second layer and sinks under a cp=4 ring: rank 4 is cp rank 2, whose ring sends less

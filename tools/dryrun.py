@@ -19,8 +19,8 @@ and the fused attention kernels, forward and backward, answer with zeros of thei
 strides and device. The step allocates what it would and counts the same traffic (the
 values were meaningless already), in seconds, where a large layout's bfloat16 products on a CPU without
 bfloat16 instructions would take the better part of an hour in software. What is skipped: aten's mm, addmm,
-bmm and baddbmm (every linear layer and written-out attention) and the scaled-dot-product attention
-kernels of CPUs and CUDA with their backwards; everything else (norms, activations, the optimizer, the
+bmm and baddbmm (every linear layer and written-out attention), _scaled_mm (--fp8's) and the scaled-dot-product
+attention kernels of CPUs and CUDA with their backwards; everything else (norms, activations, the optimizer, the
 collectives' bookkeeping) runs.
 
 Muon (--optimizer muon) gathers every rank's pieces of the matrices once, at start-up, to choose who
@@ -64,7 +64,7 @@ class DryRunTrainer(train.Trainer):
 
 def _arithmetic_operators():
     """The aten operators SkipArithmetic answers without computing: those of this PyTorch among the names."""
-    names = ["mm", "addmm", "bmm", "baddbmm"] + [
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_mm"] + [
         f"_scaled_dot_product_{kernel}_attention{part}" for kernel in ("flash", "efficient", "cudnn")
         for part in ("", "_backward")] + ["_scaled_dot_product_flash_attention_for_cpu",
                                           "_scaled_dot_product_flash_attention_for_cpu_backward"]
