@@ -98,7 +98,9 @@ LAYOUTS = [
     (2, DEEP, ["--pp", "2", "--schedule", "1f1b"]),
     (2, [*LLAMA, *DEEP, "--micro-batches", "4"], ["--pp", "2", "--schedule", "zbv"]),
     (2, [], ["--cp", "2", "--cp-mode", "ring"]),
+    (2, LLAMA, ["--cp", "2", "--cp-mode", "allgather"]),
     (2, LLAMA, ["--cp", "2", "--cp-mode", "alltoall"]),
+    (2, [*LLAMA, *MOE], ["--tp", "2", "--sp", "--ep", "2"]),  # experts whole, folded over tp: nothing reduced
     (4, [*MOE, "--shared-experts", "1"], ["--tp", "2", "--ep", "2", "--expert-tp", "2", "--recompute", "full"]),
     (2, LLAMA, ["--zero", "3"]),
     (4, ["--optimizer", "muon"], ["--tp", "2", "--zero", "2", "--dp-shard", "1"]),  # hybrid: 2 copies of the shards

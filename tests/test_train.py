@@ -250,12 +250,13 @@ def test_vocabulary_flags(tmp_path):
 
 @pytest.mark.full
 @pytest.mark.parametrize("world,flags,model", [(2, ["--cp", "2", "--zero", "3"], []),
-                                              (4, ["--tp", "2", "--sp", "--ep", "2"], ["--experts", "4"])],
-                         ids=["cp2-zero3", "tp2-sp-ep2"])
+                                              (4, ["--tp", "2", "--sp", "--ep", "2"], ["--experts", "4"]),
+                                              (2, ["--tp", "2"], ["--fp8", "rowwise"])],
+                         ids=["cp2-zero3", "tp2-sp-ep2", "tp2-fp8"])
 def test_compiled_blocks_match_single_device(tmp_path, world, flags, model):
     """--compile: each block's computation compiled, its communication (ring attention, the MoE all-to-all,
-    tp's collectives) and ZeRO-3's gathers left eager; in float64 the compiled kernels give the oracle's
-    results to summation order."""
+    tp's collectives, FP8's maxima) and ZeRO-3's gathers left eager; in float64 the compiled kernels give the
+    oracle's results to summation order."""
     argv = [*EQUIVALENCE, *model]
     results = run_on_ranks(world, compiled_train_worker, [*argv, *flags, "--compile", "--out", str(tmp_path)],
                            timeout=600)

@@ -63,10 +63,13 @@ def maxima(t, group, whole=False):
         largest = t.abs().amax() if t.numel() else t.new_zeros(())  # (an expert may receive no token)
     else:
         largest = t.abs().amax(dim=-1, keepdim=True)
-    largest = largest.float()
-    if group is not None:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-        comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", largest.nbytes, dist.get_world_size(group))
+    return largest.float() if group is None else largest_over(largest.float(), group)
+
+
+@torch.compiler.disable  # communication runs eagerly under torch.compile, counted as it goes (as tp.py's)
+def largest_over(largest, group):
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    comm_bytes["all_reduce"] += ring_bytes_sent("all_reduce", largest.nbytes, dist.get_world_size(group))
     return largest
 
 

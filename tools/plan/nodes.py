@@ -13,7 +13,8 @@ TRAFFIC_GROUPS = {  # the axes each group of traffic spans (mesh.py's grid, dp r
     "dense_replicas": ("dp_replicate",), "expert_replicas": ("dp_replicate",),
     "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",),
     "tp_rows": ("tp",), "expert_tp": ("expert_tp",), "expert_tp_bias": ("expert_tp",),
-    "optim": ("dp", "cp", "tp")}  # Muon's assembly of the matrices: a stage's ranks (mesh.py's "stage")
+    "optim": ("dp", "cp", "tp"),  # Muon's assembly of the matrices: a stage's ranks (mesh.py's "stage")
+    "fp8": ("tp",), "fp8_expert_tp": ("expert_tp",)}  # the float8 scales' maxima (training/fp8.py)
 
 
 def grid_coordinates(layout, where, experts=False):

@@ -66,7 +66,7 @@ def model_parallel_stage(config_fields, layout, stage):
     layers = [layer for chunk in chunks for layer in split[chunk]]
     first, last = 0 in chunks, n_model_chunks - 1 in chunks
     per_micro_batch = {"tp": tp_traffic(config, layout, layers, first, last), "cp": cp_traffic(config, layout, layers),
-                       "fp8": fp8_traffic(config, layout, layers), **moe_traffic(config, layout, layers)}
+                       **fp8_traffic(config, layout, layers), **moe_traffic(config, layout, layers)}
     if ring_differs_by_rank(config, layout):  # (each cp rank's, the first's "cp" too)
         per_micro_batch.update({f"cp {r}": cp_traffic(config, layout, layers, r) for r in range(1, layout.cp)})
     traffic = {"pp": pp_traffic(config, layout, stage),
@@ -122,7 +122,7 @@ LOGGED_UNDER = {  # traffic group -> the dimension train.py logs it under (the c
     "tp_rows": "ep", "expert_tp": "ep",  # ep.py's all-to-alls over the tp and expert-tp groups
     "expert_tp_bias": "tp",              # tp.py's all-reduce over the expert-tp group
     "optim": "optim",                    # training/muon.py's all-to-alls over the stage
-    "fp8": "fp8"}                        # training/fp8.py's maxima over the tp and expert-tp groups
+    "fp8": "fp8", "fp8_expert_tp": "fp8"}  # training/fp8.py's maxima over the tp and expert-tp groups
 
 
 def comm_fields(traffic):

@@ -185,11 +185,12 @@ def moe_traffic(config, layout, layers):
 
 def fp8_traffic(config, layout, layers):
     """The float8 scales' maxima reduced over the groups splitting a linear layer (training/fp8.py), float32,
-    per micro-batch: a row-parallel layer's in forward (run again under full recomputation), a column-parallel
-    layer's in backward. Rowwise: a maximum per token (its rows: the rank's tokens; an expert's, those it
-    received over its expert-tp group, taken as balanced) and one per weight row or column; tensorwise: one
-    a tensor, the input's again in backward for dW (and the row-parallel weight's)."""
-    traffic = Counter()
+    per micro-batch, {"fp8": over tp, "fp8_expert_tp": over expert tp}: a row-parallel layer's in forward (run
+    again under full recomputation), a column-parallel layer's in backward. Rowwise: a maximum per token (its
+    rows: the rank's tokens; an expert's, those it received over its expert-tp group, taken as balanced) and
+    one per weight row or column; tensorwise: one a tensor, the input's again in backward for dW (and the
+    row-parallel weight's)."""
+    traffic = {"fp8": Counter(), "fp8_expert_tp": Counter()}
     if not layout.fp8:
         return traffic
     forwards = 2 if layout.recompute == "full" else 1
@@ -207,7 +208,8 @@ def fp8_traffic(config, layout, layers):
         else:  # column-parallel: out/group by features, dX summed over its output features
             sizes = [(rows, 1), (features, 1)] if layout.fp8 == "rowwise" else [(1, 1), (1, forwards + 1)]
         for numel, times in sizes:
-            traffic["all_reduce"] += times * ring_bytes_sent("all_reduce", 4 * numel, group)
+            traffic["fp8_expert_tp" if expert else "fp8"]["all_reduce"] += \
+                times * ring_bytes_sent("all_reduce", 4 * numel, group)
     return traffic
 
 
