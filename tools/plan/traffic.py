@@ -185,32 +185,37 @@ def moe_traffic(config, layout, layers):
 
 def fp8_traffic(config, layout, layers):
     """The float8 scales' maxima reduced over the groups splitting a linear layer (training/fp8.py), float32,
-    per micro-batch, {"fp8": over tp, "fp8_expert_tp": over expert tp}: a row-parallel layer's in forward (run
-    again under full recomputation), a column-parallel layer's in backward. Rowwise: a maximum per token (its
-    rows: the rank's tokens; an expert's, those it received over its expert-tp group, taken as balanced) and
-    one per weight row or column; tensorwise: one a tensor, the input's again in backward for dW (and the
-    row-parallel weight's)."""
+    per micro-batch, {"fp8": over tp, "fp8_expert_tp": over expert tp}. A layer's rows are the rank's tokens, an
+    expert's those it received over its expert-tp group (taken as balanced); a rank holds n_experts / ep of a
+    layer's experts, all shaped alike."""
     traffic = {"fp8": Counter(), "fp8_expert_tp": Counter()}
     if not layout.fp8:
         return traffic
-    forwards = 2 if layout.recompute == "full" else 1
-    held = config.n_experts // layout.ep  # experts of a layer this rank holds (those of its ep rank: as many)
-    for name, shape in fp8_weights(config, layers):
+    held = config.n_experts // layout.ep
+    for name, (out, features) in fp8_weights(config, layers):
         expert = is_expert_parameter(name)
         group = layout.expert_tp if expert else layout.tp
         if group == 1 or expert and int(name.split(".experts.")[1].split(".")[0]) >= held:
             continue
-        rows = (tokens_per_rank(config, layout) if not expert else
-                layout.expert_tp * layout.ep * routed_tokens(config, layout) * config.top_k // config.n_experts)
-        out, features = shape
-        if name.endswith("proj.weight"):  # row-parallel: out by features/group, summed over its input features
-            sizes = [(rows, forwards), (out, forwards)] if layout.fp8 == "rowwise" else [(1, 2 * forwards + 2)]
-        else:  # column-parallel: out/group by features, dX summed over its output features
-            sizes = [(rows, 1), (features, 1)] if layout.fp8 == "rowwise" else [(1, 1), (1, forwards + 1)]
-        for numel, times in sizes:
+        rows = (layout.expert_tp * layout.ep * routed_tokens(config, layout) * config.top_k // config.n_experts
+                if expert else tokens_per_rank(config, layout))
+        for numel, times in maxima_reduced(layout, name.endswith("proj.weight"), rows, out, features):
             traffic["fp8_expert_tp" if expert else "fp8"]["all_reduce"] += \
                 times * ring_bytes_sent("all_reduce", 4 * numel, group)
     return traffic
+
+
+def maxima_reduced(layout, row_parallel, rows, out, features):
+    """[(maxima, times)]: the all-reduces of a split layer per micro-batch (training/fp8.py's Split). A
+    row-parallel layer's in forward (run again under full recomputation): rowwise, the input's per-token and
+    the weight's per-output-feature maxima; tensorwise, the input's and the weight's, and both again in
+    backward (dW's input, dX's weight). A column-parallel layer's in backward: rowwise, the output gradient's
+    per-token and the weight's per-input-feature maxima; tensorwise, the weight's in forward and the output
+    gradient's and the weight's in backward."""
+    forwards = 2 if layout.recompute == "full" else 1
+    if layout.fp8 == "rowwise":
+        return [(rows, forwards), (out, forwards)] if row_parallel else [(rows, 1), (features, 1)]
+    return [(1, 2 * forwards + 2)] if row_parallel else [(1, forwards + 2)]
 
 
 def fp8_weights(config, layers):
