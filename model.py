@@ -79,10 +79,12 @@ class GPTConfig:
     rope_beta_slow: float = 1.0   # YaRN: pairs turning fewer times are slowed by rope_factor
     rope_mscale: float = 0.0      # YaRN's attention temperature terms (0: transformers' default; see yarn_gains)
     rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True    # YaRN's ramp ends rounded outwards to whole pairs (transformers' truncate; gpt-oss: no)
     # norms, MLP and biases
     norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
     norm_eps: float = 1e-5       # added to the variance (mean square) under the norms' square root
-    mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation) or "swiglu"
+    mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation), "swiglu" or
+    #                              gpt-oss's "clamped_swiglu" (ACTIVATIONS)
     bias: bool = True            # biases in the linear layers and LayerNorms
     qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
     qk_norm: bool = False        # RMSNorm of each head's q and k before the rotation (Qwen3, OLMo 2, Gemma 3)
@@ -109,6 +111,7 @@ class GPTConfig:
     norm_topk_prob: bool = True  # the top-k gates renormalised to sum to 1 (Mixtral); False: their softmax as is
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x W), W: d_model -> 1 (Qwen2-MoE)
     router_scoring: str = "softmax"  # "softmax" over the experts, or each one's "sigmoid" (DeepSeek-V3)
+    router_bias: bool = False    # the router's logits have a learned bias (gpt-oss)
     n_group: int = 1             # DeepSeek-V3's group-limited routing: experts in n_group groups, a token's top_k
     topk_group: int = 1          # chosen within its topk_group best groups (see `route`)
     routed_scaling_factor: float = 1.0  # the chosen experts' gates multiplied by it (DeepSeek-V3: 2.5)
@@ -171,6 +174,11 @@ class GPTConfig:
         if self.window_layers and not self.sliding_window:
             raise ValueError(f"window_layers {list(self.window_layers)} need a sliding_window of at least 1 token")
 
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP's first matrix holds a gate and an up half (SwiGLU's kinds)."""
+        return self.mlp in GATED
+
     def is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and (not self.moe_layers or layer in self.moe_layers)
 
@@ -219,7 +227,7 @@ class GPTConfig:
         (about seq_len/2 keys per query).
         """
         d = self.d_model
-        per_unit = (3 if self.mlp == "swiglu" else 2) * d  # an MLP's per hidden unit: SwiGLU has a gate matrix too
+        per_unit = (3 if self.gated else 2) * d  # an MLP's per hidden unit: SwiGLU has a gate matrix too
         mlp = per_unit * self.d_ff
         moe = per_unit * (self.top_k * self.d_expert + self.d_shared) + d * (self.n_experts + self.shared_expert_gate)
         attention = self.attention_multiply_adds()
@@ -356,7 +364,8 @@ def yarn_frequencies(config, frequencies):
     """YaRN's blend (Peng et al., 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
     section 3.2, as transformers computes it): the pairs that turn more than rope_beta_fast times over the
     original context are kept, those that turn fewer than rope_beta_slow times are slowed rope_factor times,
-    and between the two a linear ramp over the pair index, whose ends are rounded outwards to whole pairs.
+    and between the two a linear ramp over the pair index, whose ends are rounded outwards to whole pairs
+    (unless rope_truncate is false, as gpt-oss's config says).
 
     Pair i turns context * theta^(-2i/d) / (2 pi) times over the context, so it turns b times at
     i(b) = d ln(context / (2 pi b)) / (2 ln theta), with d the rotated features (2 * len(frequencies)).
@@ -365,8 +374,10 @@ def yarn_frequencies(config, frequencies):
 
     def pair_turning(times):
         return d * math.log(context / (2 * math.pi * times)) / (2 * math.log(config.rope_theta))
-    first = max(math.floor(pair_turning(config.rope_beta_fast)), 0)
-    last = min(math.ceil(pair_turning(config.rope_beta_slow)), d - 1)
+    first, last = pair_turning(config.rope_beta_fast), pair_turning(config.rope_beta_slow)
+    if config.rope_truncate:
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, d - 1)
     last = last if last > first else first + 0.001  # (transformers' guard against a ramp of no width)
     pair = torch.arange(len(frequencies), dtype=frequencies.dtype, device=frequencies.device)
     slowed = ((pair - first) / (last - first)).clamp(0, 1)  # 0: kept, 1: slowed
@@ -563,16 +574,28 @@ def swiglu(h):
     return F.silu(gate) * up
 
 
-ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "swiglu": swiglu}
+def clamped_swiglu(h, limit=7.0, alpha=1.702):
+    """gpt-oss's SwiGLU: the gate clamped above at `limit`, up to [-limit, limit], then (up + 1) · gate ·
+    sigmoid(alpha · gate), from the first projection's gate and up halves (SwiGLU's layout; gpt-oss's folders
+    interleave them)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "swiglu": swiglu,
+               "clamped_swiglu": clamped_swiglu}
+GATED = ("swiglu", "clamped_swiglu")  # the activations that take (gate | up)
 
 
 class MLP(nn.Module):
-    """proj(act(fc(x))): GELU, or SwiGLU, whose fc holds the gate and up matrices as (gate | up)."""
+    """proj(act(fc(x))): GELU, or SwiGLU (gpt-oss's clamped one too), whose fc holds the gate and up matrices as
+    (gate | up)."""
 
     def __init__(self, config: GPTConfig, d_ff=None):
         super().__init__()
         d_ff = d_ff or config.d_ff
-        n_inputs = 2 if config.mlp == "swiglu" else 1
+        n_inputs = 2 if config.gated else 1
         self.fc = nn.Linear(config.d_model, n_inputs * d_ff, bias=config.bias)
         self.act = ACTIVATIONS[config.mlp]
         self.proj = nn.Linear(d_ff, config.d_model, bias=config.bias)
@@ -680,7 +703,7 @@ class MoE(nn.Module):
         self.scoring, self.groups = config.router_scoring, (config.n_group, config.topk_group)  # (ep.py reads them)
         self.routed_scaling_factor = config.routed_scaling_factor
         self.aux_loss_scope = config.aux_loss_scope  # (ep.py reads it)
-        self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
+        self.router = nn.Linear(config.d_model, config.n_experts, bias=config.router_bias)
         self.experts = nn.ModuleList(MLP(config, config.d_expert) for _ in range(config.n_experts))
         self.shared = MLP(config, config.d_shared) if config.n_shared_experts else None
         self.shared_gate = nn.Linear(config.d_model, 1, bias=False) if config.shared_expert_gate else None

@@ -605,8 +605,10 @@ def _yarn(cfg, rs, d):
 
     def correction_dim(rotations):
         return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-    low = max(math.floor(correction_dim(rs.get("beta_fast") or 32)), 0)
-    high = min(math.ceil(correction_dim(rs.get("beta_slow") or 1)), d - 1)
+    low, high = correction_dim(rs.get("beta_fast") or 32), correction_dim(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):  # (gpt-oss's config says false: the ends stay where they fall)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

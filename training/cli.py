@@ -68,7 +68,14 @@ DEEPSEEK_SHAPES = {
                         rope_type="yarn", rope_factor=40.0, rope_original_context=4096, rope_mscale=1.0,
                         rope_mscale_all_dim=1.0, max_seq_len=163840),
 }
-ARCHS = {"gpt": ({}, {}), "llama": (LLAMA, LLAMA_SHAPES), "deepseek": (DEEPSEEK, DEEPSEEK_SHAPES)}
+# gpt-oss's block (--arch gpt-oss): the Llama block with biases on q, k, v and o, a sink per head, gpt-oss's
+# clamped SwiGLU, and in its MoE layers (--experts) a router with a bias, its top-k softmaxed (Mixtral's
+# renormalised softmax, the same gates); YaRN as its config.json has it (x32 over 4,096 positions, the ramp's
+# ends not rounded). Its windows are flags: --sliding-window 128 --window-layers 1:1, as its layer_types.
+GPT_OSS = dict(LLAMA, bias=True, attention_sinks=True, mlp="clamped_swiglu", router_bias=True, rope_theta=150000.0,
+               rope_type="yarn", rope_factor=32.0, rope_original_context=4096, rope_truncate=False)
+ARCHS = {"gpt": ({}, {}), "llama": (LLAMA, LLAMA_SHAPES), "deepseek": (DEEPSEEK, DEEPSEEK_SHAPES),
+         "gpt-oss": (GPT_OSS, {size: LLAMA_SHAPES[size] for size in ("tiny", "small", "medium")})}
 # Shapes that exist only as Llama (or DeepSeek) blocks:
 LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

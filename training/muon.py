@@ -78,7 +78,7 @@ def matrix_rows(name, shape, config):
         return None
     if name.endswith("attn.qkv.weight"):
         return [config.q_dim, config.kv_dim, config.kv_dim]
-    if name.endswith("fc.weight") and config.mlp == "swiglu":
+    if name.endswith("fc.weight") and config.gated:
         return [shape[0] // 2] * 2
     return [shape[0]]
 

@@ -36,9 +36,15 @@ def norm_activations(c, layout):
     return 2 * c.d_model * wide + wide
 
 
+# What an MLP's activation keeps per hidden unit, fc's output included, in elements: GELU its input and output;
+# SwiGLU gate | up, silu(gate) and their product; gpt-oss's clamped SwiGLU gate | up, the clamped gate, its
+# sigmoid, gate times that, up + 1, and the product.
+KEPT_BY_ACTIVATION = {"gelu": 2, "gelu_tanh": 2, "swiglu": 4, "clamped_swiglu": 7}
+
+
 def mlp_activations(c, rows, t, a, d_ff=None):
-    """fc's output and the activation's (GELU: both; SwiGLU: gate | up, silu(gate) and their product)."""
-    return rows * (d_ff or c.d_ff) // t * a * (4 if c.mlp == "swiglu" else 2)
+    """fc's output and what the activation keeps (KEPT_BY_ACTIVATION)."""
+    return rows * (d_ff or c.d_ff) // t * a * KEPT_BY_ACTIVATION[c.mlp]
 
 
 def moe_activations(c, layout, tokens):

@@ -71,6 +71,8 @@ def tp_traffic(config, layout, layers, first, last):
             region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
+            if c.router_bias:  # (gpt-oss's: a gradient of its own)
+                send("all_reduce", c.n_experts * layout.weight_bytes, 1)
         for numel in attention_of(c).summed_over_tp(c, layout):  # replicated weights that met only some tokens
             summed_gradients(numel)
         if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
