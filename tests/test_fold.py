@@ -33,6 +33,9 @@ LAYOUTS = [
     (2, ["--tp", "2", "--sp", "--ep", "2"], ["--balance", "both", "--arch", "llama", "--optimizer", "muon"]),
     (2, ["--tp", "2", "--expert-tp", "2"], []),
     (2, ["--cp", "2", "--ep", "2", "--zero", "1"], ["--balance", "bias"]),
+    # ZeRO-3 with full recomputation: a recomputed MoE layer prefetches the next one's experts after their
+    # reduction; that copy must not outlive the step (it once did, and the next step used the old weights)
+    (2, ["--ep", "2", "--zero", "3", "--recompute", "full"], []),
     (2, ["--cp", "2", "--cp-mode", "allgather", "--ep", "2"], ["--shared-experts", "1"]),
     (2, ["--cp", "2", "--cp-mode", "alltoall", "--expert-tp", "2"], ["--top-k", "1"]),
     (4, ["--tp", "2", "--sp", "--ep", "4", "--zero", "3"], ["--shared-experts", "1", "--balance", "both"]),

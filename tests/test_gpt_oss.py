@@ -69,7 +69,7 @@ LAYOUTS = [
     (2, [], ["--tp", "2", "--ep", "2"]),  # experts folded over tp
     (2, [], ["--tp", "2", "--expert-tp", "2"]),
     (2, ["--layers", "4", "--micro-batches", "4"], ["--pp", "2", "--schedule", "zbv"]),
-    (2, [], ["--zero", "3"]),
+    (2, [], ["--zero", "3", "--recompute", "full"]),
     (2, [], ["--tp", "2", "--recompute", "full"]),
 ]
 
