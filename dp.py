@@ -374,7 +374,7 @@ class ZeRO3(ZeRO2):
                  reshard_after_forward=True, **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
-        self.reshard_after_forward, self.in_backward = reshard_after_forward, False
+        self.reshard_after_forward = reshard_after_forward
         super().__init__(module, group, make_optimizer, units, bucket_bytes, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
         for i, unit in enumerate(self.units):
@@ -389,10 +389,8 @@ class ZeRO3(ZeRO2):
 
     def _before_forward(self, i, module, args):
         self._gather(i)
-        # prefetched: the next unit's gather overlaps this unit's compute; not in a forward recomputed in
-        # backward, where the next unit's backward is over and its copy would outlive the step, stale
-        if not self.in_backward:
-            self._gather(i + 1, wait=False)
+        if not self.end_of_backward_queued:  # (recomputed in a backward, the next unit's backward is over)
+            self._gather(i + 1, wait=False)  # prefetched: the next unit's gather overlaps this unit's compute
 
     def _after_forward(self, i, module, args, output):
         if self.reshard_after_forward or not torch.is_grad_enabled():  # (no backward follows a no_grad forward)
@@ -401,15 +399,10 @@ class ZeRO3(ZeRO2):
 
     def _before_backward(self, i):
         super()._before_backward(i)
-        self.in_backward = True
         if self.sync and self.find_unused_parameters:  # launch the units after i: see used_on_some_rank
             self._launch_remaining(upto=len(self.buckets) - 1 - i)
         self._gather(i)                  # backward needs the weights again,
         self._gather(i - 1, wait=False)  # and the unit before this one comes next
-
-    def _end_of_backward(self):
-        self.in_backward = False
-        super()._end_of_backward()
 
     def _launch_ready_buckets(self):  # (experts, find_unused_parameters: see _before_backward)
         if not self.find_unused_parameters:
