@@ -79,7 +79,7 @@ class GPTConfig:
     rope_beta_slow: float = 1.0   # YaRN: pairs turning fewer times are slowed by rope_factor
     rope_mscale: float = 0.0      # YaRN's attention temperature terms (0: transformers' default; see yarn_gains)
     rope_mscale_all_dim: float = 0.0
-    rope_truncate: bool = True    # YaRN's ramp ends rounded outwards to whole pairs (transformers' truncate; gpt-oss: no)
+    rope_truncate: bool = True    # YaRN's ramp ends rounded out to whole pairs (transformers' truncate; gpt-oss: no)
     # norms, MLP and biases
     norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
     norm_eps: float = 1e-5       # added to the variance (mean square) under the norms' square root
