@@ -1219,12 +1219,14 @@ def check_memory(args, world, config, data):
 def check_folder(folder, config, group):
     """The --init-from folder checked by every rank before training: each of its safetensors files against its
     header and its tensors' shapes against its config.json (hf.HuggingFaceValues), and the files downloaded
-    into huggingface_hub's cache against the hashes their blobs are named by, hashed by the ranks of a node a
-    share each (training/integrity.py). Every rank raises the same DamagedFile, or none does."""
+    into huggingface_hub's cache against the hashes their blobs are named by and MXFP4 scales against the
+    format, checked by the ranks of a node a share each (training/integrity.py, hf.Folder). Every rank raises
+    the same DamagedFile, or none does."""
     share = (int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     try:
-        hf.HuggingFaceValues(folder, config).check_shapes()
-        problem = integrity.hub_problem(folder, share)
+        values = hf.HuggingFaceValues(folder, config)
+        values.check_shapes()
+        problem = integrity.hub_problem(folder, share) or values.folder.mxfp4_problem(share)
     except (DamagedFile, hf.UnsupportedModel) as e:
         problem = f"--init-from {e}"
     problem = first_problem(problem, group)

@@ -2,7 +2,8 @@
 
 make_folder writes a folder laid out as transformers' save_pretrained writes it (config.json,
 model.safetensors or shards with model.safetensors.index.json, tensors under Hugging Face names)
-for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3.
+for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and gpt-oss
+(its experts in bfloat16's layout, or in MXFP4 as OpenAI released them).
 reference_logits reads such a folder and computes its logits with a plain float64 functional forward
 following the semantics of transformers' modeling code. Nothing from the repository is imported here on purpose: these
 functions check the repository's own name/layout mapping, so they must not share it.
@@ -15,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "mistral_window", "qwen2", "qwen2_window",
-                 "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj")
+                 "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj", "gpt_oss",
+                 "gpt_oss_mxfp4")
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
@@ -74,6 +76,10 @@ def tiny_config(arch: str, transformers: int = 4) -> dict:
     if arch in _DEEPSEEK:
         return dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], **_DEEPSEEK[arch],
                     torch_dtype="float32", transformers_version="4.57.0")
+    if arch in ("gpt_oss", "gpt_oss_mxfp4"):
+        quantized = dict(quantization_config=_MXFP4) if arch == "gpt_oss_mxfp4" else {}
+        return dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], **_GPT_OSS, **quantized,
+                    torch_dtype="bfloat16", transformers_version="4.55.0")
     raise ValueError(f"unknown architecture {arch!r}")
 
 
@@ -107,6 +113,25 @@ _DEEPSEEK = {
                                tie_word_embeddings=True, rope_scaling=dict(_DEEPSEEK_YARN, mscale_all_dim=0.5),
                                num_nextn_predict_layers=0),
 }
+
+
+# gpt-oss (configuration_gpt_oss.py, 4.55; openai/gpt-oss-20b's config.json), tiny: heads of 16 on a width of
+# 32 (q is 64 wide), 4 experts of 32 (a multiple of MXFP4's 32-value groups), top 2, every second layer a window
+# of 6 tokens from the first (layer_types), gpt-oss's own rotary settings (theta 150,000, YaRN x32 over 4,096
+# positions, truncate false: at head size 16 the ramp runs from pair 2.02 to 4.35, where rounding would make it
+# 2 to 5), and the released config's settings transformers reads past (experts_per_token, initial_context_length).
+_GPT_OSS = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
+                sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2, attention_bias=True,
+                attention_dropout=0.0, hidden_act="silu", swiglu_limit=7.0, rms_norm_eps=1e-5,
+                max_position_embeddings=131072, initial_context_length=4096, rope_theta=150000.0,
+                rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                  original_max_position_embeddings=4096),
+                router_aux_loss_coef=0.9, output_router_logits=False, tie_word_embeddings=False, use_cache=True,
+                initializer_range=0.02, eos_token_id=2, pad_token_id=3)
+# The released folders' quantization_config: the experts' matrices in MXFP4, everything else as it is.
+_MXFP4 = dict(quant_method="mxfp4", modules_to_not_convert=["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"])
 
 
 # Qwen3 (configuration_qwen3.py of 4.51 to 4.57): heads of 16 on a width of 32 (q is 64 wide, as Qwen3-0.6B's
@@ -326,18 +351,62 @@ def _mlp_shapes(p, h, f):
             (p + "down_proj.weight", (h, f), "w")]
 
 
+def _gpt_oss_shapes(cfg):
+    """(name, shape, kind) of GptOssForCausalLM's tensors (modeling_gpt_oss): its attention with biases and sinks;
+    GptOssMLP's router (GptOssTopKRouter, with a bias) and GptOssExperts' four tensors, each expert's slice along
+    the first dimension, the matrices (in, out); in a quantised folder the two matrices as MXFP4 pairs, blocks
+    (experts, out, in / 32, 16) and scales (experts, out, in / 32), as the released files hold them."""
+    h, f, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_local_experts"]
+    d = cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    out = [("model.embed_tokens.weight", (v, h), "embedding")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += _linear(p + "self_attn.q_proj", nq, h, True) + _linear(p + "self_attn.k_proj", nkv, h, True)
+        out += _linear(p + "self_attn.v_proj", nkv, h, True)
+        out += [(p + "self_attn.o_proj.weight", (h, nq), "w"), (p + "self_attn.o_proj.bias", (h,), "b")]
+        out += [(p + "self_attn.sinks", (cfg["num_attention_heads"],), "sink")]
+        out += [(p + "mlp.router.weight", (n, h), "w"), (p + "mlp.router.bias", (n,), "routing bias")]
+        e = p + "mlp.experts."
+        if cfg.get("quantization_config"):
+            out += [(e + "gate_up_proj_blocks", (n, 2 * f, h // 32, 16), "mxfp4 blocks"),
+                    (e + "gate_up_proj_scales", (n, 2 * f, h // 32), "mxfp4 scales"),
+                    (e + "down_proj_blocks", (n, h, f // 32, 16), "mxfp4 blocks"),
+                    (e + "down_proj_scales", (n, h, f // 32), "mxfp4 scales")]
+        else:
+            out += [(e + "gate_up_proj", (n, h, 2 * f), "w"), (e + "down_proj", (n, f, h), "w")]
+        clamped = "expert bias" if i == cfg["num_hidden_layers"] - 1 else "b"  # (see _VALUES)
+        out += [(e + "gate_up_proj_bias", (n, 2 * f), clamped), (e + "down_proj_bias", (n, h), "b")]
+        out += [(p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
+    return out + [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "w")]
+
+
 def _shapes(cfg):
     if cfg["model_type"] == "gpt2":
         return _gpt2_shapes(cfg)
+    if cfg["model_type"] == "gpt_oss":
+        return _gpt_oss_shapes(cfg)
     return _deepseek_shapes(cfg) if cfg["model_type"] == "deepseek_v3" else _llama_shapes(cfg)
 
 
 # The random values of each kind of tensor: weights, biases, norms' gains, and DeepSeek-V3's routing bias, small
 # beside the sigmoid scores (about 0.5 +- 0.03 here) so that it changes some choices but leaves every choice
 # score positive (where masking a group with 0.0, as transformers does, or with -inf, as model.py and
-# DeepSeek's inference code do, choose alike).
+# DeepSeek's inference code do, choose alike); gpt-oss's router bias of that size too, beside logits of about
+# 0.1 (a larger one would choose the same experts for every token).
+# gpt-oss's biases everywhere add the same to every token's residual stream: its embedding is fifty times "w"'s,
+# so that the tokens' own part outweighs them and tokens choose experts apart (with "w"'s, the rarest of a layer's
+# four experts gets one token in a hundred). Its gate | up biases in the last layer are "b"'s but about one in a
+# hundred +-8, beyond the clamps at +-7 (in earlier layers they would add the same large vectors to the tokens
+# they route, and route them alike thereafter); its sinks logits of the size of the attention scores'.
 _VALUES = {"w": lambda r: 0.02 * r, "b": lambda r: 0.1 * r, "norm": lambda r: 1 + 0.1 * r,
-           "routing bias": lambda r: 0.01 * r}
+           "routing bias": lambda r: 0.01 * r, "embedding": lambda r: r,
+           "expert bias": lambda r: torch.where(r.abs() > 2.5, 8 * r.sign(), 0.1 * r), "sink": lambda r: r}
+# MXFP4's two parts (the format's definition, as in transformers' integrations/mxfp4.py): a byte of blocks is two
+# 4-bit e2m1 codes, the first value in its low four bits; a scale is a power of two's exponent biased by 127, here
+# 2^-9 to 2^-6 (the values about the size of "w"'s).
+_PACKED = {"mxfp4 blocks": lambda shape, g: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8),
+           "mxfp4 scales": lambda shape, g: torch.randint(127 - 9, 127 - 5, shape, generator=g).to(torch.uint8)}
 
 
 def make_folder(path, arch, seed=0, dtype=torch.float64, shards=1, config=None) -> dict:
@@ -347,6 +416,9 @@ def make_folder(path, arch, seed=0, dtype=torch.float64, shards=1, config=None) 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape, kind in _shapes(cfg):
+        if kind in _PACKED:
+            tensors[name] = _PACKED[kind](shape, g)
+            continue
         r = torch.randn(shape, generator=g, dtype=torch.float64)
         tensors[name] = _VALUES[kind](r).to(dtype).contiguous()
     os.makedirs(path, exist_ok=True)
@@ -383,7 +455,24 @@ def _load(path):
     w = {}
     for f in files:
         w.update(load_file(os.path.join(path, f)))
-    return cfg, {k: v.to(torch.float64) for k, v in w.items()}
+    return cfg, _dequantized({k: v if v.dtype == torch.uint8 else v.to(torch.float64) for k, v in w.items()})
+
+
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _dequantized(w):
+    """MXFP4 pairs X_blocks, X_scales as the tensor X transformers' loader makes of them (convert_moe_packed_tensors,
+    integrations/mxfp4.py): each byte's low and high codes as consecutive values, times 2^(scale - 127) for each
+    group of 32, the rows (experts, out, in) then transposed to GptOssExperts' (experts, in, out)."""
+    for name in [k for k in w if k.endswith("_blocks")]:
+        base = name[:-len("_blocks")]
+        blocks, scales = w.pop(name).long(), w.pop(base + "_scales").long()
+        table = torch.tensor(_E2M1, dtype=torch.float64)
+        values = torch.stack([table[blocks & 15], table[blocks >> 4]], dim=-1).flatten(-2)  # (..., groups, 32)
+        values = values * torch.exp2((scales - 127).double()).unsqueeze(-1)
+        w[base] = values.flatten(-2).transpose(1, 2).contiguous()
+    return w
 
 
 # transformers.activations.ACT2FN
@@ -393,10 +482,12 @@ _ACT = {"gelu_new": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) *
 _ACT["gelu_pytorch_tanh"], _ACT["swish"] = _ACT["gelu_new"], _ACT["silu"]
 
 
-def _attend(q, k, v, scale, window=None):
+def _attend(q, k, v, scale, window=None, sinks=None):
     """Causal softmax attention, written out. q (B, H, T, D); k, v (B, Hkv, T, D): kv head j
     serves query heads j*group..(j+1)*group-1 (repeat_kv in modeling_llama). window: keys with
-    q_idx - window < kv_idx only (sliding_window_causal mask of transformers.masking_utils)."""
+    q_idx - window < kv_idx only (sliding_window_causal mask of transformers.masking_utils). sinks (H,):
+    gpt-oss's (eager_attention_forward of modeling_gpt_oss): each head's logit joins every query's scores
+    as one more column of the softmax, dropped after it (it has no value)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     t = q.shape[2]
@@ -404,7 +495,10 @@ def _attend(q, k, v, scale, window=None):
     allowed = (j <= i) if window is None else (j <= i) & (j > i - window)
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def _heads(x, n):
@@ -449,7 +543,8 @@ def _gpt2_logits(cfg, w, ids):
 # (configuration_llama/mistral/qwen2.py: 10000.0; configuration_mixtral.py: 1e6, MixtralConfig.default_theta in 5)
 _DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
                   "qwen3_moe": 10000.0, "qwen2_moe": 10000.0,  # (configuration_qwen3/qwen3_moe/qwen2_moe.py too)
-                  "deepseek_v3": 10000.0}  # (configuration_deepseek_v3.py)
+                  "deepseek_v3": 10000.0,  # (configuration_deepseek_v3.py)
+                  "gpt_oss": 150000.0}  # (configuration_gpt_oss.py's default_theta)
 
 
 def _rope_parameters(cfg):
@@ -705,6 +800,46 @@ def _deepseek_logits(cfg, w, ids):
     return x @ (w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]).T
 
 
+def _gpt_oss_experts(cfg, w, x, p):
+    """GptOssMLP: the router's logits (x W^T + b), its top num_experts_per_tok softmaxed among themselves
+    (GptOssTopKRouter); each expert (GptOssExperts): gate_up = x @ gate_up_proj[e] + its bias, gate its even
+    columns clamped above at swiglu_limit, up its odd ones clamped to +-swiglu_limit, (up + 1) * gate *
+    sigmoid(1.702 gate) @ down_proj[e] + its bias, weighted by its gate."""
+    limit = cfg.get("swiglu_limit", 7.0)
+    top, chosen = (x @ w[p + "router.weight"].T + w[p + "router.bias"]).topk(cfg["num_experts_per_tok"], dim=-1)
+    top = torch.softmax(top, dim=-1)
+    out = torch.zeros_like(x)
+    for e in range(cfg["num_local_experts"]):
+        gate_up = x @ w[p + "experts.gate_up_proj"][e] + w[p + "experts.gate_up_proj_bias"][e]
+        gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+        y = ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ w[p + "experts.down_proj"][e]
+        out = out + (y + w[p + "experts.down_proj_bias"][e]) * (top * (chosen == e)).sum(-1, keepdim=True)
+    return out
+
+
+def _gpt_oss_logits(cfg, w, ids):
+    """modeling_gpt_oss.GptOssForCausalLM: the Llama block with biases on q, k, v and o and a sink per head,
+    windows on its layer_types' "sliding_attention" layers, YaRN's frequencies and attention factor (cos and sin
+    times it, GptOssRotaryEmbedding), and GptOssMLP in every layer."""
+    nh, nkv, d, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    inv_freq, attention_factor = _yarn(cfg, _rope_parameters(cfg), d)
+    angles = torch.arange(ids.shape[1], dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = _rotate(_heads(_lin(w, a, p + "self_attn.q_proj", True), nh), cos, sin)
+        k = _rotate(_heads(_lin(w, a, p + "self_attn.k_proj", True), nkv), cos, sin)
+        v = _heads(_lin(w, a, p + "self_attn.v_proj", True), nkv)
+        window = cfg["sliding_window"] if cfg["layer_types"][i] == "sliding_attention" else None
+        o = _attend(q, k, v, d ** -0.5, window, sinks=w[p + "self_attn.sinks"])
+        x = x + _lin(w, _merge(o), p + "self_attn.o_proj", True)
+        x = x + _gpt_oss_experts(cfg, w, _rms(x, w[p + "post_attention_layernorm.weight"], eps), p + "mlp.")
+    return _rms(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
+
+
 def reference_logits(path, input_ids) -> torch.Tensor:
     """Logits (batch, seq, vocab_size) in float64 of the model in folder `path` for input_ids
     (batch, seq) at positions 0..seq-1, by a functional forward with Hugging Face's semantics."""
@@ -716,4 +851,6 @@ def reference_logits(path, input_ids) -> torch.Tensor:
         return _llama_logits(cfg, w, ids)
     if cfg["model_type"] == "deepseek_v3":
         return _deepseek_logits(cfg, w, ids)
+    if cfg["model_type"] == "gpt_oss":
+        return _gpt_oss_logits(cfg, w, ids)
     raise NotImplementedError(f"model_type {cfg['model_type']!r}")

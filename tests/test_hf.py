@@ -214,6 +214,12 @@ LAYOUTS = [
     ("deepseek_v3_q_proj", 2, ["--cp", "2"]),  # q_proj, half-split rotation and YaRN's gains at cp's positions
     ("deepseek_v3", 4, ["--pp", "2", "--ep", "2"]),  # the dense first layer on one stage, grouped routing over ep
     ("deepseek_v3", 8, ["--tp", "2", "--pp", "2", "--ep", "2", "--zero", "3"]),
+    # gpt-oss: sinks split with their heads, windows on every second layer, biases, interleaved experts (MXFP4
+    # dequantized by each rank for the experts it holds) and YaRN without truncation
+    ("gpt_oss_mxfp4", 4, ["--tp", "2", "--sp", "--cp", "2", "--cp-mode", "ring"]),
+    ("gpt_oss", 4, ["--tp", "2", "--ep", "2", "--cp", "2", "--cp-mode", "allgather"]),  # ep folded over tp
+    ("gpt_oss_mxfp4", 2, ["--cp", "2", "--cp-mode", "alltoall"]),  # (expert tp: test_parity's round trip)
+    ("gpt_oss", 4, ["--pp", "2", "--schedule", "zbv", "--zero", "3"]),
 ]
 
 
@@ -233,7 +239,7 @@ EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.
            ("qwen2_window", 2, ["--tp", "2"]), ("mixtral", 2, ["--ep", "2"]),
            ("llama", 2, ["--pp", "2", "--zero", "1"]), ("qwen3", 2, ["--tp", "2"]),
            ("qwen3_moe", 2, ["--tp", "2", "--ep", "2"]), ("qwen2_moe", 2, ["--tp", "2", "--expert-tp", "2"]),
-           ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, [])]
+           ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, []), ("gpt_oss", 2, ["--ep", "2"])]
 
 
 @pytest.mark.full
@@ -464,13 +470,16 @@ def test_deepseek_v3_settings_model_py_cannot_represent_are_refused_by_name():
             (v4 | {"n_group": 3}, "group-limited routing"),
             # YaRN's settings that model.py has no field for, or that transformers 4 and 5 read differently
             (v4 | {"rope_scaling": dict(yarn, attention_factor=1.2)}, "rope_scaling.*attention_factor"),
-            (v4 | {"rope_scaling": dict(yarn, truncate=False)}, "rope_scaling.*truncate"),
+            (v4 | {"rope_scaling": dict(yarn, truncate=0)}, "rope_scaling.*truncate is true .* or false"),
             (v4 | {"max_position_embeddings": 2048}, r"rope_scaling.*2048 / 1024.*transformers 4"),
             (v5 | {"rope_parameters": dict(v5["rope_parameters"], rope_type="llama3")}, "rope_parameters.*'llama3'"),
             (v4 | {"rope_parameters": dict(v5["rope_parameters"], mscale=0.5)}, "rope_scaling=.*rope_parameters=")]:
         with pytest.raises(hf.UnsupportedModel, match=pattern):
             hf.config_from_hf(config, seq_len=12)
     deepseek = hf.config_from_hf(v4, seq_len=12)
+    untruncated = hf.config_from_hf(v4 | {"rope_scaling": dict(yarn, truncate=False)}, seq_len=12)  # (gpt-oss's)
+    assert untruncated == dataclasses.replace(deepseek, rope_truncate=False)
+    assert hf.config_from_hf(hf.hf_from_config(untruncated), seq_len=12) == untruncated
     for changes, pattern in [(dict(router_scoring="softmax"), "softmax router scores"),
                              (dict(moe_layers=(0, 1)), "dense layers after MoE ones"),
                              (dict(max_seq_len=2048), "YaRN with max_seq_len 2048"),

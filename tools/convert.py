@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from functools import lru_cache
@@ -145,10 +146,11 @@ def copy_tokenizer(folder, out):
 
 def hf_tensors(saved, config, hf_config, dtype):
     """[(Hugging Face name, (shape, dtype, a function giving the tensor))] of a checkpoint, in model.py's
-    order: each of model.py's tensors cut back into the Hugging Face tensors it was made of (DeepSeek-V3's
-    rotated rows put back in the folder's order, hf.row_order), then the buffers the folder holds (DeepSeek-V3's
-    routing biases, in their own dtype, the master weights': DeepSeek's inference code keeps them in float32,
-    and a bfloat16 export would round away steps of the bias update)."""
+    order: each of model.py's tensors cut back into the Hugging Face tensors it was made of (rows put back in
+    the folder's order, hf.row_order; gpt-oss's experts stacked into one tensor of each kind a layer, at the
+    first expert), then the buffers the folder holds (DeepSeek-V3's routing biases, in their own dtype, the
+    master weights': DeepSeek's inference code keeps them in float32, and a bfloat16 export would round away
+    steps of the bias update)."""
     model_type = hf_config["model_type"]
     with torch.device("meta"):
         model = GPT(config)
@@ -160,6 +162,8 @@ def hf_tensors(saved, config, hf_config, dtype):
     entries = []
     for name, p in model.named_parameters():  # a tied output layer once, as the embedding
         parts = hf.source(model_type, name, config)
+        if parts.stacked and parts.expert:
+            continue  # (written with the first expert)
         as_dtype = dtype or TORCH_DTYPES[saved.tensors[name]["dtype"]]
         to_folder_order = folder_order(parts, hf_config, config)
         start = 0
@@ -170,6 +174,8 @@ def hf_tensors(saved, config, hf_config, dtype):
                        order=to_folder_order):
                 t = full(name)[start:start + rows][order]
                 return (t.t() if transposed else t).contiguous().to(as_dtype)
+            if parts.stacked:
+                shape, tensor = (config.n_experts, *shape), stacked(tensor, name, config.n_experts)
             entries.append((hf_name, (torch.Size(shape), as_dtype, tensor)))
             start += rows
     for name in kept:
@@ -178,6 +184,11 @@ def hf_tensors(saved, config, hf_config, dtype):
         entries.append((hf_name, (torch.Size(layout["shape"]), TORCH_DTYPES[layout["dtype"]],
                                   lambda name=name: saved.full(name).contiguous())))
     return entries
+
+
+def stacked(tensor, name, n_experts):
+    """A function giving every expert's tensor(name) stacked, name being the first expert's."""
+    return lambda: torch.stack([tensor(re.sub(r"experts\.0\.", f"experts.{e}.", name)) for e in range(n_experts)])
 
 
 def folder_order(parts, hf_config, config):

@@ -6,9 +6,9 @@
 A Hugging Face model folder holds config.json (the architecture and its shape) and the weights in the
 safetensors format: one model.safetensors, or model-0000N-of-0000M.safetensors with
 model.safetensors.index.json naming the file of every tensor. This file reads GPT-2, Llama (2, 3, 3.1,
-3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 folders (docs/model-families.md:
-what each maps and what it refuses); tools/convert.py writes any run's checkpoint as one, with the same
-tables.
+3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and gpt-oss folders
+(docs/model-families.md: what each maps and what it refuses); tools/convert.py writes any run's checkpoint as
+one, with the same tables.
 
 Three things translate:
 - the config (config_from_hf): each setting mapped to model.py's GPTConfig, and one it cannot represent
@@ -18,11 +18,13 @@ Three things translate:
   stacked along its rows (attention's q | k | v, SwiGLU's gate | up), stored transposed in GPT-2's
   Conv1D layers, for the vocabulary tables padded with zero rows past the vocabulary (model.py
   keeps the padding out of every prediction, so the logits are the released model's), and for
-  DeepSeek-V3's rotated features with their rows in another order (`row_order`). DeepSeek-V3's routing
-  bias is a buffer of model.py's (route_bias), read and written like a weight.
+  DeepSeek-V3's rotated features and gpt-oss's interleaved gate and up with their rows in another order
+  (`row_order`), and gpt-oss's experts a slice each of one tensor per layer. DeepSeek-V3's routing bias is a
+  buffer of model.py's (route_bias), read and written like a weight.
 - the values: `HuggingFaceValues` gives any elements of any of model.py's tensors, read from the files
   without loading a whole tensor (train.py's Share asks each rank's own elements, so a rank reads only
-  what it will hold).
+  what it will hold). gpt-oss's experts as released are MXFP4 (training/mxfp4.py), dequantized as read, an
+  expert at a time.
 """
 import dataclasses
 import math
@@ -32,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from training import mxfp4
 from training.integrity import json_object
-from training.tensorfile import DamagedFile, SafetensorsFile
+from training.tensorfile import TORCH_DTYPES, DamagedFile, SafetensorsFile
 from model import GPT, GPTConfig, pad_vocabulary, tied_name
 
 
@@ -49,11 +52,15 @@ class UnsupportedModel(ValueError):
 class Source:
     """model.py's tensor is `names` stacked along its rows (dim 0); `transposed`: each is stored as (in,
     out), as GPT-2's Conv1D layers keep their weights, where model.py's nn.Linear keeps (out, in);
-    `rotated`: where DeepSeek-V3's rotated rows are ("heads": the last qk_rope_head_dim rows of every head,
-    "last": the tensor's last qk_rope_head_dim rows), whose order `row_order` gives."""
+    `order`: rows in another order than model.py's, which `row_order` gives: DeepSeek-V3's rotated rows
+    ("heads": the last qk_rope_head_dim rows of every head, "last": the tensor's last qk_rope_head_dim rows),
+    or gpt-oss's gate and up rows in turn ("interleaved"); `stacked`: each name holds every expert of its
+    layer along a first dimension, and model.py's tensor is the slice of its `expert`."""
     names: tuple
     transposed: bool = False
-    rotated: str = ""
+    order: str = ""
+    stacked: bool = False
+    expert: int = None
 
 
 def conv1d(name):
@@ -132,13 +139,13 @@ QWEN_SHARED_EXPERT = {  # Qwen2-MoE's: one MLP every token passes through, scale
 DEEPSEEK_ATTENTION = {
     "blocks.{i}.attn.q_down.weight": one(ATTENTION + "q_a_proj.weight"),
     "blocks.{i}.attn.q_down_norm.weight": one(ATTENTION + "q_a_layernorm.weight"),
-    "blocks.{i}.attn.q_up.weight": Source((ATTENTION + "q_b_proj.weight",), rotated="heads"),
-    "blocks.{i}.attn.kv_down.weight": Source((ATTENTION + "kv_a_proj_with_mqa.weight",), rotated="last"),
+    "blocks.{i}.attn.q_up.weight": Source((ATTENTION + "q_b_proj.weight",), order="heads"),
+    "blocks.{i}.attn.kv_down.weight": Source((ATTENTION + "kv_a_proj_with_mqa.weight",), order="last"),
     "blocks.{i}.attn.kv_down_norm.weight": one(ATTENTION + "kv_a_layernorm.weight"),
     "blocks.{i}.attn.kv_up.weight": one(ATTENTION + "kv_b_proj.weight"),
 }
 DEEPSEEK_QUERIES_WITHOUT_BOTTLENECK = {  # q_lora_rank null (DeepSeek-V2-Lite's shape): one q_proj
-    "blocks.{i}.attn.q_up.weight": Source((ATTENTION + "q_proj.weight",), rotated="heads"),
+    "blocks.{i}.attn.q_up.weight": Source((ATTENTION + "q_proj.weight",), order="heads"),
 }
 DEEPSEEK_MOE = {
     "blocks.{i}.mlp.route_bias": one(LAYER + "mlp.gate.e_score_correction_bias"),
@@ -148,13 +155,33 @@ DEEPSEEK_MOE = {
 }
 DEEPSEEK_V3 = LLAMA_BLOCK | DEEPSEEK_ATTENTION | QWEN_EXPERTS | DEEPSEEK_MOE
 
+# gpt-oss (transformers' GptOssForCausalLM): Llama's names for the embedding, the norms and attention (biases on
+# q, k, v and o), a sink per head, and the MoE: the router with its bias, and every expert of a layer in one
+# tensor of each kind (GptOssExperts), stored (in, out) as x @ W computes them: gate_up_proj (experts, in,
+# 2 x width) with gate and up in turn along its last dimension (GptOssExperts' gate_up[..., ::2] and
+# [..., 1::2]), down_proj (experts, width, in), and their biases (experts, out). model.py's expert e is slice e,
+# transposed, its gate | up rows the folder's in half-split order.
+GPT_OSS_SINKS_AND_MOE = {
+    "blocks.{i}.attn.sinks": one(ATTENTION + "sinks"),
+    "blocks.{i}.mlp.router.weight": one(LAYER + "mlp.router.weight"),
+    "blocks.{i}.mlp.router.bias": one(LAYER + "mlp.router.bias"),
+    "blocks.{i}.mlp.experts.{e}.fc.weight": Source((LAYER + "mlp.experts.gate_up_proj",), transposed=True,
+                                                   order="interleaved", stacked=True),
+    "blocks.{i}.mlp.experts.{e}.fc.bias": Source((LAYER + "mlp.experts.gate_up_proj_bias",), order="interleaved",
+                                                 stacked=True),
+    "blocks.{i}.mlp.experts.{e}.proj.weight": Source((LAYER + "mlp.experts.down_proj",), transposed=True,
+                                                     stacked=True),
+    "blocks.{i}.mlp.experts.{e}.proj.bias": Source((LAYER + "mlp.experts.down_proj_bias",), stacked=True),
+}
+
 TABLES = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "mixtral": LLAMA,
           "qwen3": LLAMA_BLOCK | QK_NORM, "qwen3_moe": LLAMA_BLOCK | QK_NORM | QWEN_EXPERTS,
-          "qwen2_moe": LLAMA_BLOCK | QWEN_EXPERTS | QWEN_SHARED_EXPERT, "deepseek_v3": DEEPSEEK_V3}
+          "qwen2_moe": LLAMA_BLOCK | QWEN_EXPERTS | QWEN_SHARED_EXPERT, "deepseek_v3": DEEPSEEK_V3,
+          "gpt_oss": LLAMA_BLOCK | GPT_OSS_SINKS_AND_MOE}
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 INDEXED = re.compile(r"(blocks|experts)\.(\d+)")
 
 
@@ -178,7 +205,8 @@ def source(model_type, name, config=None):
     if pattern not in entries:
         raise UnsupportedModel(f"{model_type} has no tensor for model.py's {name}")
     entry = entries[pattern]
-    return Source(tuple(n.format(**indices) for n in entry.names), entry.transposed, entry.rotated)
+    return dataclasses.replace(entry, names=tuple(n.format(**indices) for n in entry.names),
+                               expert=indices["e"] if entry.stacked else None)
 
 
 def has_source(model_type, name, config=None):
@@ -215,11 +243,15 @@ def half_split_order(d):
 
 def row_order(parts, hf_config, config):
     """order (a LongTensor) where model.py's row j of a tensor made of `parts` is the folder's row order[j],
-    or None where they are in the same order (no rotated rows, or a folder with rope_interleave false)."""
-    if not parts.rotated or not hf_config.get("rope_interleave", True):
+    or None where they are in the same order (no rows in another order, or a folder with rope_interleave
+    false). gpt-oss's gate and up in turn are model.py's gate | up halves in the same way as DeepSeek-V3's
+    interleaved pairs are its half-split ones."""
+    if parts.order == "interleaved":
+        return half_split_order(2 * config.d_expert)
+    if not parts.order or not hf_config.get("rope_interleave", True):
         return None
     rope, head = config.qk_rope_head_dim, config.qk_nope_head_dim + config.qk_rope_head_dim
-    if parts.rotated == "last":  # kv_down: the latent's rows, then the one shared key's rotated rows
+    if parts.order == "last":  # kv_down: the latent's rows, then the one shared key's rotated rows
         return torch.cat([torch.arange(config.kv_lora_rank), config.kv_lora_rank + half_split_order(rope)])
     heads = torch.arange(config.n_head * head).view(config.n_head, head)  # q_up: each head's unrotated | rotated
     unrotated, rotated = heads.split([config.qk_nope_head_dim, rope], dim=1)
@@ -236,9 +268,12 @@ def with_layers(hf_config, n_layer):
     them, stored as the layers after the last, model.layers.61 in DeepSeek-V3) are a training objective's
     extra modules, which transformers' DeepseekV3ForCausalLM does not load either: they are read past, and
     an export holds none of them, so its config says num_nextn_predict_layers 0 (claiming them without
-    their tensors would be a broken folder to whatever reads it for speculative decoding)."""
+    their tensors would be a broken folder to whatever reads it for speculative decoding). The model is held
+    dequantized (gpt-oss's MXFP4 experts read as numbers of the run's dtype), so it has no quantization_config:
+    an export writes its experts as such, which transformers loads as they are."""
     key = "n_layer" if hf_config.get("model_type") == "gpt2" else "num_hidden_layers"
-    held = dict(hf_config, **{key: n_layer})
+    held = {setting: value for setting, value in hf_config.items() if setting != "quantization_config"}
+    held[key] = n_layer
     if isinstance(hf_config.get("layer_types"), list):  # (the kinds of the layers kept)
         held["layer_types"] = hf_config["layer_types"][:n_layer]
     if hf_config.get("num_nextn_predict_layers"):
@@ -356,12 +391,21 @@ def window_fields(hf):
     window = hf.get("sliding_window") if not qwen or hf.get("use_sliding_window", False) else None
     if not window:
         return {}
-    first = hf.get("max_window_layers", n) if qwen else 0
-    kinds = hf.get("layer_types") or ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+    kinds = hf.get("layer_types") or default_layer_types(hf)
     if len(kinds) != n or not set(kinds) <= set(LAYER_TYPES):
         refuse(hf, "layer_types", f"model.py's layers are {' or '.join(LAYER_TYPES)}, one each of {n}")
     layers = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
     return dict(sliding_window=window, window_layers=() if len(layers) == n else layers) if layers else {}
+
+
+def default_layer_types(hf):
+    """Each layer's kind where a config lists none, as its config class makes them: Mistral's window on every
+    layer, the Qwens' from max_window_layers on, gpt-oss's on every second layer from the first."""
+    n, model_type = hf["num_hidden_layers"], hf["model_type"]
+    if model_type == "gpt_oss":  # (GptOssConfig: sliding and full attention in turn, sliding first)
+        return ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+    first = hf.get("max_window_layers", n) if model_type.startswith("qwen") else 0
+    return ["full_attention" if i < first else "sliding_attention" for i in range(n)]
 
 
 def mixtral_fields(hf):
@@ -409,7 +453,30 @@ def qwen2_moe_fields(hf):
     return dict(qkv_bias=hf.get("qkv_bias", True), **experts, **(shared if experts else {}))
 
 
-FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": qwen2_moe_fields,
+def gpt_oss_fields(hf):
+    """gpt-oss (transformers' GptOssConfig): the Llama block with biases on q, k, v and o (attention_bias) and
+    in its experts and router (always), a sink per head (always), and in every layer num_local_experts experts
+    of intermediate_size, clamped SwiGLUs (swiglu_limit, and the sigmoid's gain swiglu_alpha), whose router's
+    top num_experts_per_tok logits are softmaxed among themselves: model.py's renormalised softmax, the same
+    gates. Its experts as released are MXFP4 (quantization_config: mxfp4), read here dequantized."""
+    quantization = hf.get("quantization_config")
+    if quantization is not None and (not isinstance(quantization, dict) or quantization.get("quant_method") != "mxfp4"):
+        refuse(hf, "quantization_config", "gpt-oss's released experts are MXFP4, which is read here; no other "
+                                          "quantisation is")
+    for setting, allowed, why in [
+            ("attention_bias", (True, None), "gpt-oss's experts and router have biases whatever it says, and "
+                                             "model.py has biases in every linear layer or in none"),
+            ("swiglu_limit", (7, 7.0, None), "model.py's clamped SwiGLU clamps at 7, gpt-oss's own limit"),
+            ("swiglu_alpha", (1.702, None), "model.py's clamped SwiGLU's sigmoid gain is 1.702, gpt-oss's own")]:
+        if hf.get(setting) not in allowed:
+            refuse(hf, setting, why)
+    width = hf["intermediate_size"]
+    return dict(bias=True, qkv_bias=True, attention_sinks=True, mlp="clamped_swiglu", router_bias=True,
+                n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], d_expert=width, d_ff=width,
+                norm_topk_prob=True)
+
+
+FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": qwen2_moe_fields, "gpt_oss": gpt_oss_fields,
                  "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf)}
 
 
@@ -516,10 +583,10 @@ LLAMA3 = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
 # A file that states no rope_theta at all rotates by its config class's default, the same in transformers 4
 # and 5: 10000.0 for Llama, Mistral, Qwen2, Qwen3 and the Qwen MoEs (their rope_theta argument in 4,
 # RotaryEmbeddingConfigMixin's default_theta in 5), 1e6 for Mixtral (rope_theta=1e6 in 4,
-# MixtralConfig.default_theta in 5). Neither version depends on which wrote the file, so the default is taken,
-# not refused.
+# MixtralConfig.default_theta in 5), 150,000 for gpt-oss (GptOssConfig.default_theta). Neither version depends
+# on which wrote the file, so the default is taken, not refused.
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "deepseek_v3": 10000.0}
+                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0}
 
 
 def rope_fields(hf):
@@ -572,7 +639,8 @@ def llama3_scaling(hf, name, form):
 def yarn_scaling(hf, name, form):
     """YaRN's, as transformers' _compute_yarn_parameters computes it (model.py's yarn_frequencies and
     yarn_gains): beta_fast and beta_slow 32 and 1 where null, mscale and mscale_all_dim 0 (not given) where
-    absent, and the original context original_max_position_embeddings, else max_position_embeddings.
+    absent, truncate true where absent (gpt-oss's is false: the ramp's ends where they fall), and the original
+    context original_max_position_embeddings, else max_position_embeddings.
 
     Where the file states original_max_position_embeddings, transformers 4 (its later releases) scales by
     max_position_embeddings / original_max_position_embeddings in place of factor, transformers 5 by
@@ -581,8 +649,8 @@ def yarn_scaling(hf, name, form):
         refuse(hf, name, "yarn scaling without factor")
     if form.get("attention_factor") is not None:
         refuse(hf, name, "an attention_factor of its own: model.py's is YaRN's, from mscale and mscale_all_dim")
-    if form.get("truncate", True) is not True:
-        refuse(hf, name, "truncate false: model.py rounds the ramp's ends to whole pairs (transformers' default)")
+    if type(form.get("truncate", True)) is not bool:
+        refuse(hf, name, "truncate is true (the ramp's ends rounded to whole pairs, the default) or false")
     factor, positions = float(form["factor"]), hf["max_position_embeddings"]
     context = form.get("original_max_position_embeddings") or positions
     if form.get("original_max_position_embeddings") is not None and positions / context != factor:
@@ -591,11 +659,11 @@ def yarn_scaling(hf, name, form):
     return dict(rope_type="yarn", rope_factor=factor, rope_original_context=context,
                 rope_beta_fast=float(form.get("beta_fast") or 32), rope_beta_slow=float(form.get("beta_slow") or 1),
                 rope_mscale=float(form.get("mscale") or 0.0),
-                rope_mscale_all_dim=float(form.get("mscale_all_dim") or 0.0))
+                rope_mscale_all_dim=float(form.get("mscale_all_dim") or 0.0), rope_truncate=form.get("truncate", True))
 
 
-# The rotary scalings each family reads (the others refuse any but llama3): DeepSeek-V3 YaRN alone, its own.
-SCALINGS = {"deepseek_v3": {"yarn": yarn_scaling}}
+# The rotary scalings each family reads (the others refuse any but llama3): DeepSeek-V3's and gpt-oss's YaRN.
+SCALINGS = {"deepseek_v3": {"yarn": yarn_scaling}, "gpt_oss": {"yarn": yarn_scaling}}
 
 
 def disagree(hf, stated, shown=None):
@@ -614,8 +682,8 @@ def disagree(hf, stated, shown=None):
 def hf_from_config(config):
     """A Hugging Face config (dict) for a model.py config that did not come from one (a run trained from
     scratch): GPT-2 for the GPT-2 block; for the Llama one Llama, Qwen2 (biases on q, k, v alone), Mixtral,
-    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts) or Qwen2-MoE (a gated shared expert); DeepSeek-V3 for
-    latent attention (--arch deepseek)."""
+    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts), Qwen2-MoE (a gated shared expert) or gpt-oss (the
+    clamped SwiGLU, --arch gpt-oss); DeepSeek-V3 for latent attention (--arch deepseek)."""
     c, common = config, dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings)
     if c.position == "learned" and c.norm == "layer" and c.mlp in ("gelu", "gelu_tanh") and c.bias \
             and c.n_kv_heads == c.n_head and not c.n_experts and not c.qk_norm and c.head_dim * c.n_head == c.d_model:
@@ -623,7 +691,7 @@ def hf_from_config(config):
         return dict(model_type="gpt2", n_layer=c.n_layer, n_head=c.n_head, n_embd=c.d_model, n_inner=c.d_ff,
                     n_positions=c.max_seq_len, activation_function=activation, layer_norm_epsilon=c.norm_eps,
                     **common)
-    if not (c.position == "rope" and c.norm == "rms" and c.mlp == "swiglu"):
+    if not (c.position == "rope" and c.norm == "rms" and c.gated):
         raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, or the Llama block")
     if c.kv_lora_rank:
         return deepseek_config(c, common)
@@ -632,7 +700,6 @@ def hf_from_config(config):
                   num_key_value_heads=c.n_kv_heads, hidden_size=c.d_model, head_dim=c.head_dim,
                   intermediate_size=c.d_ff, max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta,
                   rms_norm_eps=c.norm_eps, hidden_act="silu", **common)
-    fields.update(EXPORTED_FIELDS[model_type](c))
     # transformers 4's form alone (rope_theta, rope_scaling): transformers 4 reads nothing else, and 5 reads it
     # as its own (convert_rope_params_to_dict moves both into rope_parameters), so one form is written once.
     if c.rope_factor != 1:
@@ -640,13 +707,15 @@ def hf_from_config(config):
                                       low_freq_factor=c.rope_low_freq_factor,
                                       high_freq_factor=c.rope_high_freq_factor,
                                       original_max_position_embeddings=c.rope_original_context)
-    return fields
+    return fields | EXPORTED_FIELDS[model_type](c)
 
 
 def llama_family(c):
     """The model_type of a Llama-block config: the family whose modeling code computes what model.py does, or
     UnsupportedModel naming what none of them has."""
-    if c.qk_norm:
+    if c.mlp == "clamped_swiglu":
+        family = "gpt_oss"
+    elif c.qk_norm:
         family = "qwen3_moe" if c.n_experts else "qwen3"
     elif c.shared_expert_gate:
         family = "qwen2_moe"
@@ -662,24 +731,45 @@ def llama_family(c):
         "qwen3_moe": [(c.bias or c.qkv_bias, "biases"), (c.n_shared_experts, "a shared expert")],
         "qwen2_moe": [(c.bias, "biases besides those of q, k, v")],
         "mistral": [(c.bias, "biases")],
+        "gpt_oss": gpt_oss_lacks(c, every_layer),
     }
-    # Windows: Mistral's and Mixtral's on every layer, the Qwens' on the last ones (from max_window_layers)
-    windows, every = window_layers(c), family in ("mistral", "mixtral")
-    tail = windows == list(range(c.n_layer - len(windows), c.n_layer))
-    lacks[family] = lacks.get(family, []) + [
-        (c.attention_sinks, "attention sinks"),
-        (windows and (len(windows) < c.n_layer if every else not tail),
-         "a sliding window on these layers" + (" (it has one on every layer)" if every else
-                                               " (the Qwens' are the last ones, from max_window_layers)"))]
-    if c.n_experts:  # (Mixtral's and the Qwen MoEs' routers: a softmax over every expert, gates as they come)
+    if family != "gpt_oss":  # (gpt-oss lists every layer's kind, and its attention always has sinks)
+        lacks[family] = lacks.get(family, []) + window_lacks(c, family) + [
+            (c.rope_type == "yarn" and c.rope_factor != 1, "YaRN rotary scaling")]
+    if c.n_experts:  # (the routers here: a softmax over every expert, or over the top k, the same gates)
         lacks[family] = lacks.get(family, []) + [
             (c.router_scoring != "softmax", f"{c.router_scoring} router scores"),
-            (c.n_group > 1, "group-limited routing"), (c.routed_scaling_factor != 1, "scaled gates")]
+            (c.n_group > 1, "group-limited routing"), (c.routed_scaling_factor != 1, "scaled gates"),
+            (c.router_bias and family != "gpt_oss", "a router with a bias")]
     missing = [what for has, what in lacks.get(family, []) if has]
     if missing:
         raise UnsupportedModel(f"this model has no Hugging Face architecture here: {family} is the nearest, "
                                f"but has not {', '.join(missing)}")
     return family
+
+
+def window_lacks(c, family):
+    """Windows and sinks where a family has not: Mistral's and Mixtral's windows are on every layer, the
+    Qwens' on the last ones (from max_window_layers), and none has sinks."""
+    windows, every = window_layers(c), family in ("mistral", "mixtral")
+    tail = windows == list(range(c.n_layer - len(windows), c.n_layer))
+    return [(c.attention_sinks, "attention sinks"),
+            (windows and (len(windows) < c.n_layer if every else not tail),
+             "a sliding window on these layers" + (" (it has one on every layer)" if every else
+                                                   " (the Qwens' are the last ones, from max_window_layers)"))]
+
+
+def gpt_oss_lacks(c, every_layer):
+    """What a model with gpt-oss's clamped SwiGLU has that GptOssForCausalLM has not."""
+    return [(not c.n_experts or not every_layer, "dense MLPs (its every layer is a mixture of experts)"),
+            (not c.attention_sinks, "attention without sinks"), (not (c.bias and c.qkv_bias), "layers without biases"),
+            (not c.router_bias, "a router without a bias"), (c.qk_norm, "QK-norm"),
+            (c.n_shared_experts, "a shared expert"), (not c.norm_topk_prob, "top-k gates left unnormalised"),
+            (c.d_expert != c.d_ff, "experts of another width than intermediate_size"),
+            (c.rope_factor != 1 and c.rope_type != "yarn", f"{c.rope_type} rotary scaling (gpt-oss's is YaRN)"),
+            (c.rope_type == "yarn" and c.rope_factor != 1 and c.max_seq_len != c.rope_factor * c.rope_original_context,
+             f"YaRN with max_seq_len {c.max_seq_len} other than rope_factor x rope_original_context (transformers 4 "
+             f"reads its factor as the ratio of the two)")]
 
 
 def qwen_experts_config(c):
@@ -715,7 +805,8 @@ def deepseek_config(c, common):
     if c.rope_factor != 1:
         rope_scaling = dict(type="yarn", rope_type="yarn", factor=c.rope_factor,
                             original_max_position_embeddings=c.rope_original_context, beta_fast=c.rope_beta_fast,
-                            beta_slow=c.rope_beta_slow, mscale=c.rope_mscale, mscale_all_dim=c.rope_mscale_all_dim)
+                            beta_slow=c.rope_beta_slow, mscale=c.rope_mscale, mscale_all_dim=c.rope_mscale_all_dim,
+                            **({} if c.rope_truncate else dict(truncate=False)))
     return dict(model_type="deepseek_v3", num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
                 num_key_value_heads=c.n_head, hidden_size=c.d_model, intermediate_size=c.d_ff,
                 moe_intermediate_size=c.d_expert, n_routed_experts=c.n_experts, n_shared_experts=c.n_shared_experts,
@@ -746,6 +837,21 @@ def window_config(c):
     return dict(sliding_window=c.sliding_window) if c.sliding_window else {}
 
 
+def gpt_oss_config(c):
+    """GptOssConfig's own settings: every layer's kind listed, YaRN as gpt-oss's config.json writes it."""
+    windows = set(window_layers(c))
+    kinds = ["sliding_attention" if i in windows else "full_attention" for i in range(c.n_layer)]
+    fields = dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k, attention_bias=True, swiglu_limit=7.0,
+                  sliding_window=c.sliding_window, layer_types=kinds)
+    if c.rope_factor != 1:
+        fields["rope_scaling"] = dict(rope_type="yarn", factor=c.rope_factor, beta_fast=c.rope_beta_fast,
+                                      beta_slow=c.rope_beta_slow, truncate=c.rope_truncate,
+                                      original_max_position_embeddings=c.rope_original_context)
+        fields["rope_scaling"].update({key: value for key, value in (("mscale", c.rope_mscale),
+                                                                     ("mscale_all_dim", c.rope_mscale_all_dim)) if value})
+    return fields
+
+
 EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
     "llama": lambda c: dict(attention_bias=c.bias, mlp_bias=c.bias),
     "mistral": window_config,
@@ -755,6 +861,7 @@ EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
     "qwen3_moe": lambda c: dict(attention_bias=False, **qwen_experts_config(c), **qwen_window_config(c)),
     "qwen2_moe": lambda c: dict(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=c.d_shared,
                                 **qwen_experts_config(c), **qwen_window_config(c)),
+    "gpt_oss": gpt_oss_config,
 }
 
 
@@ -765,7 +872,12 @@ EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
 class Folder:
     """A Hugging Face model folder's tensors, read a range of elements at a time. Opening it checks every
     file against what it claims (training/tensorfile.py) and the index against the files: a shard it names
-    missing, a tensor in no shard or in another than the index says, a tensor in two shards is a DamagedFile."""
+    missing, a tensor in no shard or in another than the index says, a tensor in two shards is a DamagedFile.
+
+    An MXFP4 pair, `X_blocks` and `X_scales` (gpt-oss's experts as released), is read as the tensor X it stands
+    for, as transformers' loader makes it: dequantized (blocks (experts, rows, groups, 16) to (experts, rows,
+    groups x 32)) and transposed to (experts, groups x 32, rows), the layout of gpt-oss's tensors in bfloat16.
+    A read dequantizes the experts it touches, one layer's expert at a time for model.py's tensors."""
 
     def __init__(self, folder):
         self.folder, self.config = folder, read_config(folder)
@@ -791,6 +903,37 @@ class Folder:
             if entry not in self.file_of or os.path.basename(self.file_of[entry].path) != name:
                 raise DamagedFile(f"{index}: tensor {entry!r} is in no shard (the index says {name}, which does "
                                   f"not hold it)")
+        self.mxfp4 = self.mxfp4_pairs()
+
+    def mxfp4_pairs(self):
+        """{X: (X_blocks, X_scales)} of the folder, each pair's dtypes and shapes checked against the format."""
+        pairs = {}
+        for entry in self.file_of:
+            if entry.endswith(("_blocks", "_scales")):
+                base = entry.rsplit("_", 1)[0]
+                blocks, scales = base + "_blocks", base + "_scales"
+                if blocks not in self.file_of or scales not in self.file_of:
+                    raise DamagedFile(f"{self.folder}: {entry!r} without its MXFP4 pair "
+                                      f"{blocks if scales == entry else scales!r}")
+                headers = [self.file_of[name].header[name] for name in (blocks, scales)]
+                empty = [torch.empty(h["shape"], dtype=TORCH_DTYPES.get(h["dtype"], torch.float32), device="meta")
+                         for h in headers]
+                problem = mxfp4.layout_problem(*empty)
+                if problem:
+                    raise DamagedFile(f"{self.folder}: {base} (MXFP4): {problem}")
+                pairs[base] = (blocks, scales)
+        return pairs
+
+    def mxfp4_problem(self, share=(0, 1)):
+        """The first damaged MXFP4 scales (e8m0's NaN) of share (i, n) of the pairs: the i-th of every n, in name
+        order (the ranks of a node check a folder once between them); None where none."""
+        index, count = share
+        for base in sorted(self.mxfp4)[index::count]:
+            scales = self.mxfp4[base][1]
+            problem = mxfp4.scale_problem(self.file_of[scales].read(scales))  # (a 16th of the blocks' bytes)
+            if problem:
+                return f"{self.folder}: {base} (MXFP4): {problem}"
+        return None
 
     def _entry(self, name):
         """The entry of tensor `name` (GPT-2's first release names its tensors without "transformer.")."""
@@ -800,12 +943,31 @@ class Folder:
         raise UnsupportedModel(f"{self.folder}: no tensor {name}")
 
     def shape(self, name):
+        if name in self.mxfp4:
+            experts, rows, groups, _ = self.shape(self.mxfp4[name][0])
+            return [experts, groups * 32, rows]
         entry = self._entry(name)
         return self.file_of[entry].header[entry]["shape"]
 
     def read(self, name, start, end):
+        if name in self.mxfp4:
+            return self.read_mxfp4(name, start, end)
         entry = self._entry(name)
         return self.file_of[entry].read(entry, start, end)
+
+    def read_mxfp4(self, name, start, end):
+        """Elements [start, end) of MXFP4 tensor `name` as shape() gives it, in float64 (exactly its values)."""
+        (blocks, scales), (_, columns, rows) = self.mxfp4[name], self.shape(name)
+        per_expert = columns * rows
+        first, last = start // per_expert, (end - 1) // per_expert + 1
+        packed = [self.file_of[n].read(n, first * per_expert // k, last * per_expert // k) for n, k in
+                  ((blocks, 2), (scales, 32))]
+        try:
+            values = mxfp4.dequantized(packed[0].view(-1, rows, columns // 32, 16), packed[1].view(-1, rows, columns // 32),
+                                       name, torch.float64)
+        except mxfp4.BadMXFP4 as e:
+            raise DamagedFile(f"{self.folder}: {e}") from None
+        return values.transpose(1, 2).flatten()[start - first * per_expert:end - first * per_expert]
 
 
 def read_weight_map(index):
@@ -841,7 +1003,7 @@ class HuggingFaceValues:
         for name, tensor in tensors.items():
             parts = source(self.model_type, tied_name(name, self.config), self.config)
             rows = self.config.vocab_size if name in VOCABULARY_TABLES else tensor.shape[0]
-            inner, found = list(tensor.shape[1:]), [self.folder.shape(n) for n in parts.names]
+            inner, found = list(tensor.shape[1:]), [self.part_shape(n, parts) for n in parts.names]
             part_rows = [shape[-1] if parts.transposed and shape else shape[0] if shape else 0 for shape in found]
             wanted = [inner + [r] if parts.transposed else [r] + inner for r in part_rows]
             if found != wanted or sum(part_rows) != rows:
@@ -851,11 +1013,22 @@ class HuggingFaceValues:
                     f"where its config.json makes model.py's {name} {rows} rows of {inner or 'one value'}"
                     f"{' (stored transposed)' if parts.transposed else ''}: its config and its weights disagree")
 
+    def part_shape(self, hf_name, parts):
+        """The shape of Hugging Face tensor hf_name, of one expert's slice where it holds every expert's."""
+        shape = self.folder.shape(hf_name)
+        if not parts.stacked:
+            return shape
+        if not shape or shape[0] != self.config.n_experts:
+            raise UnsupportedModel(f"{self.folder.folder}: {hf_name} is {list(shape)}, where its config.json has "
+                                   f"{self.config.n_experts} experts: its config and its weights disagree")
+        return shape[1:]
+
     def parameter(self, name, positions):
         """The elements at flat `positions` of model.py's tensor `name` (a parameter, or a buffer the folder
         holds), in float64."""
         parts, positions = source(self.model_type, tied_name(name, self.config), self.config), positions.cpu()
-        shapes = [self.folder.shape(n) for n in parts.names]
+        shapes = [self.part_shape(n, parts) for n in parts.names]
+        offset = parts.expert * math.prod(shapes[0]) if parts.stacked else 0  # (its expert's slice, one part)
         rows = [shape[-1] if parts.transposed else shape[0] for shape in shapes]
         columns = math.prod(shapes[0]) // rows[0]
         row, column = positions // columns, positions % columns
@@ -870,7 +1043,7 @@ class HuggingFaceValues:
                 local = row[here] - first_row
                 flat = column[here] * rows_k + local if parts.transposed else local * columns + column[here]
                 start, end = flat.min().item(), flat.max().item() + 1
-                values[here] = self.folder.read(name_k, start, end)[flat - start].to(torch.float64)
+                values[here] = self.folder.read(name_k, offset + start, offset + end)[flat - start].to(torch.float64)
             first_row += rows_k
         return values
 

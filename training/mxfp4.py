@@ -29,11 +29,22 @@ def dequantized(blocks, scales, name, dtype=torch.bfloat16):
 
 def mxfp4_problem(blocks, scales):
     """What makes (blocks, scales) not MXFP4, or None."""
+    return layout_problem(blocks, scales) or scale_problem(scales)
+
+
+def layout_problem(blocks, scales):
+    """What makes the dtypes or shapes of (blocks, scales) not MXFP4's (their values unread: tensors on the meta
+    device will do), or None."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         return f"blocks and scales are uint8 in MXFP4, not {blocks.dtype} and {scales.dtype}"
     if blocks.shape[-1:] != (16,) or blocks.shape[:-1] != scales.shape:
         return (f"blocks {tuple(blocks.shape)} hold 16 bytes (32 values) for each scale, scales "
                 f"{tuple(scales.shape)}: they do not match")
+    return None
+
+
+def scale_problem(scales):
+    """What makes these e8m0 scales not scales (a NaN among them), or None."""
     if (scales == NAN_SCALE).any():
         return f"{int((scales == NAN_SCALE).sum())} scales are e8m0's NaN (255): a damaged or mismatched file"
     return None
