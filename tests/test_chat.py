@@ -5,7 +5,8 @@ under any layout as one device, and answered with the template (tools/sample.py 
 The tokenizer and the template are made here, nothing downloaded: a byte-level BPE with ChatML's special
 tokens and a template written as Qwen3's is (an empty reasoning block before the last answer, none before
 earlier ones: earlier turns render differently once later ones follow), so the assistant's turns are found
-in the whole conversation, not by rendering prefixes.
+in the whole conversation, not by rendering prefixes. gpt-oss's harmony template is the one its folder ships
+(tests/templates/gpt_oss.jinja), with a tokenizer made here that has harmony's special tokens.
 """
 import json
 import os
@@ -20,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 import train
 from distributed import run_on_ranks
-from model import document_ids
+from model import GPT, GPTConfig, document_ids
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from test_prepare import WORDS, model_folder, training_text
 from tools import prepare, sample
@@ -82,19 +83,181 @@ def test_a_conversation_renders_and_counts_the_assistants_turns_alone(folder):
     assert text == "".join(piece for piece, _ in pieces)
     ids, counted = template.encode(CONVERSATION)
     _, offsets = template.tokenizer.encode_rendered(text)
-    runs = []  # the text of each run of tokens counted alike
-    for (first, end), count in zip(offsets, counted):
-        if runs and runs[-1][1] == count:
-            runs[-1][0] += text[first:end]
-        else:
-            runs.append([text[first:end], count])
-    assert [tuple(run) for run in runs] == pieces
+    assert counted_runs(template, CONVERSATION) == pieces
     backend = template.tokenizer.backend
     assert [ids[i] for i, c in enumerate(counted) if c and text[offsets[i][0]:offsets[i][1]] == "<|im_end|>"] \
         == [backend.token_to_id("<|im_end|>")] * 2  # special tokens' names are those tokens
     assert template.prompt_ids(CONVERSATION[:2]) == template.tokenizer.encode_rendered(pieces[0][0])[0]
     # Conversations are separated by the first end the template never writes: <|endoftext|>, not <|im_end|>
     assert template.document_end(chat_lib.end_ids(folder, template.tokenizer)) == backend.token_to_id("<|endoftext|>")
+
+
+def counted_runs(template, messages):
+    """[(text, counted)] of each run of the conversation's tokens that the loss counts alike."""
+    text, _ = template.assistant_spans(messages)
+    _, offsets = template.tokenizer.encode_rendered(text)
+    runs = []
+    for (first, end), count in zip(offsets, template.encode(messages)[1]):
+        if runs and runs[-1][1] == count:
+            runs[-1][0] += text[first:end]
+        else:
+            runs.append([text[first:end], count])
+    return [tuple(run) for run in runs]
+
+
+# gpt-oss: the harmony format, rendered by the template openai/gpt-oss-20b's folder ships
+HARMONY = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+           "<|constrain|>"]
+GPT_OSS_TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "gpt_oss.jinja")
+
+
+def harmony_folder(path):
+    """A model folder's tokenizer files as gpt-oss's are: harmony's special tokens, generation ending at
+    <|return|>, <|endoftext|> or <|call|> (generation_config.json's order), <|endoftext|> padding, and the
+    template in chat_template.jinja."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.train_from_iterator(training_text(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=HARMONY, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    ends = [backend.token_to_id(name) for name in ("<|return|>", "<|endoftext|>", "<|call|>")]
+    folder = model_folder(path, backend, generation_config=dict(eos_token_id=ends),
+                          tokenizer_config=dict(eos_token="<|return|>", pad_token="<|endoftext|>"))
+    with open(GPT_OSS_TEMPLATE, encoding="utf-8") as f:
+        (folder / "chat_template.jinja").write_text(f.read())
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    return harmony_folder(tmp_path_factory.mktemp("harmony") / "gpt-oss")
+
+
+def harmony_system(template):
+    """What the harmony template writes first, whatever the conversation: its system message."""
+    return ("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+            "Knowledge cutoff: 2024-06\n"
+            f"Current date: {template.loaded_at:%Y-%m-%d}\n\n"
+            "Reasoning: medium\n\n"
+            "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>")
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["answer", "reasoning-and-answer"])
+def test_gpt_oss_harmony_counts_the_last_answer_through_its_return(harmony, thinking):
+    """The loss counts what gpt-oss writes after the generation prompt <|start|>assistant in the last turn:
+    with `thinking`, its analysis message, <|end|>, and the final channel's header; the answer; <|return|>.
+    An earlier answer is written as the model reads it in a later turn (the final channel alone, its
+    reasoning dropped, ended by <|end|>, at which generation does not stop): it does not count."""
+    template = ChatTemplate.from_folder(harmony, Tokenizer.from_folder(harmony))
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "hello", "thinking": "a greeting"},
+                {"role": "user", "content": "bye"}, {"role": "assistant", "content": "good bye"}]
+    if thinking:
+        messages[-1]["thinking"] = "they leave"
+    last = ("<|channel|>analysis<|message|>they leave<|end|><|start|>assistant" if thinking else "") \
+        + "<|channel|>final<|message|>good bye<|return|>"
+    pieces = [(harmony_system(template) + "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\n<|end|>"
+               "<|start|>user<|message|>hi there<|end|>"
+               "<|start|>assistant<|channel|>final<|message|>hello<|end|>"
+               "<|start|>user<|message|>bye<|end|><|start|>assistant", False),
+              (last, True)]
+    assert template.render(messages) == "".join(piece for piece, _ in pieces)
+    assert counted_runs(template, messages) == pieces
+    ids, counted = template.encode(messages)
+    backend = template.tokenizer.backend
+    special = {backend.token_to_id(name): name for name in HARMONY}
+    assert [special[i] for i, c in zip(ids, counted) if c and i in special] == \
+        (["<|channel|>", "<|message|>", "<|end|>", "<|start|>"] if thinking else []) + \
+        ["<|channel|>", "<|message|>", "<|return|>"]  # special tokens' names are those tokens
+    # the prompt a reply is sampled from ends with the generation prompt; the reply ends at <|return|>
+    assert template.render(messages[:4], add_generation_prompt=True) == pieces[0][0]
+    assert template.end_of_turn == "<|return|>"
+    assert template.end_of_turn_id() == backend.token_to_id("<|return|>")
+    # conversations are separated by <|endoftext|>: the first of the ends the template never writes
+    assert chat_lib.end_ids(harmony, template.tokenizer)[:2] == [backend.token_to_id("<|return|>"),
+                                                                backend.token_to_id("<|endoftext|>")]
+    assert template.document_end(chat_lib.end_ids(harmony, template.tokenizer)) == backend.token_to_id("<|endoftext|>")
+    with pytest.raises(ChatError, match="ends no assistant turn of the conversation with '<\\|return\\|>'"):
+        template.encode(messages[:4])  # its answer is written as context: nothing would be trained
+
+
+def test_prepare_chat_with_the_harmony_template(harmony, tmp_path):
+    """python -m tools.prepare --chat with gpt-oss's template: each conversation's counted tokens are one run,
+    its last answer, ending with <|return|>; <|endoftext|> separates conversations. Parquet, where a message
+    without reasoning has `thinking` None (a column gives every message every field), prepares the same
+    bytes as JSONL, where it has no `thinking`."""
+    records = conversations(12, seed=1)
+    for record in records[::2]:
+        record["messages"][-1]["thinking"] = "think about " + record["messages"][-1]["content"]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    table = pa.table({"messages": [record["messages"] for record in records]})
+    assert table.column("messages").to_pylist()[1][0]["thinking"] is None
+    pq.write_table(table, tmp_path / "chats.parquet")
+    prepare.prepare([str(tmp_path / "chats.parquet")], harmony, str(tmp_path / "parquet"), val=2, chat=True,
+                    field="messages")
+    meta = prepare.prepare([path], harmony, str(tmp_path / "data"), val=2, chat=True, field="messages")
+    backend = Tokenizer.from_folder(harmony).backend
+    assert meta["loss_mask"] and meta["eos_id"] == backend.token_to_id("<|endoftext|>")
+    template = ChatTemplate.from_folder(harmony, Tokenizer.from_folder(harmony))
+    expected = {tuple(template.encode(record["messages"])[0]): template.encode(record["messages"])[1]
+                for record in records}
+    documents = 0
+    for split in ("train", "val"):
+        tokens = np.fromfile(tmp_path / "data" / f"{split}.bin", dtype=np.uint16)
+        mask = np.fromfile(tmp_path / "data" / f"{split}.mask", dtype=np.uint8)
+        ends = np.flatnonzero(tokens == meta["eos_id"])
+        for start, end in zip([0, *(ends[:-1] + 1)], ends):
+            ids, counted = tokens[start:end].tolist(), mask[start:end].astype(bool)
+            assert counted.tolist() == list(expected[tuple(ids)]) and mask[end] == 0
+            first, last = np.flatnonzero(counted)[[0, -1]]
+            assert counted[first:last + 1].all() and last == len(ids) - 1  # one run, to the conversation's end
+            assert ids[last] == backend.token_to_id("<|return|>")
+            documents += 1
+    assert documents == len(records)
+    for name in ("train.bin", "val.bin", "train.mask", "val.mask"):
+        assert (tmp_path / "parquet" / name).read_bytes() == (tmp_path / "data" / name).read_bytes(), name
+
+
+def steer(model, prompt, step, token, new=12):
+    """model's greedy continuation of prompt, made to write `token` at `step` (where it wrote another,
+    written there first): the two tokens' rows of the output layer swapped, nothing before `step` changed."""
+    free = model.generate(torch.tensor([prompt]), new, temperature=0)[0, len(prompt):].tolist()
+    assert free[step] not in free[:step] and token not in free[:step + 1]
+    with torch.no_grad():
+        rows = model.lm_head.weight
+        rows[[free[step], token]] = rows[[token, free[step]]]
+    steered = model.generate(torch.tensor([prompt]), new, temperature=0)[0, len(prompt):].tolist()
+    assert steered[:step + 1] == [*free[:step], token]
+    return steered
+
+
+def test_sample_chat_with_the_harmony_template_stops_at_return_not_at_end(harmony):
+    """python -m tools.sample --chat with gpt-oss's template: the prompt ends with <|start|>assistant, and the
+    reply runs on past <|end|> (which ends the analysis message, not the turn) and stops at <|return|>,
+    left out. The model is a tiny GPT steered to write <|end|> and later <|return|>; what sample's pieces
+    give is the greedy decoding written out in tests/texts.py."""
+    from texts import greedy
+    tokenizer = Tokenizer.from_folder(harmony)
+    backend = tokenizer.backend
+    prompter = sample.ChatPrompt(tokenizer, system="be brief")
+    prompt, template = prompter.ids("hi there"), prompter.template
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    assert prompt == template.prompt_ids(messages)
+    assert template.render(messages, add_generation_prompt=True) == harmony_system(template) + (
+        "<|start|>developer<|message|># Instructions\n\nbe brief\n\n<|end|>"
+        "<|start|>user<|message|>hi there<|end|><|start|>assistant")
+    end, done = backend.token_to_id("<|end|>"), backend.token_to_id("<|return|>")
+    assert prompter.stop_id == done
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=len(prompt) + 16, n_layer=2, n_head=2, d_model=16)
+    model = GPT(config).eval()
+    steer(model, prompt, 2, end)
+    steered = steer(model, prompt, 6, done)
+    reply = sample.continuations(model, prompt, prompter.stop_id, max_new_tokens=12, temperature=0)[0]
+    assert reply == steered[:6] and reply[2] == end
+    assert reply == greedy(config, model.state_dict(), prompt, 12, prompter.stop_id)
 
 
 def test_a_template_reaching_for_python_is_refused_without_running_anything(tmp_path):

@@ -7,8 +7,9 @@
 The template is the folder's `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a
 string, or a list of named templates: the one named "default"). It is rendered as transformers renders it:
 Jinja2 with trim_blocks and lstrip_blocks, the variables `messages`, `add_generation_prompt` and the
-special tokens' names (`bos_token`, `eos_token`, ...), `raise_exception` and `tojson`, and
-`{% generation %}` blocks rendered as their content.
+special tokens' names (`bos_token`, `eos_token`, ...), `raise_exception`, `tojson` and `strftime_now`
+(gpt-oss's template writes the current date with it: here the date the template was loaded, so that every
+render of a conversation agrees), and `{% generation %}` blocks rendered as their content.
 
 A template is code from whoever wrote the folder, so it runs in Jinja2's immutable sandbox, as
 transformers runs it: it reads the values it is given and calls nothing of Python's. An attribute the
@@ -21,10 +22,16 @@ prefix a model is given to answer from) up to and including the template's end-o
 the whole conversation's text: its start is the length of the conversation before it, rendered with
 the generation prompt, which must be a prefix of the whole (a template that renders earlier turns
 differently once later ones follow, as Qwen3's drops an earlier answer's reasoning, still is); its end
-is the first end-of-turn marker after it. A token counts when its first character lies in a turn.
+is the first end-of-turn marker after it, before the next assistant turn starts. A turn with no marker
+there is the model's input, not what it writes, and does not count: gpt-oss's harmony template ends the
+last answer with <|return|> (its end of generation) after its reasoning (the analysis channel), and
+earlier ones with <|end|>, their reasoning dropped, as the model reads its past answers; training on
+those would teach it to answer unreasoned and end with a token generation does not stop at. A token
+counts when its first character lies in a turn.
 """
 import json
 import os
+from datetime import datetime
 
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension
@@ -125,6 +132,8 @@ class ChatTemplate:
         environment = RefusingSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks])
         environment.filters["tojson"] = tojson
         environment.globals["raise_exception"] = raise_exception
+        self.loaded_at = datetime.now()
+        environment.globals["strftime_now"] = self.loaded_at.strftime
         try:
             self.template = environment.from_string(source)
         except TemplateError as e:
@@ -138,6 +147,11 @@ class ChatTemplate:
                    where=f"{folder}'s chat template")
 
     def render(self, messages, add_generation_prompt=False):
+        # A field that is None is left out, as JSONL leaves out what a message lacks: a Parquet column of
+        # messages gives each every field, None where it has none (`thinking` in a turn without reasoning),
+        # and templates ask whether a message has a field (gpt-oss's: `"thinking" in message`).
+        messages = [{key: value for key, value in message.items() if value is not None}
+                    if isinstance(message, dict) else message for message in messages]
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens)
@@ -159,22 +173,27 @@ class ChatTemplate:
         return end
 
     def assistant_spans(self, messages):
-        """(the conversation's text, [(start, end)] of each assistant turn in it, end-of-turn included)."""
+        """(the conversation's text, [(start, end)] of each assistant turn in it that ends as the model ends
+        its answers, end-of-turn included)."""
         check_messages(messages)
         text = self.render(messages)
-        spans = []
+        starts = []  # where each assistant turn starts in the text
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
-            start = len(before)
             if not text.startswith(before):
                 raise ChatError(f"{self.where} renders the conversation before message {i + 1} differently "
                                 f"once it follows: the answer's place cannot be found")
-            end = text.find(self.end_of_turn, start)
-            if end < 0:
-                raise ChatError(f"message {i + 1}: the assistant's turn has no end ({self.end_of_turn!r})")
-            spans.append((start, end + len(self.end_of_turn)))
+            starts.append(len(before))
+        spans = []
+        for start, limit in zip(starts, [*starts[1:], len(text)]):
+            end = text.find(self.end_of_turn, start, limit)
+            if end >= 0:  # else the template writes this turn as the model's input (see the docstring)
+                spans.append((start, end + len(self.end_of_turn)))
+        if not spans:
+            raise ChatError(f"{self.where} ends no assistant turn of the conversation with {self.end_of_turn!r}, "
+                            f"as it ends the answers the model writes: no token of it would be trained")
         return text, spans
 
     def encode(self, messages):
