@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from distributed import REPO
+from tools import plan
+from training import cli
 
 pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
 
@@ -79,6 +81,37 @@ def test_one_rank_of_deepseek_v3_671b_on_2048_counts_what_plan_predicts():
     measured, predicted = report["measured"], report["predicted"]
     peak = predicted.pop("peak_resident_bytes")
     assert predicted["comm_ep_all_to_all_bytes"] > 0 and predicted["param_bytes"] > 2**27
+    assert {field: measured[field] for field in predicted} == predicted
+    assert 0.95 * (peak - predicted["optim_bytes"]) < measured["peak_resident_bytes"] < 1.05 * peak
+
+
+def layout_flags(layout):
+    """train.py's flags of a tools/plan/ Layout's dimensions, as --search varies them."""
+    flags = [f"--{flag}={getattr(layout, flag.replace('-', '_'))}" for flag in ("tp", "pp", "cp", "ep", "expert-tp",
+                                                                             "zero")]
+    flags += ["--recompute", layout.recompute, *(["--sp"] if layout.sp else [])]
+    return flags + (["--dp-shard", str(layout.dp_shard)] if layout.replicas > 1 else [])
+
+
+def test_one_rank_of_gpt_oss_20b_in_the_layout_search_puts_first_counts_what_plan_predicts():
+    """gpt-oss-20b (the preset: 64 query heads of 64 over 8 key/value heads, biases, sinks, windows of 128 on
+    every second layer, 32 experts of 2,880, top 4, its 201,088 x 2,880 tables whole) in the layout --search
+    puts first on 8 GPUs of 80 GB, 2 of its 24 blocks (one windowed, one not) and sequences of 256 so that a
+    CPU steps it: every counter of a rank is the planner's, and its peak resident memory within 5% of the
+    plan's (below it by no more than AdamW's moments, which a dry run's one step creates after its peak, as
+    the DeepSeek-V3 case above). Its vocabulary tables are 2.2 GiB each in float32: under ZeRO-2 each a bucket
+    of its own, with autograd's gradient of the table beside it before it is copied in (peak.zero_working)."""
+    gpt_oss = ["--model", "gpt-oss-20b", "--arch", "gpt-oss"]
+    plan_args, args = plan.parse_args([*gpt_oss, "--world", "8", "--search", "--memory", "80GB", "--top", "1"])
+    first = plan.search(args, plan_args)[0][-1]
+    assert plan.layout_of(cli.parse_args([*gpt_oss, *layout_flags(first)]), 8) == first
+    out = dry_run("--world", "8", "--rank", "5", "--json", *gpt_oss, *layout_flags(first), "--layers", "2",
+                  "--seq-len", "256", timeout=600, fixed_threshold=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    measured, predicted = report["measured"], report["predicted"]
+    peak = predicted.pop("peak_resident_bytes")
+    assert predicted["param_bytes"] > 0 and predicted["comm_ep_all_to_all_bytes"] > 0
     assert {field: measured[field] for field in predicted} == predicted
     assert 0.95 * (peak - predicted["optim_bytes"]) < measured["peak_resident_bytes"] < 1.05 * peak
 

@@ -416,3 +416,75 @@ def test_deepseek_v3_layout_puts_each_ep_rank_on_a_node_of_its_own():
                                                                       token_nodes=8)
     inside, across = plan.node_split(layout, plan.predict_stage(c, layout, 5), where, 8)
     assert inside == 0 and across > 0
+
+
+# gpt-oss-20b and -120b whole (--arch gpt-oss): OpenAI's model card (its table 1) gives 20.91B parameters of which
+# 3.61B active, and 116.83B of which 5.13B.
+GPT_OSS_PUBLISHED = {"gpt-oss-20b": (20.91e9, 3.61e9), "gpt-oss-120b": (116.83e9, 5.13e9)}
+
+
+def gpt_oss_parameters(c):
+    """(a block's parameters besides its experts, an expert's), written out from gpt-oss's shapes: q, k and v
+    (over n_kv_heads) and o, each with its bias, a sink per head, two RMSNorms, the router with its bias; an
+    expert's gate | up and down, each with its bias."""
+    q, kv = c.n_head * c.head_dim, c.n_kv_heads * c.head_dim
+    attention = (c.d_model + 1) * (q + 2 * kv) + (q + 1) * c.d_model + c.n_head
+    block = attention + 2 * c.d_model + (c.d_model + 1) * c.n_experts
+    return block, (c.d_model + 1) * 2 * c.d_expert + (c.d_expert + 1) * c.d_model
+
+
+@pytest.mark.parametrize("model", GPT_OSS_PUBLISHED)
+def test_gpt_oss_presets_are_the_published_sizes_total_and_active(model):
+    """The preset built by model.py (on the meta device, as the planner reads it) holds gpt-oss's parameters
+    written out from its shapes: experts in every layer, windows on every second one from the first, untied
+    embedding and head. Total and active within 0.5% of the model card's figures, active as the card counts
+    it: what a token meets (its top-k experts of each layer, everything not an expert) with the unembedding
+    (the output layer) but not the embedding, a table lookup. Its figures fix that reading: its 3.61B and
+    5.13B are the blocks' active parameters and one table of 201,088 x 2,880 (1.16B for the two, its table
+    says), and counting both tables would be over 10% more."""
+    total, active = GPT_OSS_PUBLISHED[model]
+    args = cli.parse_args(["--model", model, "--arch", "gpt-oss"])
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    assert all(c.is_moe(layer) for layer in range(c.n_layer)) and not c.tie_embeddings
+    assert c.window_layers == tuple(range(0, c.n_layer, 2)) and c.sliding_window and c.attention_sinks
+    parameters = plan.model_parameters(plan.config_key(c))
+    planned = sum(math.prod(shape) for _, shape in parameters)
+    block, expert = gpt_oss_parameters(c)
+    table = c.padded_vocab_size * c.d_model
+    assert planned == c.n_layer * (block + c.n_experts * expert) + 2 * table + c.d_model
+    idle = [name for name, _ in parameters if ".experts." in name and int(name.split(".")[4]) >= c.top_k]
+    assert len(idle) == 4 * c.n_layer * (c.n_experts - c.top_k)  # (each expert's fc and proj, weight and bias)
+    met = sum(math.prod(shape) for name, shape in parameters if name not in idle and name != "tok_emb.weight")
+    assert abs(planned / total - 1) < 0.005 and abs(met / active - 1) < 0.005, (planned, met)
+    assert (met + table) / active - 1 > 0.1
+
+
+def test_gpt_oss_presets_need_their_architecture_and_keep_their_windows_in_fewer_layers():
+    """--model gpt-oss-20b is the released model whole: refused in one line without --arch gpt-oss; with
+    --layers N its first N blocks, its windowed ones (every second from the first) among them."""
+    for arch in ("gpt", "llama", "deepseek"):
+        plan_args, args = plan.parse_args(["--model", "gpt-oss-20b", "--arch", arch, "--world", "8", "--search"])
+        with pytest.raises(cli.ConfigError, match="^--model gpt-oss-20b is gpt-oss's whole architecture: "
+                                                  "add --arch gpt-oss$"):
+            plan.search(args, plan_args)
+    args = cli.parse_args(["--model", "gpt-oss-120b", "--arch", "gpt-oss", "--layers", "5"])
+    c = cli.model_config(args, cli.data_vocab_size(args))
+    assert (c.n_layer, c.window_layers) == (5, (0, 2, 4))
+
+
+def test_search_fits_gpt_oss_20b_on_8_gpus_of_80_gb(capsys):
+    """python -m tools.plan --model gpt-oss-20b --arch gpt-oss --search --world 8 (80 GB GPUs: 74.5 GiB, the
+    stricter reading) names layouts that fit, all 8 ranks of them: the first one listed, planned alone, peaks
+    within the GPU on every rank (start-up, a step, a checkpoint's load: what a GPU holds)."""
+    plan_args, args = plan.parse_args(["--model", "gpt-oss-20b", "--arch", "gpt-oss", "--world", "8", "--search",
+                                       "--memory", "80GB"])
+    fits = plan.search(args, plan_args)
+    assert fits and all(memory <= 80e9 for _, _, memory, _ in fits)
+    first = fits[0][-1]
+    assert (first.world, first.dp * first.tp * first.pp * first.cp) == (8, 8)
+    (candidate,) = [flags for flags, layout in plan.candidate_layouts(args, 8, 8) if layout == first]
+    peaks = plan.predict_peaks(candidate, 8)
+    device = [max(peaks[f"{phase}_peak_bytes"][rank] for phase in ("startup", "step", "load")) - plan.PROCESS_BYTES
+              for rank in range(8)]
+    assert max(device) <= 80e9, device
+    assert "layouts of gpt-oss-20b on 8 ranks fit 74.5 GiB" in capsys.readouterr().out

@@ -48,6 +48,7 @@ import zlib
 
 import numpy as np
 
+from training import hub
 from training.chat import ChatError, ChatTemplate, end_ids
 from training.integrity import chunk_digests, json_digest
 from training.tokenizer import Tokenizer, TokenizerError
@@ -464,8 +465,8 @@ def prepare(inputs, tokenizer_folder, out, val=0.1, seed=0, field="text", worker
     docstring). Returns meta.json's contents; raises PrepareError on bad input, before writing anything."""
     progress = progress or Progress(enabled=False)
     check_out(out, force)
-    try:
-        tokenizer = Tokenizer.from_folder(tokenizer_folder)
+    try:  # (a hub id, openai/gpt-oss-20b: its tokenizer's files, in huggingface_hub's cache; training/hub.py)
+        tokenizer = Tokenizer.from_folder(hub.resolve(tokenizer_folder, "tokenizer", TokenizerError))
     except TokenizerError as e:
         raise PrepareError(f"--tokenizer {e}") from None
     if tokenizer.eos_id is None:
@@ -529,7 +530,8 @@ def parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUT_KINDS)
     p.add_argument("--tokenizer", required=True, metavar="FOLDER",
-                   help="a Hugging Face model folder holding tokenizer.json (the --init-from folder)")
+                   help="a Hugging Face model folder holding tokenizer.json (the --init-from folder), or a hub "
+                        "id (owner/name: huggingface_hub downloads its tokenizer)")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="where train.bin, val.bin, meta.json go")
     p.add_argument("--val", type=fraction_or_count, default=0.1,
                    help="the validation split: a fraction of the documents, or a count (default %(default)s)")

@@ -39,7 +39,7 @@ from functools import partial
 import torch
 
 from model import GPT, GPTConfig, fill_in_chunks, tied_name
-from training import hf
+from training import hf, hub
 from training.chat import ChatError, ChatTemplate
 from training.checkpoint import TORCH_DTYPES, BadCheckpoint, Checkpoint, checkpoint_at
 from training.data import tokenizer_of
@@ -267,7 +267,8 @@ def parser():
     source.add_argument("--checkpoint", metavar="PATH",
                         help="a checkpoint folder (runs/NAME/checkpoint-STEP), or a run folder (runs/NAME) for its "
                              "newest complete one")
-    source.add_argument("--init-from", metavar="FOLDER", help="a Hugging Face model folder")
+    source.add_argument("--init-from", metavar="FOLDER",
+                        help="a Hugging Face model folder, or a hub id (owner/name: huggingface_hub downloads it)")
     p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     p.add_argument("--chat", action="store_true",
                    help="render the prompt as a user's turn with the tokenizer folder's chat template and print the "
@@ -279,7 +280,7 @@ def parser():
     p.add_argument("--samples", type=int, default=1, help="continuations, sampled together (one batch)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     p.add_argument("--tokenizer", metavar="FOLDER", default=None,
-                   help="a Hugging Face folder with tokenizer.json (default: the one the model records)")
+                   help="a Hugging Face folder with tokenizer.json, or a hub id (default: the one the model records)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="the weights' dtype (default: as saved)")
     return p
@@ -300,6 +301,9 @@ def main(argv=None):
     check_flags(p, args)
     try:
         device = device_of(args.device)
+        # a hub id (openai/gpt-oss-20b) as its folder in huggingface_hub's cache (training/hub.py)
+        args.init_from, args.tokenizer = (hub.resolve(args.init_from, "model", SampleError),
+                                          hub.resolve(args.tokenizer, "tokenizer", SampleError))
         if args.checkpoint:
             config, tokenizer, load = from_checkpoint(args.checkpoint, args.tokenizer)
         else:

@@ -17,7 +17,7 @@ import pp
 import tp
 from mesh import mesh_shape
 from model import GPTConfig, pad_vocabulary
-from training import dashboard, hf
+from training import dashboard, hf, hub
 from training.data import DataInfo
 from training.profile import profiled_steps
 from training.tokenizer import fingerprint
@@ -37,6 +37,10 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     "llama3-405b": dict(n_layer=126, n_head=128, d_model=16384, seq_len=8192, vocab_size=128256),
     "mixtral": dict(n_layer=32, n_head=32, d_model=4096, seq_len=4096, vocab_size=32000),
     "deepseek-v3": dict(n_layer=61, n_head=128, d_model=7168, seq_len=4096, vocab_size=129280),
+    # gpt-oss-20b and -120b whole (with --arch gpt-oss; GPT_OSS_SHAPES), trained here at 4,096 tokens: the
+    # context its YaRN stretches 32 times (rope_scaling's original_max_position_embeddings, its pretraining's).
+    "gpt-oss-20b": dict(n_layer=24, n_head=64, d_model=2880, seq_len=4096, vocab_size=201088),
+    "gpt-oss-120b": dict(n_layer=36, n_head=64, d_model=2880, seq_len=4096, vocab_size=201088),
 }
 # The Llama-style block (--arch llama): rotary positions, grouped-query attention, RMSNorm, SwiGLU, no
 # biases; per size, the key/value heads and a SwiGLU width of about 8/3 d_model (Llama's, rounded up),
@@ -71,13 +75,26 @@ DEEPSEEK_SHAPES = {
 # gpt-oss's block (--arch gpt-oss): the Llama block with biases on q, k, v and o, a sink per head, gpt-oss's
 # clamped SwiGLU, and in its MoE layers (--experts) a router with a bias, its top-k softmaxed (Mixtral's
 # renormalised softmax, the same gates); YaRN as its config.json has it (x32 over 4,096 positions, the ramp's
-# ends not rounded). Its windows are flags: --sliding-window 128 --window-layers 1:1, as its layer_types.
+# ends not rounded). Its windows are flags at the small sizes (--sliding-window 128 --window-layers 1:1, as its
+# layer_types); the whole models below have them.
 GPT_OSS = dict(LLAMA, bias=True, attention_sinks=True, mlp="clamped_swiglu", router_bias=True, rope_theta=150000.0,
-               rope_type="yarn", rope_factor=32.0, rope_original_context=4096, rope_truncate=False)
+               rope_type="yarn", rope_factor=32.0, rope_original_context=4096, rope_truncate=False, max_seq_len=131072)
+# Per size, Llama's for the small ones; gpt-oss-20b and -120b are the released models whole (OpenAI's
+# config.json): 64 query heads of 64 features (wider than d_model / heads) over 8 key/value heads, in every
+# layer experts of 2,880 (the top 4 of 32 or 128), a window of 128 tokens on every second layer from the first.
+GPT_OSS_WHOLE = dict(n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4, sliding_window=128)
+GPT_OSS_SHAPES = {
+    **{size: LLAMA_SHAPES[size] for size in ("tiny", "small", "medium")},
+    "gpt-oss-20b": dict(GPT_OSS_WHOLE, n_experts=32, window_layers=tuple(range(0, 24, 2))),
+    "gpt-oss-120b": dict(GPT_OSS_WHOLE, n_experts=128, window_layers=tuple(range(0, 36, 2))),
+}
 ARCHS = {"gpt": ({}, {}), "llama": (LLAMA, LLAMA_SHAPES), "deepseek": (DEEPSEEK, DEEPSEEK_SHAPES),
-         "gpt-oss": (GPT_OSS, {size: LLAMA_SHAPES[size] for size in ("tiny", "small", "medium")})}
+         "gpt-oss": (GPT_OSS, GPT_OSS_SHAPES)}
 # Shapes that exist only as Llama (or DeepSeek) blocks:
 LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")
+# Presets that are one architecture's whole model, and that architecture:
+WHOLE_MODELS = {"deepseek-v3": ("deepseek", "DeepSeek-V3"), "gpt-oss-20b": ("gpt-oss", "gpt-oss"),
+                "gpt-oss-120b": ("gpt-oss", "gpt-oss")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -117,9 +134,11 @@ def parse_args(argv=None):
                    help="a learned logit per head in every attention softmax's denominator (gpt-oss)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face model folder's weights (GPT-2, Llama, Mistral, Mixtral, Qwen2, "
-                        "Qwen3, the Qwen MoEs, DeepSeek-V3): its config.json sets the model (not --model, --arch, "
-                        "--kv-heads; --d-model, --heads, --head-dim, --d-ff and --qk-norm are refused; --layers N "
-                        "keeps its first N blocks, a smaller model to check a layout with); see training/hf.py")
+                        "Qwen3, the Qwen MoEs, DeepSeek-V3), or a hub id's (owner/name[@revision]: huggingface_hub, "
+                        "if installed, downloads it into its cache): its config.json sets the model (not --model, "
+                        "--arch, --kv-heads; --d-model, --heads, --head-dim, --d-ff and --qk-norm are refused; "
+                        "--layers N keeps its first N blocks, a smaller model to check a layout with); see "
+                        "training/hf.py and training/hub.py")
     p.add_argument("--batch-size", type=int, default=32,
                    help="global batch in sequences, split over data ranks and micro-batches")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -193,7 +212,8 @@ def parse_args(argv=None):
                         "see docs/diagnosing.md")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
     p.add_argument("--experts", type=int, default=None,
-                   help="experts per MoE layer (0: dense MLPs; default: the preset's, 0 but for deepseek-v3)")
+                   help="experts per MoE layer (0: dense MLPs; default: the preset's, 0 but for deepseek-v3 and "
+                        "gpt-oss-*)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's, else 2)")
     p.add_argument("--shared-experts", type=int, default=None,
                    help="experts' widths of an MLP every token passes through besides its top-k (DeepSeek-MoE)")
@@ -236,6 +256,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's computation (its parallel communication stays eager)")
     args = p.parse_args(argv)
+    # A hub id (openai/gpt-oss-20b) read once, here, as its folder in huggingface_hub's cache (training/hub.py)
+    args.init_from = hub.resolve(args.init_from, "model", lambda e: p.exit(2, f"{p.prog}: error: --init-from {e}\n"))
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
     args.layers = args.layers or (None if args.init_from else PRESETS[args.model]["n_layer"])
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
@@ -527,8 +549,9 @@ def hf_vocab_size(folder):
 def arch_shape(args):
     """The GPTConfig fields --arch adds to the preset's shape (a ConfigError where it has no such shape)."""
     block, shapes = ARCHS[args.arch]
-    if args.model == "deepseek-v3" and args.arch != "deepseek":
-        raise ConfigError("--model deepseek-v3 is DeepSeek-V3's whole architecture: add --arch deepseek")
+    if args.model in WHOLE_MODELS and args.arch != WHOLE_MODELS[args.model][0]:
+        arch, name = WHOLE_MODELS[args.model]
+        raise ConfigError(f"--model {args.model} is {name}'s whole architecture: add --arch {arch}")
     if args.model in LLAMA_ONLY and args.arch == "gpt":
         raise ConfigError(f"--model {args.model} is a Llama-style shape: add --arch llama")
     if block and args.model not in shapes:
@@ -599,6 +622,8 @@ def model_config(args, vocab_size):
     shape = dict(PRESETS[args.model], seq_len=args.seq_len, n_layer=args.layers, vocab_size=vocab_size,
                  padded_vocab_size=pad_vocabulary(vocab_size))
     shape.update(arch_shape(args))
+    if shape.get("window_layers"):  # --layers N keeps the first N blocks of the preset: its windowed ones among them
+        shape["window_layers"] = tuple(i for i in shape["window_layers"] if i < shape["n_layer"])
     if args.kv_heads:
         shape.update(n_kv_heads=args.kv_heads)
     shape.update({SHAPE_FLAGS[flag]: value for flag, value in shape_given.items()})

@@ -31,7 +31,10 @@ def zero_working(params, group, layout):
     full weights (weights' dtype) and full gradient buckets (reduce dtype):
     - without a pipeline, ZeRO-3's two neighbouring units gathered whole (one computing, the next
       prefetched) and, in backward, their full gradients (one filling, the one before it being
-      reduce-scattered); ZeRO-2's one bucket in flight is left out (a bucket_bytes, small beside the rest);
+      reduce-scattered); ZeRO-2's two neighbouring buckets alike (dp.ZeRO2 waits for earlier ones before it
+      reduces the next), and beside them the gradient autograd computes of the parameter being copied into
+      its bucket (in the weights' dtype): about bucket_bytes each, but a vocabulary table is a bucket of its
+      own, and gpt-oss-20b's (201,088 x 2,880) holds 2.2 GiB in float32, twice over;
     - under a pipeline, whose reduction comes once, after each chunk's last backward (dp.ZeRO2, ZeRO3):
       ZeRO-2 the stage's full gradient buckets, through the step's backwards; ZeRO-3 the stage's units
       gathered whole from their first forward to that reduction, and their full gradients besides.
@@ -43,9 +46,10 @@ def zero_working(params, group, layout):
     buckets = [b.padded for b in zero_buckets(params, group, layout)]
     if layout.pp > 1:
         return sum(buckets) * (r + (w if layout.zero == 3 else 0))
+    neighbours = max(a + b for a, b in zip(buckets, buckets[1:] or [0]))
     if layout.zero == 3:
-        return max(a + b for a, b in zip(buckets, buckets[1:] or [0])) * (w + r)
-    return 0
+        return neighbours * (w + r)
+    return neighbours * r + max(numel for _, numel in params) * w
 
 
 def largest_piece(params, group, layout):
