@@ -16,6 +16,8 @@ import sys
 import pytest
 
 import hf_models
+from distributed import run_on_ranks
+from oracle import train_worker
 from texts import tokenizer_folder
 from tools import prepare, sample
 from training import cli, hf, hub, integrity
@@ -100,11 +102,22 @@ def test_a_hub_id_is_its_snapshot_folder_in_the_cache(cached):
 
 def test_init_from_a_hub_id_reads_the_snapshot(cached):
     args = cli.parse_args(["--init-from", REPO, *QUICK])
-    assert args.init_from == cached  # once, in parse_args: every later use reads the folder
+    assert args.init_from == REPO  # (parsing reads nothing)
     config, _ = cli.check_args(args, 1)
+    assert args.init_from == cached  # once, as the flags' first file is read: every later use reads the folder
     assert (config.n_layer, config.d_model, config.vocab_size) == (4, 32, VOCAB)  # tests/hf_models.py's tiny Llama
     assert config == cli.check_args(cli.parse_args(["--init-from", cached, *QUICK]), 1)[0]
     hf.HuggingFaceValues(args.init_from, config).check_shapes()
+
+
+def test_train_py_trains_from_a_hub_id(cached, tmp_path):
+    """Each rank resolves it (offline: from the cache) before its first read, and starts from the folder's
+    weights: its first loss is the one of a run given the snapshot's folder itself."""
+    runs = []
+    for name, source in [("hub", REPO), ("folder", cached)]:
+        argv = [*QUICK, "--init-from", source, "--steps", "1", "--out", str(tmp_path / name)]
+        runs.append(run_on_ranks(2, train_worker, [*argv, "--tp", "2"], timeout=120)[0]["losses"])
+    assert runs[0] == runs[1]
 
 
 def test_prepare_and_sample_take_a_hub_id(cached, tmp_path, capsys):
@@ -124,10 +137,8 @@ def test_offline_and_not_in_the_cache_is_one_line(offline, capsys):
     with pytest.raises(hub.HubError, match=r"^openai/gpt-oss-20b: not in huggingface_hub's cache \(.*hub-cache\), "
                                            r"and HF_HUB_OFFLINE is set$"):
         hub.resolve(REPO)
-    with pytest.raises(SystemExit) as exit:
-        cli.parse_args(["--init-from", REPO, *QUICK])
-    assert exit.value.code == 2
-    assert one_line_error(capsys).startswith(f"train.py: error: --init-from {REPO}: not in huggingface_hub's cache")
+    with pytest.raises(cli.ConfigError, match=f"^--init-from {REPO}: not in huggingface_hub's cache"):
+        cli.check_args(cli.parse_args(["--init-from", REPO, *QUICK]), 1)
     with pytest.raises(SystemExit) as exit:
         prepare.main(["--tokenizer", REPO, "--out", str(offline), "notes.txt"])
     assert exit.value.code == 2
@@ -154,10 +165,9 @@ def test_without_huggingface_hub_a_hub_id_is_refused_in_one_line(without_hugging
     with pytest.raises(hub.HubError, match=r"^openai/gpt-oss-20b: no such folder, and a Hugging Face hub id needs "
                                            r"huggingface_hub: pip install huggingface_hub$"):
         hub.resolve(REPO)
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--init-from", REPO, *QUICK])
-    assert one_line_error(capsys) == (f"train.py: error: --init-from {REPO}: no such folder, and a Hugging Face hub "
-                                      f"id needs huggingface_hub: pip install huggingface_hub\n")
+    with pytest.raises(cli.ConfigError, match=f"^--init-from {REPO}: no such folder, and a Hugging Face hub id "
+                                              f"needs huggingface_hub: pip install huggingface_hub$"):
+        cli.check_args(cli.parse_args(["--init-from", REPO, *QUICK]), 1)
 
 
 # 3. A folder is a folder ----------------------------------------------------------------------------------
@@ -169,7 +179,10 @@ def test_an_existing_path_is_returned_as_it_is(tmp_path, monkeypatch, without_hu
     assert hub.resolve(REPO) == REPO
     (tmp_path / "openai" / "notes").write_text("")  # a file: the caller says what is wrong with it
     assert hub.resolve("openai/notes") == "openai/notes"
-    assert cli.parse_args(["--init-from", REPO, *QUICK]).init_from == REPO
+    args = cli.parse_args(["--init-from", REPO, *QUICK])
+    with pytest.raises(cli.ConfigError):  # (an empty folder: no config.json; not a hub id)
+        cli.check_args(args, 1)
+    assert args.init_from == REPO
 
 
 @pytest.mark.parametrize("name", [None, "", "Llama-3.2-1B", "/no/such/folder", "./no/such", "../no/such", "a/b/c",

@@ -256,8 +256,6 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's computation (its parallel communication stays eager)")
     args = p.parse_args(argv)
-    # A hub id (openai/gpt-oss-20b) read once, here, as its folder in huggingface_hub's cache (training/hub.py)
-    args.init_from = hub.resolve(args.init_from, "model", lambda e: p.exit(2, f"{p.prog}: error: --init-from {e}\n"))
     args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
     args.layers = args.layers or (None if args.init_from else PRESETS[args.model]["n_layer"])
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
@@ -432,7 +430,12 @@ def check_profile(args):
 
 def describe_data(args):
     """The training data's DataInfo: its meta.json (or meta.pkl) read here, once for the whole configuration.
-    Data that cannot be read (missing, a broken meta.json) fails here, not mid-run."""
+    Data that cannot be read (missing, a broken meta.json) fails here, not mid-run.
+
+    The first of the flags' files read, whatever the caller (train.py, tools/parity.py, plan, dryrun): a hub
+    id given as --init-from (openai/gpt-oss-20b) becomes its folder in huggingface_hub's cache here, for every
+    later use (training/hub.py: downloaded where it is not there yet; parsing the flags reads no file)."""
+    args.init_from = hub.resolve(args.init_from, "model", lambda e: ConfigError(f"--init-from {e}"))
     vocab_size = args.vocab_size if args.data else synthetic_vocab_size(args)
     try:
         return DataInfo.read(args.data, vocab_size)
