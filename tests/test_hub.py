@@ -110,13 +110,24 @@ def test_init_from_a_hub_id_reads_the_snapshot(cached):
     hf.HuggingFaceValues(args.init_from, config).check_shapes()
 
 
-def test_train_py_trains_from_a_hub_id(cached, tmp_path):
+def offline_train_worker(cache, argv):
+    """train_worker with huggingface_hub offline on `cache`: the ranks fork from a server started before this
+    test set its environment (distributed.run_on_ranks), so each sets it for itself, and for huggingface_hub's
+    constants where it was imported already."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=cache)
+    if sys.modules.get("huggingface_hub.constants"):
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+        sys.modules["huggingface_hub.constants"].HF_HUB_CACHE = cache
+    return train_worker(argv)
+
+
+def test_train_py_trains_from_a_hub_id(cached, offline, tmp_path):
     """Each rank resolves it (offline: from the cache) before its first read, and starts from the folder's
     weights: its first loss is the one of a run given the snapshot's folder itself."""
     runs = []
     for name, source in [("hub", REPO), ("folder", cached)]:
-        argv = [*QUICK, "--init-from", source, "--steps", "1", "--out", str(tmp_path / name)]
-        runs.append(run_on_ranks(2, train_worker, [*argv, "--tp", "2"], timeout=120)[0]["losses"])
+        argv = [*QUICK, "--init-from", source, "--steps", "1", "--out", str(tmp_path / name), "--tp", "2"]
+        runs.append(run_on_ranks(2, offline_train_worker, offline, argv, timeout=120)[0]["losses"])
     assert runs[0] == runs[1]
 
 
