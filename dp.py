@@ -374,7 +374,7 @@ class ZeRO3(ZeRO2):
                  reshard_after_forward=True, **options):
         if not units:
             raise ValueError("ZeRO-3 needs the units whose parameters are gathered together")
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.lent = reshard_after_forward, set()  # (lent: units another borrows, lend)
         super().__init__(module, group, make_optimizer, units, bucket_bytes, **options)
         self.unit_buckets = self.buckets[::-1]  # buckets are in backward order, units in forward order
         for i, unit in enumerate(self.units):
@@ -392,8 +392,8 @@ class ZeRO3(ZeRO2):
         if not self.end_of_backward_queued:  # (recomputed in a backward, the next unit's backward is over)
             self._gather(i + 1, wait=False)  # prefetched: the next unit's gather overlaps this unit's compute
 
-    def _after_forward(self, i, module, args, output):
-        if self.reshard_after_forward or not torch.is_grad_enabled():  # (no backward follows a no_grad forward)
+    def _after_forward(self, i, module, args, output):  # (a lent unit waits for its borrower's forward: lend)
+        if self.reshard_after_forward and i not in self.lent or not torch.is_grad_enabled():  # (no_grad: no backward)
             self._free_params(self.unit_buckets[i])
         super()._after_forward(i, module, args, output)
 
@@ -801,10 +801,54 @@ def clip_grad_norm_(optimizers, max_norm, weights=None, groups=()):
 ZERO_STAGES = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 
 
+# -- Tied weights under ZeRO-3: a module that borrows a unit's parameters -------------------------------
+
+def lend(zero, borrower, lender):
+    """Under ZeRO-3, `borrower`, a module all of whose parameters the unit `lender` holds (model.py's lm_head,
+    tied to tok_emb's weight: the same tensor), is no unit of its own but uses its lender's weights, so that
+    the weight is gathered, reduced and stepped once, as one parameter.
+
+    The lender (the embedding) keeps its weights gathered from its own forward to the borrower's (the output
+    layer, at the forward's end: held through the forward, as FSDP keeps a root unit's), which frees them as
+    a unit frees its own; the borrower's backward gathers them again, and they stay until the unit's
+    reduce-scatter, once every gradient of the weight has arrived: the output layer's and, last in the
+    backward, the embedding's, which autograd adds into one before the weight's gradient hook runs. Two
+    all-gathers a forward and backward, as any unit has. Elsewhere (ZeRO-1 and 2 keep the weights whole; a
+    lender another instance shards) nothing is lent."""
+    if not isinstance(zero, ZeRO3) or lender not in zero.units:
+        return
+    i, zero_ref = zero.units.index(lender), weakref.ref(zero)
+    zero.lent.add(i)
+    borrower.register_forward_pre_hook(lambda module, args: zero_ref()._gather(i))
+    borrower.register_forward_hook(lambda module, args, output: borrowed_forward(zero_ref(), i, output))
+
+
+def borrowed_forward(zero, i, output):
+    """After a borrowing module's forward: its lender's weights freed (as a unit's own would be), and gathered
+    again before its backward."""
+    if zero.reshard_after_forward or not torch.is_grad_enabled():
+        zero._free_params(zero.unit_buckets[i])
+    if torch.is_tensor(output) and output.requires_grad:
+        zero_ref = weakref.ref(zero)
+        output.register_hook(lambda grad: zero_ref()._gather(i))
+
+
 def gpt_units(model):
-    """ZeRO-3 units of model.py's GPT, in forward order (the only model knowledge in this file)."""
-    units = [model.tok_emb, model.pos_emb, *model.blocks, model.norm, model.lm_head]
+    """ZeRO-3 units of model.py's GPT, in forward order (the only model knowledge in this file). A tied output
+    layer on the embedding's rank is none: it borrows the embedding's unit (gpt_lend)."""
+    borrows = tied_on_one_rank(model)
+    units = [model.tok_emb, model.pos_emb, *model.blocks, model.norm, None if borrows else model.lm_head]
     return [unit for unit in units if unit is not None]  # no position table with rotary embeddings
+
+
+def gpt_lend(zero, model):
+    """A ZeRO instance's lending of model.py's tied output layer (see lend), where it has one."""
+    if tied_on_one_rank(model):
+        lend(zero, model.lm_head, model.tok_emb)
+
+
+def tied_on_one_rank(model):
+    return model.config.tie_embeddings and model.tok_emb is not None and model.lm_head is not None
 
 
 # -- Self-check: torchrun --nproc_per_node N dp.py ---------------------------------------------------

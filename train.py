@@ -39,8 +39,8 @@ import cp
 import ep
 import pp
 import tp
-from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_units, ring_bytes_sent,
-                unallocated)
+from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_lend, gpt_units,
+                ring_bytes_sent, unallocated)
 from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
                    tied_name, update_route_biases)
@@ -646,6 +646,7 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
                 initial_values=share.elements, replicate_group=replicas, **held_through_step, **options)
         tied_zero = make_zero(tied, gpt_units(model), "dense") if tied else None
         zeros = [make_zero(dense, gpt_units(model), "dense"), *([tied_zero] if tied else [])]
+        gpt_lend(zeros[0], model)  # (a tied output layer beside its embedding: one weight, ZeRO-3's one unit)
         if experts:
             zeros.append(make_zero(experts, moe_layers, "expert", find_unused_parameters=True,
                                    divide_by=mesh.size("dense")))

@@ -33,7 +33,7 @@ from tools import convert, sample
 import hf_models
 from distributed import run_on_ranks
 from model import GPT, KVCache
-from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
+from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 from planned import assert_matches_plan
 
 ARGS = [*EQUIVALENCE, "--seq-len", "16", "--steps", "2", "--batch-size", "8"]
@@ -192,6 +192,8 @@ LAYOUTS = [
     ("gpt2", 4, ["--pp", "2", "--zero", "1"]),         # the tied weight's two copies, ZeRO-1 over 2 data ranks
     ("gpt2", 4, ["--pp", "2", "--schedule", "zbv", "--zero", "1", "--micro-batches", "4"]),  # in a V: one copy
     ("gpt2", 4, ["--tp", "2", "--sp", "--cp", "2"]),   # LayerNorm's epsilon under sp, learned positions under cp
+    ("gpt2", 4, ["--pp", "2", "--zero", "3"]),         # the tied weight's two copies, each ZeRO-3's on its stage
+    ("gpt2", 4, ["--pp", "2", "--schedule", "zbv", "--zero", "3", "--micro-batches", "4"]),  # one copy, lent
     ("llama3.2", 4, ["--tp", "2", "--pp", "2"]),        # tied and split, across stages; rotary scaling
     ("llama3.1", 4, ["--cp", "2", "--tp", "2", "--sp"]),  # rotary scaling at cp's zigzag positions; RMSNorm 1e-5
     ("llama", 2, ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "4"]),
@@ -365,12 +367,42 @@ def test_the_qwen_moe_layers_are_those_transformers_makes_sparse():
     assert qwen3_moe.qk_norm and qwen3_moe.head_dim == 16 and not qwen2_moe.qk_norm
 
 
-def test_zero3_with_a_tied_output_layer_is_refused(folders):
-    """ZeRO-3 gathers the embedding and the output layer as two units: a weight both hold is refused, not
-    gathered twice."""
-    with pytest.raises(cli.ConfigError, match="tied output layer"):
-        cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["gpt2"], "--zero", "3"]), 2)
-    cli.check_args(cli.parse_args([*ARGS, "--init-from", folders["llama"], "--zero", "3"]), 2)  # untied: fine
+TIED_ZERO3 = [("qwen3", 2, ["--zero", "3"]),  # Qwen3-0.6B's shape: a tied output layer, one stage
+              ("llama3.2", 4, ["--zero", "3", "--dp-shard", "2", "--tp", "2"]),  # hybrid sharding, split by tp
+              ("gpt2", 2, ["--zero", "3", "--recompute", "full"])]  # learned positions, the blocks recomputed
+
+
+@pytest.mark.parametrize("arch,world,flags", TIED_ZERO3, ids=["-".join([a, *(f.lstrip("-") for f in fl)])
+                                                              for a, _, fl in TIED_ZERO3])
+def test_zero3_gathers_a_tied_output_layer_as_one_weight(tmp_path, folders, arch, world, flags):
+    """The embedding's unit lends its weight to the output layer (dp.lent_units): one weight gathered, reduced and
+    stepped, equal to one device, and the plan's counters (the weight counted once, two all-gathers a
+    micro-batch as every unit)."""
+    argv = [*ARGS, "--init-from", folders[arch]]
+    for result in run_on_ranks(world, train_worker, [*argv, *flags, "--out", str(tmp_path)], timeout=300):
+        assert_matches_oracle(result, oracle(argv))
+        state = result["state_dict"]  # (untied, the two would part at the first step: their gradients differ)
+        assert torch.equal(state["lm_head.weight"], state["tok_emb.weight"])
+    assert_matches_plan(tmp_path, [*argv, *flags], world)
+
+
+@pytest.mark.full
+def test_a_tied_weight_stays_one_through_a_zero3_checkpoint_a_resharded_resume_and_an_export(tmp_path, folders):
+    """Qwen3's tied output layer saved by ZeRO-3 (its one weight's shards, under the embedding's name), resumed
+    under tp 2 without ZeRO exactly (the two steps after it as one device's), and exported as one tensor, as
+    transformers writes a tied model."""
+    argv = [*ARGS, "--steps", "4", "--init-from", folders["qwen3"]]
+    first = run_on_ranks(2, train_worker, [*argv, "--zero", "3", "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
+    (run,) = os.listdir(tmp_path / "a")
+    saved = checkpoint.checkpoints(str(tmp_path / "a" / run))[0]
+    assert "lm_head.weight" not in checkpoint.Checkpoint(saved).tensors
+    second = run_on_ranks(2, train_worker, [*argv, "--tp", "2", "--resume", saved, "--out", str(tmp_path / "b")])
+    for result in second:
+        assert_matches_oracle(dict(losses=first["losses"] + result["losses"], state_dict=result["state_dict"]),
+                              reference_run(argv))
+    convert.export_hf(saved, str(tmp_path / "exported"))
+    assert "lm_head.weight" not in tensors_of(str(tmp_path / "exported"))
+    assert hf.read_config(str(tmp_path / "exported"))["tie_word_embeddings"] is True
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "deepseek_v3"])

@@ -335,9 +335,6 @@ def check_args(args, world, data=None):
         if heads % args.cp or kv_heads % args.cp:
             raise ConfigError(f"--cp-mode alltoall gives each of --cp {args.cp} ranks whole heads: {heads} query "
                               f"and {kv_heads} key/value heads a tensor-parallel rank do not divide by {args.cp}")
-    if config.tie_embeddings and args.zero == 3:
-        raise ConfigError("--zero 3 with a tied output layer is not supported: ZeRO-3 gathers the embedding and "
-                          "the output layer as two units, and a tied weight would have to be both")
     if data.vocab_size > config.vocab_size:
         raise ConfigError(f"the data's vocabulary ({data.vocab_size} ids) is larger than the model's "
                           f"({config.vocab_size}, from --init-from {args.init_from})")

@@ -26,7 +26,7 @@ def chunk_bytes(largest):
     return CHUNK_ARRAYS * min(INIT_CHUNK, largest) * INT64
 
 
-def zero_working(params, group, layout):
+def zero_working(params, group, layout, tied=False):
     """The most bytes ZeRO-2 and 3 hold during a step beyond what is logged after it (their shards), in
     full weights (weights' dtype) and full gradient buckets (reduce dtype):
     - without a pipeline, ZeRO-3's two neighbouring units gathered whole (one computing, the next
@@ -38,6 +38,9 @@ def zero_working(params, group, layout):
     - under a pipeline, whose reduction comes once, after each chunk's last backward (dp.ZeRO2, ZeRO3):
       ZeRO-2 the stage's full gradient buckets, through the step's backwards; ZeRO-3 the stage's units
       gathered whole from their first forward to that reduction, and their full gradients besides.
+    A tied output layer beside its embedding (`tied`) borrows the embedding's unit (dp.lend), which ZeRO-3
+    then holds through the forward and again from the output layer's backward to the backward's end: its
+    weights besides, without a pipeline (under one every unit is held anyway).
     The figure is added to the activations' peak, as if both came at once: under a pipeline the
     gradients arrive with the first backward, about when the micro-batches in flight are most."""
     if layout.zero < 2 or not params:
@@ -48,7 +51,8 @@ def zero_working(params, group, layout):
         return sum(buckets) * (r + (w if layout.zero == 3 else 0))
     neighbours = max(a + b for a, b in zip(buckets, buckets[1:] or [0]))
     if layout.zero == 3:
-        return neighbours * (w + r)
+        lent = sum(numel for name, numel in params if name == "tok_emb.weight") if tied else 0
+        return neighbours * (w + r) + lent * w
     return neighbours * r + max(numel for _, numel in params) * w
 
 
@@ -104,10 +108,11 @@ def working_sets(config, layout, stage):
     moment of its dense and of its expert pieces, and under Muon each rank's MuonRank (its step's working
     set, and the elements for which it keeps one momentum, not two moments)."""
     dense, expert, tied = rank_parameters(config, layout, stage)
+    lends = config.tie_embeddings and not tied  # (both ends on this rank: dp.gpt_lend)
     groups = {kind: (params, layout.shard_group(kind))
               for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
     return dict(largest=max(numel for _, numel in dense + expert + tied),
-                zero=sum(zero_working(p, g, layout) for p, g in groups.values()),
+                zero=sum(zero_working(p, g, layout, lends) for p, g in groups.values()),
                 piece=max(largest_piece(p, g, layout) for p, g in groups.values()),
                 norm=max(norm_working(p, g, layout) for p, g in groups.values()),
                 moment={kind: state_memory(p, g, layout, kind == "expert", layout.replicas).optim // 2
