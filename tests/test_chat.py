@@ -6,7 +6,8 @@ The tokenizer and the template are made here, nothing downloaded: a byte-level B
 tokens and a template written as Qwen3's is (an empty reasoning block before the last answer, none before
 earlier ones: earlier turns render differently once later ones follow), so the assistant's turns are found
 in the whole conversation, not by rendering prefixes. gpt-oss's harmony template is the one its folder ships
-(tests/templates/gpt_oss.jinja), with a tokenizer made here that has harmony's special tokens.
+(tests/templates/gpt_oss.jinja), with a tokenizer made here that has harmony's special tokens; Gemma 3's is
+gemma-3-1b-it's (tests/templates/gemma3.jinja), with a SentencePiece-like tokenizer that has Gemma's.
 """
 import json
 import os
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 import train
 from distributed import run_on_ranks
@@ -257,6 +258,140 @@ def test_sample_chat_with_the_harmony_template_stops_at_return_not_at_end(harmon
     steered = steer(model, prompt, 6, done)
     reply = sample.continuations(model, prompt, prompter.stop_id, max_new_tokens=12, temperature=0)[0]
     assert reply == steered[:6] and reply[2] == end
+    assert reply == greedy(config, model.state_dict(), prompt, 12, prompter.stop_id)
+
+
+# Gemma 3: turns between <start_of_turn> and <end_of_turn>, rendered by google/gemma-3-1b-it's template
+GEMMA = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # Gemma's ids 0-3 first
+GEMMA3_TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "gemma3.jinja")
+
+
+def gemma_folder(path):
+    """A model folder's tokenizer files as gemma-3-1b-it's are: SentencePiece's kind of BPE ("▁" for a space,
+    <0xNN> tokens for the bytes the vocabulary lacks, no space put first), <pad> 0, <eos> 1, <bos> 2, <unk> 3,
+    <start_of_turn> and <end_of_turn>; generation ending at <eos> or <end_of_turn> (generation_config.json's
+    [1, 106]), <eos> the EOS tokenizer_config.json names, and its chat_template the template."""
+    backend = Backend(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.train_from_iterator(training_text(), trainers.BpeTrainer(vocab_size=300, special_tokens=GEMMA,
+                                                                     show_progress=False))
+    spec = json.loads(backend.to_str())
+    for byte in range(256):  # the trainer makes no byte tokens: SentencePiece's are in the vocabulary
+        spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
+    backend = Backend.from_str(json.dumps(spec))
+    bos, eos, end, pad = (backend.token_to_id(name) for name in ("<bos>", "<eos>", "<end_of_turn>", "<pad>"))
+    with open(GEMMA3_TEMPLATE, encoding="utf-8") as f:
+        template = f.read()
+    return str(model_folder(path, backend,
+                            generation_config=dict(bos_token_id=bos, eos_token_id=[eos, end], pad_token_id=pad),
+                            tokenizer_config=dict(add_bos_token=True, bos_token="<bos>", eos_token="<eos>",
+                                                  pad_token="<pad>", unk_token="<unk>", chat_template=template)))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return gemma_folder(tmp_path_factory.mktemp("gemma") / "gemma-3-1b-it")
+
+
+def test_gemma3_counts_each_model_turn_through_its_end_of_turn(gemma):
+    """Gemma's template writes <bos>, the system message folded into the first user turn, and each turn as
+    <start_of_turn>{user or model}\\n{content, trimmed}<end_of_turn>\\n. The loss counts what the model writes
+    after the generation prompt <start_of_turn>model\\n: each answer and its <end_of_turn>, not the newline
+    the template puts after it (the model stops at <end_of_turn>: that newline is the next turn's input)."""
+    tokenizer = Tokenizer.from_folder(gemma)
+    template = ChatTemplate.from_folder(gemma, tokenizer)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": " good bye\n"}]  # the template trims what it writes
+    pieces = [("<bos><start_of_turn>user\nYou are terse.\n\nhi there<end_of_turn>\n<start_of_turn>model\n", False),
+              ("hello<end_of_turn>", True),
+              ("\n<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n", False),
+              ("good bye<end_of_turn>", True),
+              ("\n", False)]
+    assert template.render(messages) == "".join(piece for piece, _ in pieces)
+    assert counted_runs(template, messages) == pieces
+    ids, counted = template.encode(messages)
+    backend = tokenizer.backend
+    special = {backend.token_to_id(name): name for name in GEMMA}
+    assert [special[i] for i in ids if i in special] == ["<bos>", *["<start_of_turn>", "<end_of_turn>"] * 4]
+    assert [special[i] for i, c in zip(ids, counted) if c and i in special] == ["<end_of_turn>"] * 2
+    answer = lambda text: tokenizer.encode_rendered(text)[0]  # noqa: E731
+    assert [i for i, c in zip(ids, counted) if c] == answer("hello<end_of_turn>") + answer("good bye<end_of_turn>")
+    # the prompt a reply is sampled from ends with the generation prompt; the reply ends at <end_of_turn>
+    assert template.render(messages[:4], add_generation_prompt=True) == "".join(piece for piece, _ in pieces[:3])
+    assert template.end_of_turn == "<end_of_turn>"
+    assert template.end_of_turn_id() == backend.token_to_id("<end_of_turn>")
+    # the EOS is <eos>, the first id that ends a generation; conversations are separated by it, which the
+    # template never writes (it ends turns with <end_of_turn>, which would cut each conversation at every turn)
+    ends = chat_lib.end_ids(gemma, tokenizer)
+    assert tokenizer.eos_id == backend.token_to_id("<eos>")
+    assert ends == [backend.token_to_id(name) for name in ("<eos>", "<end_of_turn>", "<pad>")]
+    assert template.document_end(ends) == backend.token_to_id("<eos>")
+    with pytest.raises(ChatError, match="cannot render the conversation: Conversation roles must alternate"):
+        template.encode([messages[1], messages[2], messages[2]])
+
+
+def test_prepare_chat_with_the_gemma3_template(gemma, tmp_path):
+    """python -m tools.prepare --chat with Gemma's template: <eos> ends each conversation in the token files and
+    appears nowhere else; each conversation's counted tokens are its model turns, each the answer and its
+    <end_of_turn> (the template's newline after it, the user's turns, the system message: none)."""
+    records = conversations(12, seed=2)
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    meta = prepare.prepare([path], gemma, str(tmp_path / "data"), val=2, chat=True, field="messages")
+    tokenizer = Tokenizer.from_folder(gemma)
+    backend = tokenizer.backend
+    eos, end = backend.token_to_id("<eos>"), backend.token_to_id("<end_of_turn>")
+    assert meta["loss_mask"] and meta["eos_id"] == eos
+    template = ChatTemplate.from_folder(gemma, tokenizer)
+    answers = {}  # a conversation's ids: the ids of its model turns, each the answer and <end_of_turn>
+    for record in records:
+        ids = template.encode(record["messages"])[0]
+        assert eos not in ids and "<eos>" not in template.render(record["messages"])
+        answers[tuple(ids)] = [tokenizer.encode_rendered(message["content"] + "<end_of_turn>")[0]
+                               for message in record["messages"] if message["role"] == "assistant"]
+    documents = 0
+    for split in ("train", "val"):
+        tokens = np.fromfile(tmp_path / "data" / f"{split}.bin", dtype=np.uint16)
+        mask = np.fromfile(tmp_path / "data" / f"{split}.mask", dtype=np.uint8)
+        assert len(tokens) == len(mask) and tokens[-1] == eos
+        ends = np.flatnonzero(tokens == eos)
+        for start, stop in zip([0, *(ends[:-1] + 1)], ends):
+            ids, counted = tokens[start:stop].tolist(), mask[start:stop].astype(bool)
+            assert mask[stop] == 0
+            runs = []  # the counted runs of ids
+            for i, c in enumerate(counted):
+                if c and (i == 0 or not counted[i - 1]):
+                    runs.append([])
+                if c:
+                    runs[-1].append(ids[i])
+            assert runs == answers[tuple(ids)]
+            assert all(run[-1] == end for run in runs) and counted.sum() == sum(map(len, runs))
+            documents += 1
+    assert documents == len(records)
+
+
+def test_sample_chat_with_the_gemma3_template_stops_at_end_of_turn(gemma):
+    """python -m tools.sample --chat with Gemma's template: the prompt ends with <start_of_turn>model\\n, and the
+    reply stops at <end_of_turn> (left out), not at the tokenizer's EOS <eos>. The model is a tiny GPT steered
+    to write <end_of_turn>; what sample's pieces give is the greedy decoding written out in tests/texts.py."""
+    from texts import greedy
+    tokenizer = Tokenizer.from_folder(gemma)
+    backend = tokenizer.backend
+    prompter = sample.ChatPrompt(tokenizer, system="be brief")
+    prompt, template = prompter.ids("hi there"), prompter.template
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    assert prompt == template.prompt_ids(messages)
+    assert template.render(messages, add_generation_prompt=True) == \
+        "<bos><start_of_turn>user\nbe brief\n\nhi there<end_of_turn>\n<start_of_turn>model\n"
+    end = backend.token_to_id("<end_of_turn>")
+    assert prompter.stop_id == end != tokenizer.eos_id
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=len(prompt) + 16, n_layer=2, n_head=2, d_model=16)
+    model = GPT(config).eval()
+    steered = steer(model, prompt, 5, end)
+    reply = sample.continuations(model, prompt, prompter.stop_id, max_new_tokens=12, temperature=0)[0]
+    assert reply == steered[:5] and end not in reply
     assert reply == greedy(config, model.state_dict(), prompt, 12, prompter.stop_id)
 
 
