@@ -375,7 +375,7 @@ TIED_ZERO3 = [("qwen3", 2, ["--zero", "3"]),  # Qwen3-0.6B's shape: a tied outpu
 @pytest.mark.parametrize("arch,world,flags", TIED_ZERO3, ids=["-".join([a, *(f.lstrip("-") for f in fl)])
                                                               for a, _, fl in TIED_ZERO3])
 def test_zero3_gathers_a_tied_output_layer_as_one_weight(tmp_path, folders, arch, world, flags):
-    """The embedding's unit lends its weight to the output layer (dp.lent_units): one weight gathered, reduced and
+    """The embedding's unit lends its weight to the output layer (dp.lend): one weight gathered, reduced and
     stepped, equal to one device, and the plan's counters (the weight counted once, two all-gathers a
     micro-batch as every unit)."""
     argv = [*ARGS, "--init-from", folders[arch]]
