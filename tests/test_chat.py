@@ -49,16 +49,23 @@ CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user"
                 {"role": "assistant", "content": "good bye"}]
 
 
-def chat_folder(path, template=QWEN3_LIKE):
-    """A model folder's tokenizer files as a Qwen3 chat model has them: <|im_end|> ends a generation (the
-    EOS), <|endoftext|> pads, and tokenizer_config.json holds the template."""
+def byte_level_bpe(specials):
+    """A byte-level BPE tokenizer (Qwen's and gpt-oss's kind) of 400 ids trained on training_text(), with
+    these special tokens first."""
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     backend.train_from_iterator(training_text(), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
+    return backend
+
+
+def chat_folder(path, template=QWEN3_LIKE):
+    """A model folder's tokenizer files as a Qwen3 chat model has them: <|im_end|> ends a generation (the
+    EOS), <|endoftext|> pads, and tokenizer_config.json holds the template."""
+    backend = byte_level_bpe(SPECIALS)
     end, pad = backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")
     return str(model_folder(path, backend, generation_config=dict(eos_token_id=[end, pad]),
                             tokenizer_config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -116,13 +123,7 @@ def harmony_folder(path):
     """A model folder's tokenizer files as gpt-oss's are: harmony's special tokens, generation ending at
     <|return|>, <|endoftext|> or <|call|> (generation_config.json's order), <|endoftext|> padding, and the
     template in chat_template.jinja."""
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    backend.train_from_iterator(training_text(), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=HARMONY, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    backend = byte_level_bpe(HARMONY)
     ends = [backend.token_to_id(name) for name in ("<|return|>", "<|endoftext|>", "<|call|>")]
     folder = model_folder(path, backend, generation_config=dict(eos_token_id=ends),
                           tokenizer_config=dict(eos_token="<|return|>", pad_token="<|endoftext|>"))
