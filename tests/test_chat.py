@@ -235,18 +235,25 @@ def steer(model, prompt, step, token, new=12):
     return steered
 
 
+def brief_prompt(folder):
+    """(tokenizer, sample.ChatPrompt, prompt ids, messages) of sample --chat's prompt "hi there" under the system
+    message "be brief", in the folder's template; the ids checked to be the template's own."""
+    tokenizer = Tokenizer.from_folder(folder)
+    prompter = sample.ChatPrompt(tokenizer, system="be brief")
+    prompt, template = prompter.ids("hi there"), prompter.template
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    assert prompt == template.prompt_ids(messages)
+    return tokenizer, prompter, prompt, messages
+
+
 def test_sample_chat_with_the_harmony_template_stops_at_return_not_at_end(harmony):
     """python -m tools.sample --chat with gpt-oss's template: the prompt ends with <|start|>assistant, and the
     reply runs on past <|end|> (which ends the analysis message, not the turn) and stops at <|return|>,
     left out. The model is a tiny GPT steered to write <|end|> and later <|return|>; what sample's pieces
     give is the greedy decoding written out in tests/texts.py."""
     from texts import greedy
-    tokenizer = Tokenizer.from_folder(harmony)
-    backend = tokenizer.backend
-    prompter = sample.ChatPrompt(tokenizer, system="be brief")
-    prompt, template = prompter.ids("hi there"), prompter.template
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    assert prompt == template.prompt_ids(messages)
+    tokenizer, prompter, prompt, messages = brief_prompt(harmony)
+    backend, template = tokenizer.backend, prompter.template
     assert template.render(messages, add_generation_prompt=True) == harmony_system(template) + (
         "<|start|>developer<|message|># Instructions\n\nbe brief\n\n<|end|>"
         "<|start|>user<|message|>hi there<|end|><|start|>assistant")
@@ -377,12 +384,8 @@ def test_sample_chat_with_the_gemma3_template_stops_at_end_of_turn(gemma):
     reply stops at <end_of_turn> (left out), not at the tokenizer's EOS <eos>. The model is a tiny GPT steered
     to write <end_of_turn>; what sample's pieces give is the greedy decoding written out in tests/texts.py."""
     from texts import greedy
-    tokenizer = Tokenizer.from_folder(gemma)
-    backend = tokenizer.backend
-    prompter = sample.ChatPrompt(tokenizer, system="be brief")
-    prompt, template = prompter.ids("hi there"), prompter.template
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    assert prompt == template.prompt_ids(messages)
+    tokenizer, prompter, prompt, messages = brief_prompt(gemma)
+    backend, template = tokenizer.backend, prompter.template
     assert template.render(messages, add_generation_prompt=True) == \
         "<bos><start_of_turn>user\nbe brief\n\nhi there<end_of_turn>\n<start_of_turn>model\n"
     end = backend.token_to_id("<end_of_turn>")
