@@ -476,8 +476,8 @@ def gpt_oss_fields(hf):
                 norm_topk_prob=True)
 
 
-FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": qwen2_moe_fields, "gpt_oss": gpt_oss_fields,
-                 "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf)}
+FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": qwen2_moe_fields,
+                 "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf), "gpt_oss": gpt_oss_fields}
 
 
 # DeepSeek-V3's settings where its config.json leaves them out: DeepseekV3Config's defaults, the same in
@@ -702,12 +702,21 @@ def hf_from_config(config):
                   rms_norm_eps=c.norm_eps, hidden_act="silu", **common)
     # transformers 4's form alone (rope_theta, rope_scaling): transformers 4 reads nothing else, and 5 reads it
     # as its own (convert_rope_params_to_dict moves both into rope_parameters), so one form is written once.
+    # (YaRN is gpt-oss's; llama_family refuses it for the others.)
     if c.rope_factor != 1:
-        fields["rope_scaling"] = dict(rope_type="llama3", factor=c.rope_factor,
-                                      low_freq_factor=c.rope_low_freq_factor,
-                                      high_freq_factor=c.rope_high_freq_factor,
-                                      original_max_position_embeddings=c.rope_original_context)
+        fields["rope_scaling"] = yarn_config(c) if c.rope_type == "yarn" else dict(
+            rope_type="llama3", factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+            high_freq_factor=c.rope_high_freq_factor, original_max_position_embeddings=c.rope_original_context)
     return fields | EXPORTED_FIELDS[model_type](c)
+
+
+def yarn_config(c):
+    """YaRN's rope_scaling as transformers reads it (yarn_scaling, the other way), its optional settings where
+    they are not the defaults: mscale and mscale_all_dim where set, truncate where false (gpt-oss's)."""
+    gains = dict(mscale=c.rope_mscale, mscale_all_dim=c.rope_mscale_all_dim)
+    return dict(rope_type="yarn", factor=c.rope_factor, original_max_position_embeddings=c.rope_original_context,
+                beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow, **{k: v for k, v in gains.items() if v},
+                **({} if c.rope_truncate else dict(truncate=False)))
 
 
 def llama_family(c):
@@ -765,9 +774,15 @@ def gpt_oss_lacks(c, every_layer):
             (not c.attention_sinks, "attention without sinks"), (not (c.bias and c.qkv_bias), "layers without biases"),
             (not c.router_bias, "a router without a bias"), (c.qk_norm, "QK-norm"),
             (c.n_shared_experts, "a shared expert"), (not c.norm_topk_prob, "top-k gates left unnormalised"),
-            (c.d_expert != c.d_ff, "experts of another width than intermediate_size"),
-            (c.rope_factor != 1 and c.rope_type != "yarn", f"{c.rope_type} rotary scaling (gpt-oss's is YaRN)"),
-            (c.rope_type == "yarn" and c.rope_factor != 1 and c.max_seq_len != c.rope_factor * c.rope_original_context,
+            (c.d_expert != c.d_ff, "experts of another width than intermediate_size"), *yarn_lacks(c, "gpt-oss")]
+
+
+def yarn_lacks(c, family):
+    """A family whose rotary scaling is YaRN alone (DeepSeek-V3, gpt-oss): another kind is not, nor YaRN whose
+    factor is not max_position_embeddings / original_max_position_embeddings (transformers 4 reads the ratio)."""
+    scaled = c.rope_factor != 1
+    return [(scaled and c.rope_type != "yarn", f"{c.rope_type} rotary scaling ({family}'s is YaRN)"),
+            (scaled and c.rope_type == "yarn" and c.max_seq_len != c.rope_factor * c.rope_original_context,
              f"YaRN with max_seq_len {c.max_seq_len} other than rope_factor x rope_original_context (transformers 4 "
              f"reads its factor as the ratio of the two)")]
 
@@ -793,20 +808,13 @@ def deepseek_config(c, common):
              (c.n_experts and c.router_scoring != "sigmoid", "softmax router scores (DeepSeek-V3's are sigmoids)"),
              (c.d_shared != c.n_shared_experts * c.d_expert, "a shared expert of another width than its experts'"),
              (moe != list(range(dense, c.n_layer)), "dense layers after MoE ones (DeepSeek-V3's are the first ones)"),
-             (c.rope_factor != 1 and c.rope_type != "yarn", f"{c.rope_type} rotary scaling (DeepSeek-V3's is YaRN)"),
-             (c.rope_type == "yarn" and c.rope_factor != 1 and c.max_seq_len != c.rope_factor * c.rope_original_context,
-              f"YaRN with max_seq_len {c.max_seq_len} other than rope_factor x rope_original_context (transformers 4 "
-              f"reads its factor as the ratio of the two)")]
+             *yarn_lacks(c, "DeepSeek-V3")]
     missing = [what for has, what in lacks if has]
     if missing:
         raise UnsupportedModel(f"this model has no Hugging Face architecture here: deepseek_v3 is the nearest, but "
                                f"has not {', '.join(missing)}")
-    rope_scaling = None
-    if c.rope_factor != 1:
-        rope_scaling = dict(type="yarn", rope_type="yarn", factor=c.rope_factor,
-                            original_max_position_embeddings=c.rope_original_context, beta_fast=c.rope_beta_fast,
-                            beta_slow=c.rope_beta_slow, mscale=c.rope_mscale, mscale_all_dim=c.rope_mscale_all_dim,
-                            **({} if c.rope_truncate else dict(truncate=False)))
+    rope_scaling = {"type": "yarn", "mscale": c.rope_mscale, "mscale_all_dim": c.rope_mscale_all_dim,
+                    **yarn_config(c)} if c.rope_factor != 1 else None  # (transformers 4's older key too)
     return dict(model_type="deepseek_v3", num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
                 num_key_value_heads=c.n_head, hidden_size=c.d_model, intermediate_size=c.d_ff,
                 moe_intermediate_size=c.d_expert, n_routed_experts=c.n_experts, n_shared_experts=c.n_shared_experts,
@@ -838,18 +846,11 @@ def window_config(c):
 
 
 def gpt_oss_config(c):
-    """GptOssConfig's own settings: every layer's kind listed, YaRN as gpt-oss's config.json writes it."""
+    """GptOssConfig's own settings: its experts, every layer's kind listed."""
     windows = set(window_layers(c))
     kinds = ["sliding_attention" if i in windows else "full_attention" for i in range(c.n_layer)]
-    fields = dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k, attention_bias=True, swiglu_limit=7.0,
-                  sliding_window=c.sliding_window, layer_types=kinds)
-    if c.rope_factor != 1:
-        fields["rope_scaling"] = dict(rope_type="yarn", factor=c.rope_factor, beta_fast=c.rope_beta_fast,
-                                      beta_slow=c.rope_beta_slow, truncate=c.rope_truncate,
-                                      original_max_position_embeddings=c.rope_original_context)
-        fields["rope_scaling"].update({key: value for key, value in (("mscale", c.rope_mscale),
-                                                                     ("mscale_all_dim", c.rope_mscale_all_dim)) if value})
-    return fields
+    return dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k, attention_bias=True, swiglu_limit=7.0,
+                sliding_window=c.sliding_window, layer_types=kinds)
 
 
 EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
@@ -963,8 +964,8 @@ class Folder:
         packed = [self.file_of[n].read(n, first * per_expert // k, last * per_expert // k) for n, k in
                   ((blocks, 2), (scales, 32))]
         try:
-            values = mxfp4.dequantized(packed[0].view(-1, rows, columns // 32, 16), packed[1].view(-1, rows, columns // 32),
-                                       name, torch.float64)
+            values = mxfp4.dequantized(packed[0].view(-1, rows, columns // 32, 16),
+                                       packed[1].view(-1, rows, columns // 32), name, torch.float64)
         except mxfp4.BadMXFP4 as e:
             raise DamagedFile(f"{self.folder}: {e}") from None
         return values.transpose(1, 2).flatten()[start - first * per_expert:end - first * per_expert]

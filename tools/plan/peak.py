@@ -26,7 +26,7 @@ def chunk_bytes(largest):
     return CHUNK_ARRAYS * min(INIT_CHUNK, largest) * INT64
 
 
-def zero_working(params, group, layout, tied=False):
+def zero_working(params, group, layout, lends=False):
     """The most bytes ZeRO-2 and 3 hold during a step beyond what is logged after it (their shards), in
     full weights (weights' dtype) and full gradient buckets (reduce dtype):
     - without a pipeline, ZeRO-3's two neighbouring units gathered whole (one computing, the next
@@ -38,7 +38,7 @@ def zero_working(params, group, layout, tied=False):
     - under a pipeline, whose reduction comes once, after each chunk's last backward (dp.ZeRO2, ZeRO3):
       ZeRO-2 the stage's full gradient buckets, through the step's backwards; ZeRO-3 the stage's units
       gathered whole from their first forward to that reduction, and their full gradients besides.
-    A tied output layer beside its embedding (`tied`) borrows the embedding's unit (dp.lend), which ZeRO-3
+    A tied output layer beside its embedding (`lends`) borrows the embedding's unit (dp.lend), which ZeRO-3
     then holds through the forward and again from the output layer's backward to the backward's end: its
     weights besides, without a pipeline (under one every unit is held anyway).
     The figure is added to the activations' peak, as if both came at once: under a pipeline the
@@ -51,7 +51,7 @@ def zero_working(params, group, layout, tied=False):
         return sum(buckets) * (r + (w if layout.zero == 3 else 0))
     neighbours = max(a + b for a, b in zip(buckets, buckets[1:] or [0]))
     if layout.zero == 3:
-        lent = sum(numel for name, numel in params if name == "tok_emb.weight") if tied else 0
+        lent = sum(numel for name, numel in params if name == "tok_emb.weight") if lends else 0
         return neighbours * (w + r) + lent * w
     return neighbours * r + max(numel for _, numel in params) * w
 
