@@ -46,7 +46,7 @@ device, step for step) needs a deterministic model.
 import math
 import zlib
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -74,20 +74,28 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
-    rope_type: str = "llama3"    # how rope_factor > 1 scales: "llama3" (Llama 3.1's) or "yarn" (yarn_frequencies)
+    rope_type: str = "llama3"    # how rope_factor > 1 scales: "llama3" (Llama 3.1's), "yarn" (yarn_frequencies) or
+    #                              "linear" (every frequency rope_factor times slower: Gemma 3's global layers)
     rope_beta_fast: float = 32.0  # YaRN: pairs turning more than this many times over the original context are kept
     rope_beta_slow: float = 1.0   # YaRN: pairs turning fewer times are slowed by rope_factor
     rope_mscale: float = 0.0      # YaRN's attention temperature terms (0: transformers' default; see yarn_gains)
     rope_mscale_all_dim: float = 0.0
     rope_truncate: bool = True    # YaRN's ramp ends rounded out to whole pairs (transformers' truncate; gpt-oss: no)
+    local_rope_theta: float = 0.0  # the windowed layers' own rotary base, unscaled (Gemma 3's rope_local_base_freq;
+    #                                0: they rotate as the others do)
     # norms, MLP and biases
-    norm: str = "layer"          # "layer" (LayerNorm) or "rms" (RMSNorm)
+    norm: str = "layer"          # "layer" (LayerNorm), "rms" (RMSNorm) or "rms_offset" (Gemma's: OffsetRMSNorm)
     norm_eps: float = 1e-5       # added to the variance (mean square) under the norms' square root
-    mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation), "swiglu" or
-    #                              gpt-oss's "clamped_swiglu" (ACTIVATIONS)
+    norm_placement: str = "pre"  # a block's norms: "pre" each sub-layer (GPT-2, Llama), "post" it, inside the
+    #                              residual branch (OLMo 2), or "sandwich", both (Gemma 3); see Block
+    mlp: str = "gelu"            # "gelu" (exact), "gelu_tanh" (GPT-2's tanh approximation), "swiglu",
+    #                              gpt-oss's "clamped_swiglu" or Gemma's "geglu" (ACTIVATIONS)
     bias: bool = True            # biases in the linear layers and LayerNorms
     qkv_bias: bool = None        # biases on q, k and v (Qwen2 has them alone); None: as bias
-    qk_norm: bool = False        # RMSNorm of each head's q and k before the rotation (Qwen3, OLMo 2, Gemma 3)
+    qk_norm: bool = False        # RMSNorm of q and k before the rotation (Qwen3, OLMo 2, Gemma 3)
+    qk_norm_scope: str = "head"  # over each head's features (Qwen3, Gemma 3) or a token's whole "projection" (OLMo 2)
+    query_scale: float = 0.0     # the scores are q kᵀ / √query_scale (Gemma 3's query_pre_attn_scalar); 0: head_dim
+    scale_embedding: bool = False  # the token embeddings multiplied by √d_model (Gemma)
     # what a query sees besides the causal order (see causal_attention)
     sliding_window: int = 0      # a token sees at most this many latest tokens, itself included (0: no window)
     window_layers: tuple = field(default_factory=tuple)  # which blocks have the window; empty: all of them
@@ -139,8 +147,10 @@ class GPTConfig:
         if not 1 <= self.n_kv_heads <= self.n_head or self.n_head % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_head={self.n_head}")
         for name, value, allowed in [("position", self.position, ("learned", "rope")),
-                                     ("norm", self.norm, ("layer", "rms")), ("mlp", self.mlp, tuple(ACTIVATIONS)),
-                                     ("rope_type", self.rope_type, ("llama3", "yarn")),
+                                     ("norm", self.norm, tuple(NORMS)), ("mlp", self.mlp, tuple(ACTIVATIONS)),
+                                     ("norm_placement", self.norm_placement, tuple(PLACEMENTS)),
+                                     ("qk_norm_scope", self.qk_norm_scope, ("head", "projection")),
+                                     ("rope_type", self.rope_type, ("llama3", "yarn", "linear")),
                                      ("router_scoring", self.router_scoring, tuple(SCORES)),
                                      ("aux_loss_scope", self.aux_loss_scope, ("batch", "sequence"))]:
             if value not in allowed:
@@ -150,6 +160,9 @@ class GPTConfig:
         if self.kv_lora_rank and (self.position != "rope" or min(self.qk_nope_head_dim, self.qk_rope_head_dim) < 1):
             raise ValueError("latent attention (kv_lora_rank) rotates qk_rope_head_dim features of each head and "
                              "leaves qk_nope_head_dim as they are: it needs position='rope' and both of at least 1")
+        if (self.query_scale or self.local_rope_theta) and (self.position != "rope" or self.kv_lora_rank):
+            raise ValueError("query_scale and local_rope_theta act through the rotation of grouped-query attention "
+                             "(rotary): they need position='rope' and no latent attention")
         if self.v_head_dim != self.head_dim and not self.kv_lora_rank:
             raise ValueError(f"v_head_dim={self.v_head_dim} differs from head_dim={self.head_dim}: only latent "
                              f"attention (kv_lora_rank) has values of their own width")
@@ -178,6 +191,23 @@ class GPTConfig:
     def gated(self) -> bool:
         """Whether the MLP's first matrix holds a gate and an up half (SwiGLU's kinds)."""
         return self.mlp in GATED
+
+    @property
+    def norm_weight(self) -> float:
+        """The norms' weight that leaves a normed x as it is: 0 for Gemma's (1 + weight), else 1."""
+        return 0.0 if self.norm == "rms_offset" else 1.0
+
+    @property
+    def query_gain(self) -> float:
+        """What q is multiplied by so that the core's 1/√head_dim scales the scores by 1/√query_scale."""
+        return math.sqrt(self.head_dim / self.query_scale) if self.query_scale else 1.0
+
+    def rotation(self, layer: int):
+        """The config the layer's rotary embedding reads: a windowed layer with local_rope_theta turns by its
+        own base, unscaled (Gemma 3); every other layer by this config's."""
+        if self.local_rope_theta and self.window(layer):
+            return replace(self, rope_theta=self.local_rope_theta, rope_factor=1.0)
+        return self
 
     def is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and (not self.moe_layers or layer in self.moe_layers)
@@ -355,6 +385,8 @@ def rotary_frequencies(config, head_dim, dtype, device):
         return frequencies
     if config.rope_type == "yarn":
         return yarn_frequencies(config, frequencies)
+    if config.rope_type == "linear":  # (positions rope_factor times closer together)
+        return frequencies / config.rope_factor
     low, high, context = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_context
     blend = ((context * frequencies / (2 * math.pi) - low) / (high - low)).clamp(0, 1)  # 0: slowed, 1: kept
     return (1 - blend) * frequencies / config.rope_factor + blend * frequencies
@@ -417,10 +449,39 @@ def rotary(x, pos, frequencies, gain=1.0):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-def head_norm(config: GPTConfig):
-    """QK-norm (Qwen3, OLMo 2, Gemma 3): an RMSNorm over each head's features, one weight of head_dim shared by
-    every head, applied to q and k before the rotation; without it, nothing (an identity)."""
-    return nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+def qk_norm(config: GPTConfig, heads):
+    """QK-norm of q or k (of `heads` heads) before the rotation: an RMSNorm (Gemma's kind with norm
+    "rms_offset") over each head's features, one weight of head_dim shared by every head (Qwen3, Gemma 3), or
+    over a token's whole projection (ProjectionNorm, OLMo 2); without it, nothing (an identity)."""
+    if not config.qk_norm:
+        return nn.Identity()
+    if config.qk_norm_scope == "projection":
+        return ProjectionNorm(heads, config.head_dim, config.norm_eps)
+    return (OffsetRMSNorm if config.norm == "rms_offset" else nn.RMSNorm)(config.head_dim, eps=config.norm_eps)
+
+
+def sum_of_squares(x):
+    """Each token's sum of squares over its heads' features, (batch, 1, seq, 1), of x (batch, heads, seq, dim)."""
+    return x.pow(2).sum((1, 3), keepdim=True)
+
+
+class ProjectionNorm(nn.Module):
+    """QK-norm over a token's whole projection (OLMo 2's q_norm and k_norm): an RMSNorm of all its heads' features
+    at once, one weight a feature, in float32 or wider, applied to (batch, heads, seq, head_dim).
+
+    `squares` is the seam where tensor parallelism, whose rank holds some of the heads, adds the other ranks'
+    sums (tp.py); the mean divides by the whole projection's width whatever a rank holds."""
+
+    def __init__(self, heads, head_dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads * head_dim))
+        self.width, self.eps = heads * head_dim, eps
+        self.squares = sum_of_squares
+
+    def forward(self, x):
+        wide = at_least_float32(x)
+        normed = wide * torch.rsqrt(self.squares(wide) / self.width + self.eps)
+        return (normed * self.weight.view(-1, 1, x.shape[-1])).to(x.dtype)  # (heads, 1, head_dim): a rank's heads
 
 
 def query_sees(module, config, layer):
@@ -438,10 +499,13 @@ class CausalSelfAttention(nn.Module):
         # Output laid out as (q heads | k heads | v heads) x head_dim; with grouped-query attention
         # the k and v parts are smaller than q's. The heads may be wider or narrower than d_model / n_head.
         self.qkv = nn.Linear(config.d_model, config.q_dim + 2 * config.kv_dim, bias=config.qkv_bias)
-        self.q_norm, self.k_norm = head_norm(config), head_norm(config)
+        self.q_norm, self.k_norm = qk_norm(config, config.n_head), qk_norm(config, config.n_kv_heads)
         self.proj = nn.Linear(config.q_dim, config.d_model, bias=config.bias)
-        self.frequencies = partial(rotary_frequencies, config, self.head_dim) if config.position == "rope" else None
-        self.rotary_gain = yarn_gains(config)[0]
+        rotation = config.rotation(layer)
+        self.frequencies = partial(rotary_frequencies, rotation, self.head_dim) if config.position == "rope" else None
+        # (k's gain, q's: a query scale other than the core's 1/√head_dim rides on q's rotation)
+        self.rotary_gain = yarn_gains(rotation)[0]
+        self.query_gain = self.rotary_gain * config.query_gain
         self.core = causal_attention  # the swappable seam (see the module docstring)
         query_sees(self, config, layer)
 
@@ -456,7 +520,7 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if self.frequencies:
             frequencies = self.frequencies(at_least_float32(q).dtype, q.device)
-            q, k = rotary(q, pos, frequencies, self.rotary_gain), rotary(k, pos, frequencies, self.rotary_gain)
+            q, k = rotary(q, pos, frequencies, self.query_gain), rotary(k, pos, frequencies, self.rotary_gain)
         y = self.core(q, k, v, documents, window=self.window, sinks=self.sinks)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -583,14 +647,20 @@ def clamped_swiglu(h, limit=7.0, alpha=1.702):
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
+def geglu(h):
+    """GeGLU (Shazeer, 2020), with GELU's tanh approximation (Gemma's): gelu(gate) * up."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "swiglu": swiglu,
-               "clamped_swiglu": clamped_swiglu}
-GATED = ("swiglu", "clamped_swiglu")  # the activations that take (gate | up)
+               "clamped_swiglu": clamped_swiglu, "geglu": geglu}
+GATED = ("swiglu", "clamped_swiglu", "geglu")  # the activations that take (gate | up)
 
 
 class MLP(nn.Module):
-    """proj(act(fc(x))): GELU, or SwiGLU (gpt-oss's clamped one too), whose fc holds the gate and up matrices as
-    (gate | up)."""
+    """proj(act(fc(x))): GELU, or SwiGLU (gpt-oss's clamped one too) or GeGLU, whose fc holds the gate and up
+    matrices as (gate | up)."""
 
     def __init__(self, config: GPTConfig, d_ff=None):
         super().__init__()
@@ -746,26 +816,55 @@ def update_route_biases(model):
             m.load.zero_()
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in float32 or wider, so a weight of 0 leaves x as it is.
+    (x/rms + x/rms * weight: what it keeps for backward is RMSNorm's, and no (1 + weight) tensor of its own.)"""
+
+    def __init__(self, width, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(width)), eps
+
+    def forward(self, x):
+        wide = at_least_float32(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed + normed * self.weight).to(x.dtype)
+
+
+NORMS = {"layer": lambda config, width: nn.LayerNorm(width, eps=config.norm_eps, bias=config.bias),
+         "rms": lambda config, width: nn.RMSNorm(width, eps=config.norm_eps),
+         "rms_offset": lambda config, width: OffsetRMSNorm(width, config.norm_eps)}
+
+
 def make_norm(config: GPTConfig):
-    """LayerNorm (GPT-2), or RMSNorm (Llama: x / rms(x) * weight; no mean subtracted, no bias)."""
-    if config.norm == "rms":
-        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+    """LayerNorm (GPT-2), RMSNorm (Llama: x / rms(x) * weight; no mean subtracted, no bias) or Gemma's
+    OffsetRMSNorm, over d_model features."""
+    return NORMS[config.norm](config, config.d_model)
+
+
+# Where a block's norms are: (before each sub-layer, after it), True where there is one.
+PLACEMENTS = {"pre": (True, False), "post": (False, True), "sandwich": (True, True)}
+
+
+def block_norms(config: GPTConfig):
+    """(before, after) one sub-layer, each a norm or an identity, as config.norm_placement places them."""
+    return tuple(make_norm(config) if present else nn.Identity() for present in PLACEMENTS[config.norm_placement])
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """A transformer block: x + post_norm1(attn(norm1(x))), then x + post_norm2(mlp(norm2(x))). The norms
+    before each sub-layer (pre-norm: GPT-2, Llama), after it inside the residual branch (OLMo 2), or both (Gemma
+    3's sandwich); those a placement has not are identities."""
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.norm1 = make_norm(config)
+        self.norm1, self.post_norm1 = block_norms(config)
         self.attn = (LatentAttention if config.kv_lora_rank else CausalSelfAttention)(config, layer)
-        self.norm2 = make_norm(config)
+        self.norm2, self.post_norm2 = block_norms(config)
         self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
 
     def forward(self, x, pos, documents=None):
-        x = x + self.attn(self.norm1(x), pos, documents)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.post_norm1(self.attn(self.norm1(x), pos, documents))
+        return x + self.post_norm2(self.mlp(self.norm2(x)))
 
 
 @contextmanager
@@ -848,19 +947,19 @@ def counter_normal(seed, name, positions):
     return torch.special.ndtri((h.double() + 0.5) / 2**32)
 
 
-def initial_values(name, positions, n_layer, seed):
+def initial_values(name, positions, n_layer, seed, norm_weight=1.0):
     """The initial values (float64) of parameter `name`'s elements at `positions`, flat indices into
     the full tensor, named as in GPT: GPT-2's initialisation (Radford et al., 2019), as nanoGPT has it.
 
     Weights of linear layers and embeddings N(0, 0.02); the projections that write into the residual
     stream N(0, 0.02 / sqrt(2 n_layer)), so the stream's variance does not grow with depth; biases 0;
-    norms' weights 1.
+    norms' weights norm_weight, the one that leaves a normed x as it is (GPTConfig.norm_weight).
     """
     module, kind = name.split(".")[-2:]
     if kind == "bias":
         return torch.zeros(positions.shape, dtype=torch.float64, device=positions.device)
     if "norm" in module:  # the blocks' norms, the final one, and QK-norm's q_norm and k_norm
-        return torch.ones(positions.shape, dtype=torch.float64, device=positions.device)
+        return torch.full(positions.shape, norm_weight, dtype=torch.float64, device=positions.device)
     std = 0.02 / math.sqrt(2 * n_layer) if module == "proj" else 0.02
     return std * counter_normal(seed, name, positions)
 
@@ -908,14 +1007,18 @@ class GPT(nn.Module):
     def reset_parameters(self, seed=0):
         """Every parameter to its initial value (initial_values), every buffer to zero."""
         for name, p in self.named_parameters():
-            fill_in_chunks(p.view(-1), partial(initial_values, name, n_layer=self.config.n_layer, seed=seed),
+            fill_in_chunks(p.view(-1), partial(initial_values, name, n_layer=self.config.n_layer, seed=seed,
+                                               norm_weight=self.config.norm_weight),
                            partial(torch.arange, device=p.device))
         for b in self.buffers():
             b.zero_()
 
     def embed(self, idx, pos):
-        """Token embeddings, plus learned position embeddings (rotary ones act inside attention)."""
+        """Token embeddings (with scale_embedding times √d_model, rounded to their dtype as Gemma rounds it), plus
+        learned position embeddings (rotary ones act inside attention)."""
         x = self.tok_emb(idx)
+        if self.config.scale_embedding:
+            x = x * torch.tensor(math.sqrt(self.config.d_model), dtype=x.dtype).item()
         return x if self.pos_emb is None else x + self.pos_emb(pos)
 
     def forward(self, idx, targets=None, pos=None, documents=None, loss_tokens=None):

@@ -550,6 +550,10 @@ def split_block(block, config, plan):
     reduce-scatter) after attention and one after the MLP in forward, and their conjugates in backward."""
     if hasattr(block.attn, "kv_up"):  # DeepSeek's latent attention
         split_latent_attention(block.attn, plan, config)
+    elif config.qk_norm and config.qk_norm_scope == "projection":  # OLMo 2's: split with the heads
+        split_attention(block.attn, plan, config.head_dim, norms=())
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            split_projection_norm(norm, plan.group)
     else:
         split_attention(block.attn, plan, config.head_dim)
     if getattr(block.attn, "sinks", None) is not None:  # attention sinks (gpt-oss): one a query head, split with them
@@ -559,8 +563,35 @@ def split_block(block, config, plan):
         split_moe(block.mlp, plan)
     else:
         split_mlp(block.mlp, plan)
-    plan.norm(block.norm1)
-    plan.norm(block.norm2)
+    for norm in (block.norm1, block.post_norm1, block.norm2, block.post_norm2):  # (absent ones: identities)
+        plan.norm(norm)
+
+
+class SumOverRanks(torch.autograd.Function):
+    """All-reduce forward and backward: a sum that every rank's output depends on, so that the gradient of each
+    rank's share of it is the sum of every rank's gradient of the whole."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+def _summed_over_ranks(local, group, x):
+    return SumOverRanks.apply(local(x), group)
+
+
+def split_projection_norm(norm, group):
+    """QK-norm over a token's whole projection (model.py's ProjectionNorm, OLMo 2's), on a rank holding some of
+    the heads: its weight split with them, and each token's sum of squares over its heads summed over the group
+    (its `squares` seam), forward and backward."""
+    norm.weight = _sharded_parameter(norm.weight, 0, group)
+    norm.layouts = {"weight": (0, None)}
+    norm.squares = partial(_summed_over_ranks, norm.squares, group)
 
 
 def apply_tensor_parallel(model, group, sequence_parallel=False):

@@ -735,10 +735,10 @@ class InitialValues:
     tensor), so every rank fills its slice alone and equals the single device's."""
 
     def __init__(self, config, seed):
-        self.n_layer, self.seed = config.n_layer, seed
+        self.n_layer, self.seed, self.norm_weight = config.n_layer, seed, config.norm_weight
 
     def parameter(self, name, positions):
-        return initial_values(name, positions, self.n_layer, self.seed)
+        return initial_values(name, positions, self.n_layer, self.seed, self.norm_weight)
 
     def buffer(self, name, empty):
         return torch.zeros_like(empty)  # the routing biases and the step's expert loads start at zero

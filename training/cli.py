@@ -41,6 +41,11 @@ PRESETS = {  # model shapes; vocab_size is the synthetic language's (real data b
     # context its YaRN stretches 32 times (rope_scaling's original_max_position_embeddings, its pretraining's).
     "gpt-oss-20b": dict(n_layer=24, n_head=64, d_model=2880, seq_len=4096, vocab_size=201088),
     "gpt-oss-120b": dict(n_layer=36, n_head=64, d_model=2880, seq_len=4096, vocab_size=201088),
+    # Gemma 3 1B and 27B's language models (with --arch gemma3; GEMMA3_SHAPES), and OLMo 2 7B (--arch olmo2),
+    # whole, at their pretraining's sequence lengths.
+    "gemma3-1b": dict(n_layer=26, n_head=4, d_model=1152, seq_len=32768, vocab_size=262144),
+    "gemma3-27b": dict(n_layer=62, n_head=32, d_model=5376, seq_len=8192, vocab_size=262208),
+    "olmo2-7b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=4096, vocab_size=100352),
 }
 # The Llama-style block (--arch llama): rotary positions, grouped-query attention, RMSNorm, SwiGLU, no
 # biases; per size, the key/value heads and a SwiGLU width of about 8/3 d_model (Llama's, rounded up),
@@ -88,13 +93,40 @@ GPT_OSS_SHAPES = {
     "gpt-oss-20b": dict(GPT_OSS_WHOLE, n_experts=32, window_layers=tuple(range(0, 24, 2))),
     "gpt-oss-120b": dict(GPT_OSS_WHOLE, n_experts=128, window_layers=tuple(range(0, 36, 2))),
 }
+# Gemma 3's block (--arch gemma3): rotary positions, grouped-query attention, Gemma's (1 + w) RMSNorms before
+# and after each sub-layer, QK-norm of the same kind, a GeGLU MLP, no biases, the embedding scaled by
+# sqrt(d_model) and tied to the output layer; its windowed layers rotate by a base of 10,000, the others by
+# 1,000,000 (27B: 8 times slower, linear scaling). Its windows are flags at the small sizes (--sliding-window 8
+# --window-layers 5:1, as its layer_types); the whole models have them. The small sizes score by 1/sqrt of
+# d_model / heads with heads wider than that, as 27B does (query_pre_attn_scalar 168, heads of 128).
+GEMMA3 = dict(position="rope", norm="rms_offset", norm_placement="sandwich", mlp="geglu", bias=False, qk_norm=True,
+              scale_embedding=True, tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6, local_rope_theta=10000.0)
+GEMMA3_SHAPES = {
+    "tiny": dict(n_kv_heads=2, head_dim=16, query_scale=8, d_ff=96),
+    "small": dict(n_kv_heads=2, head_dim=64, query_scale=32, d_ff=352),
+    "medium": dict(n_kv_heads=2, head_dim=64, query_scale=32, d_ff=704),
+    "gemma3-1b": dict(n_kv_heads=1, head_dim=256, query_scale=256, d_ff=6912, sliding_window=512,
+                      window_layers=tuple(i for i in range(26) if i % 6 < 5), max_seq_len=32768),
+    "gemma3-27b": dict(n_kv_heads=16, head_dim=128, query_scale=168, d_ff=21504, sliding_window=1024,
+                       window_layers=tuple(i for i in range(62) if i % 6 < 5), rope_type="linear", rope_factor=8.0,
+                       max_seq_len=131072),
+}
+# OLMo 2's block (--arch olmo2): the Llama block with its RMSNorms after each sub-layer, inside the residual
+# branch, and none before; QK-norm over the whole q and k projections. OLMo 3 is it with windows on three
+# layers of four (--sliding-window --window-layers 3:1).
+OLMO2 = dict(LLAMA, norm_placement="post", qk_norm=True, qk_norm_scope="projection", rope_theta=500000.0)
+OLMO2_SHAPES = {
+    **{size: LLAMA_SHAPES[size] for size in ("tiny", "small", "medium")},
+    "olmo2-7b": dict(n_kv_heads=32, d_ff=11008, norm_eps=1e-6),
+}
 ARCHS = {"gpt": ({}, {}), "llama": (LLAMA, LLAMA_SHAPES), "deepseek": (DEEPSEEK, DEEPSEEK_SHAPES),
-         "gpt-oss": (GPT_OSS, GPT_OSS_SHAPES)}
+         "gpt-oss": (GPT_OSS, GPT_OSS_SHAPES), "gemma3": (GEMMA3, GEMMA3_SHAPES), "olmo2": (OLMO2, OLMO2_SHAPES)}
 # Shapes that exist only as Llama (or DeepSeek) blocks:
 LLAMA_ONLY = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral")
 # Presets that are one architecture's whole model, and that architecture:
 WHOLE_MODELS = {"deepseek-v3": ("deepseek", "DeepSeek-V3"), "gpt-oss-20b": ("gpt-oss", "gpt-oss"),
-                "gpt-oss-120b": ("gpt-oss", "gpt-oss")}
+                "gpt-oss-120b": ("gpt-oss", "gpt-oss"), "gemma3-1b": ("gemma3", "Gemma 3"),
+                "gemma3-27b": ("gemma3", "Gemma 3"), "olmo2-7b": ("olmo2", "OLMo 2")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
