@@ -139,3 +139,17 @@ def test_the_blocks_train_as_one_device_under_every_layout(tmp_path, world, mode
     for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
         assert_matches_oracle(result, oracle(model_flags))
     assert_matches_plan(tmp_path, argv, world)
+
+
+# The plan in the narrower dtypes (where the norms' float32 copies and statistics are tensors of their own):
+# Gemma's (1 + w) norms and OLMo's whole-projection QK-norm, what they keep and send.
+NARROW = [(2, [*GEMMA, "--dtype", "bfloat16", "--tp", "2", "--sp"]),
+          (2, [*OLMO3, "--dtype", "bfloat16", "--tp", "2", "--recompute", "selective"]),
+          (2, [*OLMO, "--dtype", "float32", "--cp", "2", "--cp-mode", "alltoall", "--experts", "4", "--top-k", "2"])]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("world,flags", NARROW, ids=[layout_id(w, f, f[len(EQUIVALENCE) + 2:]) for w, f in NARROW])
+def test_the_blocks_in_narrower_dtypes_keep_and_send_what_the_plan_says(tmp_path, world, flags):
+    run_on_ranks(world, train_worker, [*flags, "--out", str(tmp_path)], timeout=300)
+    assert_matches_plan(tmp_path, flags, world)

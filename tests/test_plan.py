@@ -342,8 +342,8 @@ def test_latent_attention_replicates_its_down_projections_over_tp_and_sums_their
     c = cli.model_config(args, cli.data_vocab_size(args))
     attention = [(name, math.prod(shape)) for name, shape in plan.model_parameters(plan.config_key(c))
                  if name.startswith("blocks.0.attn.")]
-    whole = [numel for name, numel in attention if not plan.tp_sharded(name)]
-    assert {name.split(".")[3] for name, _ in attention if not plan.tp_sharded(name)} == {
+    whole = [numel for name, numel in attention if not plan.tp_sharded(name, c)]
+    assert {name.split(".")[3] for name, _ in attention if not plan.tp_sharded(name, c)} == {
         "q_down", "q_down_norm", "kv_down", "kv_down_norm"}
     assert plan.attention_of(c).summed_over_tp(c, plan.layout_of(args, 2)) == []  # whole gradients without sp
     with_sp = cli.parse_args([*TINY_DEEPSEEK, "--tp", "2", "--sp"])

@@ -4,6 +4,7 @@ from collections import Counter
 
 import pp
 from tools.plan.attention import attention_of
+from tools.plan.parameters import norms_per_block
 from tools.plan.traffic import routed_tokens, tokens_per_rank
 
 
@@ -23,13 +24,14 @@ def block_activations(c, layout, layer):
         mlp = moe_activations(c, layout, tokens)
     else:  # fc's input, and the MLP's own
         mlp = tokens * c.d_model * a + mlp_activations(c, tokens, t, a)
-    return 2 * norm + attention + mlp
+    return norms_per_block(c) * norm + attention + mlp
+
 
 
 def norm_activations(c, layout):
     """What a norm keeps per token: LayerNorm's kernel its input and statistics (mean, 1/std) in the input's
-    dtype; RMSNorm (PyTorch's composite on CPUs) its input and x/rms in float32 or wider (an input
-    narrower than float32 is cast up first), and 1/rms."""
+    dtype; RMSNorm (PyTorch's composite on CPUs) and Gemma's OffsetRMSNorm its input and x/rms in float32 or
+    wider (an input narrower than float32 is cast up first), and 1/rms."""
     if c.norm == "layer":
         return c.d_model * layout.weight_bytes + 2 * layout.weight_bytes
     wide = max(layout.weight_bytes, 4)
@@ -38,8 +40,8 @@ def norm_activations(c, layout):
 
 # What an MLP's activation keeps per hidden unit, fc's output included, in elements: GELU its input and output;
 # SwiGLU gate | up, silu(gate) and their product; gpt-oss's clamped SwiGLU gate | up, the clamped gate, its
-# sigmoid, gate times that, up + 1, and the product.
-KEPT_BY_ACTIVATION = {"gelu": 2, "gelu_tanh": 2, "swiglu": 4, "clamped_swiglu": 7}
+# sigmoid, gate times that, up + 1, and the product; GeGLU SwiGLU's, gelu(gate) in place of silu(gate).
+KEPT_BY_ACTIVATION = {"gelu": 2, "gelu_tanh": 2, "swiglu": 4, "clamped_swiglu": 7, "geglu": 4}
 
 
 def mlp_activations(c, rows, t, a, d_ff=None):

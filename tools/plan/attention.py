@@ -50,9 +50,10 @@ def grouped_attention_activations(c, layout, tokens):
 
 
 def qk_norm_weights(c, layout):
-    """QK-norm's q_norm and k_norm (c.qk_norm) met this rank's heads alone, sp or not: tp.split_attention sums
-    their gradients."""
-    return [c.head_dim] * 2 * c.qk_norm
+    """QK-norm's q_norm and k_norm (c.qk_norm) of each head met this rank's heads alone, sp or not:
+    tp.split_attention sums their gradients. Over a whole projection (OLMo 2's) they are split with the heads
+    (tp.split_projection_norm): none."""
+    return [c.head_dim] * 2 * (c.qk_norm and c.qk_norm_scope == "head")
 
 
 GROUPED_ATTENTION = Attention(grouped_attention_activations, qk_norm_weights, lambda c: c.d_model)
@@ -154,15 +155,15 @@ LATENT_ATTENTION = Attention(latent_attention_activations, latent_replicated_wei
 
 def head_norm_activations(c, layout, tokens):
     """QK-norm's (c.qk_norm): q_norm and k_norm each keep what an RMSNorm keeps of this rank's heads, x/rms and
-    1/rms per head in float32 or wider, and their input: narrower than float32, a copy cast up; else a view of
+    1/rms (qk_norm_statistics) in float32 or wider, and their input: narrower than float32, a copy cast up; else a view of
     q | k | v, whose storage is kept already where the attention core keeps its inputs (rotated_kept), but
     not by Ulysses's (which keeps its own copies). Their outputs are new tensors: the rotation that follows
     keeps only its cos and sin, but without one the core keeps them where it keeps its inputs."""
     if not c.qk_norm:
         return 0
     t, a, wide = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4)
-    features, heads = tokens * (c.q_dim + c.kv_dim) // t, tokens * (c.n_head + c.n_kv_heads) // t
-    kept = features * wide + heads * wide
+    features = tokens * (c.q_dim + c.kv_dim) // t
+    kept = features * wide + qk_norm_statistics(c, layout, tokens) * wide
     if a < wide:
         kept += features * wide
     elif not rotated_kept(layout):
@@ -170,6 +171,14 @@ def head_norm_activations(c, layout, tokens):
     if c.position != "rope" and rotated_kept(layout):
         kept += features * a
     return kept
+
+
+def qk_norm_statistics(c, layout, tokens):
+    """QK-norm's 1/rms a rank keeps: one a head of each token's q and k (this rank's heads), or over a whole
+    projection (ProjectionNorm) one for each token's q and one for its k, whatever heads a rank holds."""
+    if c.qk_norm_scope == "projection":
+        return 2 * tokens
+    return tokens * (c.n_head + c.n_kv_heads) // layout.tp
 
 
 def position_rows(layout):

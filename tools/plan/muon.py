@@ -20,20 +20,20 @@ def tp_split_dim(name):
     return 1 if name.endswith("proj.weight") else 0
 
 
-def tp_split(name, layout, where):
+def tp_split(name, layout, where, config):
     """Tensor parallelism's (dim, parts, part) of a parameter on the rank at `where`, as train.with_muon's
     split_of gives it to training/muon.py, or None if it is whole there: a routed expert's over expert-tp."""
-    if not tp_sharded(name):
+    if not tp_sharded(name, config):
         return None
     if is_expert_parameter(name):
         return tp_split_dim(name), layout.expert_tp, expert_coordinates(layout, where)["expert_tp"]
     return tp_split_dim(name), layout.tp, where["tp"]
 
 
-def local_shape(name, shape, layout):
+def local_shape(name, shape, layout, config):
     """A parameter's shape on a rank: its full shape, cut by tensor parallelism (a routed expert's by
     expert-tp)."""
-    if not tp_sharded(name):
+    if not tp_sharded(name, config):
         return shape
     parts = layout.expert_tp if is_expert_parameter(name) else layout.tp
     return tuple(n // parts if dim == tp_split_dim(name) else n for dim, n in enumerate(shape))
@@ -109,7 +109,7 @@ def muon_held(config, layout, stage):
     `held`), every rank by its place in the stage's group, the optimizers in train.with_muon's order:
     muon.held_segments of the rank's pieces (optimizer_pieces), each parameter named, shaped and split as
     that rank holds it."""
-    shapes = {name: local_shape(name, shape, layout) for name, shape in model_parameters(config_key(config))}
+    shapes = {name: local_shape(name, shape, layout, config) for name, shape in model_parameters(config_key(config))}
     shapes.setdefault("lm_head.weight", shapes["tok_emb.weight"])  # a tied output layer's copy on the last stage
     instances = []
     for kind, params in optimizer_sets(config, layout, stage):
@@ -118,7 +118,7 @@ def muon_held(config, layout, stage):
             where = stage_rank(layout, stage, place)
             pieces = [(rank_name(name, config, layout, where), start, end, None)
                       for name, start, end in optimizer_pieces(params, layout, kind, where)]
-            found = muon.held_segments(pieces, shapes, config, functools.partial(tp_split, layout=layout, where=where),
+            found = muon.held_segments(pieces, shapes, config, functools.partial(tp_split, layout=layout, where=where, config=config),
                                        functools.partial(muon_copy, layout=layout, where=where))
             held[place] = [s for _, segments in found for s in segments]
         instances.append(held)

@@ -8,7 +8,7 @@ import torch
 
 import pp
 from ep import is_expert_parameter
-from model import GPT, GPTConfig
+from model import GPT, PLACEMENTS, GPTConfig
 
 
 def config_key(config):
@@ -24,17 +24,27 @@ def model_parameters(config_fields):
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
+def norms_per_block(c):
+    """A block's norms: before each sub-layer, after it, or both (model.PLACEMENTS). A norm after a sub-layer
+    keeps that sub-layer's output, which nothing else keeps; a sub-layer without a norm before it has its input
+    kept by its first matrix, where a norm before it would keep it: each norm keeps what activations.norm_activations counts."""
+    return 2 * sum(PLACEMENTS[c.norm_placement])
+
+
 # Parameters tensor parallelism leaves whole on every rank: norms, the position table, routers, a shared expert's
 # gate, and latent attention's down-projections (tp.split_latent_attention treats them as norms).
 REPLICATED = ("norm", "pos_emb", "router", "shared_gate", "attn.q_down.", "attn.kv_down.")
 
 
-def tp_sharded(name):
-    """Whether tensor parallelism splits this parameter N ways (tp.py): the column-parallel q|k|v (latent
-    attention's q_up and kv_up), fc (and their biases), the row-parallel proj weights, the vocabulary-parallel
-    embedding and head, the attention sinks (by heads). REPLICATED's and row-parallel biases are not."""
+def tp_sharded(name, config):
+    """Whether tensor parallelism splits this parameter of a model of `config` N ways (tp.py): the
+    column-parallel q|k|v (latent attention's q_up and kv_up), fc (and their biases), the row-parallel proj
+    weights, the vocabulary-parallel embedding and head, the attention sinks and QK-norm over a whole projection
+    (by heads). REPLICATED's and row-parallel biases are not."""
     if name.endswith(("qkv.bias", "fc.bias", "attn.sinks")):  # (attention sinks: one a query head)
         return True
+    if config.qk_norm_scope == "projection" and name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+        return True  # (tp.split_projection_norm)
     return name.endswith(".weight") and not any(part in name for part in REPLICATED)
 
 
@@ -76,7 +86,7 @@ def stage_parameters(config_fields, tp, pp_size, virtual_stages, schedule, ep, e
         expert = is_expert_parameter(name)
         if expert and int(name.split(".")[4]) >= experts_per_rank:
             continue  # another expert-parallel rank's (every rank holds E/ep, the same sizes)
-        parts = (expert_tp if expert else tp) if tp_sharded(name) else 1
+        parts = (expert_tp if expert else tp) if tp_sharded(name, config) else 1
         numel = math.prod(shape) // parts
         if config.tie_embeddings and placement.ends_apart() and name == "tok_emb.weight":  # one on each end
             held[stage_of(name, stages, placement)][2].append((name, numel))

@@ -6,7 +6,8 @@ from collections import Counter
 import cp
 from dp import ring_bytes_sent
 from ep import is_expert_parameter
-from tools.plan.parameters import config_key, model_parameters
+from model import PLACEMENTS
+from tools.plan.parameters import config_key, model_parameters, norms_per_block
 from tools.plan.attention import attention_of
 
 
@@ -67,17 +68,23 @@ def tp_traffic(config, layout, layers, first, last):
     for layer in layers:
         region(entering_attention, leave, again, again)  # attention
         mlp = not c.is_moe(layer) or c.n_shared_experts  # a dense MLP, or the shared expert, split alike
-        if mlp:  # recomputed up to the last tensor backward needs: with a gate, the output its product keeps
-            region(enter, leave, again, again if c.is_moe(layer) and c.shared_expert_gate else 1)
+        if mlp:  # recomputed up to the last tensor backward needs: the output a norm after the MLP keeps, or
+            # with a gate, the output its product keeps
+            kept_after = PLACEMENTS[c.norm_placement][1] or (c.is_moe(layer) and c.shared_expert_gate)
+            region(enter, leave, again, again if kept_after else 1)
         if c.is_moe(layer):  # tp.split_moe: every tp rank routed tokens of its own, so the router's gradient is summed
             send("all_reduce", c.n_experts * c.d_model * layout.weight_bytes, 1)
             if c.router_bias:  # (gpt-oss's: a gradient of its own)
                 send("all_reduce", c.n_experts * layout.weight_bytes, 1)
         for numel in attention_of(c).summed_over_tp(c, layout):  # replicated weights that met only some tokens
             summed_gradients(numel)
+        if c.qk_norm and c.qk_norm_scope == "projection":  # its squares of q's and k's, forward and backward
+            squares = tokens_per_rank(c, layout) * max(layout.activation_bytes, 4)
+            send("all_reduce", squares, 2 * again + 2)
         if layout.sp:  # the norms, the row-parallel biases of attention and the MLP, a shared expert's gate
             gate = c.is_moe(layer) and c.shared_expert_gate
-            summed_gradients(2 * norm_numel + c.bias * c.d_model * (2 if mlp else 1) + gate * c.d_model)
+            summed_gradients(norms_per_block(c) * norm_numel + c.bias * c.d_model * (2 if mlp else 1)
+                             + gate * c.d_model)
     if last:
         if layout.sp:
             summed_gradients(norm_numel)
@@ -160,7 +167,8 @@ def moe_traffic(config, layout, layers):
                       over the group once per backward (tp.ExpertTensorParallel; the GPT blocks' bias)
     All but the last are ep.py's all-to-alls, each row in the weights' dtype, which is the activations'.
     Full recomputation runs the forward's again up to the last tensor backward needs: the combined outputs
-    (weighted), so GatherRows too only when a shared expert, whose tensors come after, is there."""
+    (weighted), so GatherRows too only when a shared expert, whose tensors come after, or a norm after the
+    layer, which keeps its output, is there."""
     c = config
     moe_layers = sum(1 for layer in layers if c.is_moe(layer))
     if not moe_layers:
@@ -175,7 +183,7 @@ def moe_traffic(config, layout, layers):
 
     traffic = {"ep": rows(assignments * (layout.ep - 1) // layout.ep, 2 * (forwards + 1))}
     if layout.tp > 1 and not layout.sp:
-        gathers = forwards if c.n_shared_experts else 1
+        gathers = forwards if c.n_shared_experts or PLACEMENTS[c.norm_placement][1] else 1
         traffic["tp_rows"] = rows((layout.tp - 1) * routed, gathers + 1)
     if layout.expert_tp > 1:
         traffic["expert_tp"] = rows((layout.expert_tp - 1) * assignments, 2 * (forwards + 1))
