@@ -8,7 +8,10 @@ grouped-query attention, RMSNorm, SwiGLU MLP, no biases) and DeepSeek-V3
 layers may add a shared expert (DeepSeek-MoE; Qwen2-MoE's behind a sigmoid
 gate), balance their experts with a routing bias instead of, or beside, an
 auxiliary loss, and route by DeepSeek-V3's sigmoid scores within groups
-(`route`). Rotary positions may be stretched by Llama 3.1's or YaRN's scaling.
+(`route`). Rotary positions may be stretched by Llama 3.1's, YaRN's or linear
+scaling. A block's norms may sit before each sub-layer, after it (OLMo 2) or
+both (Gemma 3, with its (1 + w) RMSNorm, GeGLU, scaled embedding and query
+scale): see `Block`.
 Everything is plain PyTorch on one device. The parallel files never change
 this model's mathematics; they slice its weights, move its activations between
 ranks and swap two seams that are kept deliberately small:

@@ -2,6 +2,7 @@
 transformers' Gemma3 and Olmo2 modules compute them, and each block trained under the layouts equal to one device
 and to the plan. Their folders (training/hf.py) are tests/test_hf.py's."""
 import math
+import os
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import model
 from distributed import run_on_ranks
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, train_worker
 from planned import assert_matches_plan
-from training import cli
+from training import checkpoint, cli
 
 
 def gemma_rms(x, weight, eps):
@@ -153,3 +154,17 @@ NARROW = [(2, [*GEMMA, "--dtype", "bfloat16", "--tp", "2", "--sp"]),
 def test_the_blocks_in_narrower_dtypes_keep_and_send_what_the_plan_says(tmp_path, world, flags):
     run_on_ranks(world, train_worker, [*flags, "--out", str(tmp_path)], timeout=300)
     assert_matches_plan(tmp_path, flags, world)
+
+
+@pytest.mark.full
+def test_a_split_projection_norm_resumes_under_another_layout(tmp_path):
+    """OLMo's QK-norm weights saved by tp 2 (each rank its heads' half) and resumed under cp 2 whole: the steps
+    after the resume as one device's."""
+    argv = [*OLMO, "--steps", "4"]
+    first = run_on_ranks(2, train_worker, [*argv, "--tp", "2", "--stop-at", "2", "--out", str(tmp_path / "a")])[0]
+    (run,) = os.listdir(tmp_path / "a")
+    saved = checkpoint.checkpoints(str(tmp_path / "a" / run))[0]
+    second = run_on_ranks(2, train_worker, [*argv, "--cp", "2", "--resume", saved, "--out", str(tmp_path / "b")])
+    for result in second:
+        assert_matches_oracle(dict(losses=first["losses"] + result["losses"], state_dict=result["state_dict"]),
+                              oracle(argv))
