@@ -142,6 +142,10 @@ class MicroBatchBalance:
         the first two with a row per unit balanced."""
         return counts.unsqueeze(0), probs.sum(0, keepdim=True), dist.get_world_size(self.stats_group)
 
+    def fractions(self, layer, counts, tokens):
+        """f_i: each expert's share of the unit's assignments."""
+        return counts / (tokens * layer.top_k)
+
 
 def gated_shared_expert(shared, gate, x):
     """shared(x), or with a gate (Qwen2-MoE's d_model -> 1 shared_expert_gate) sigmoid(gate(x)) * shared(x).
@@ -187,6 +191,7 @@ class ExpertParallelMoE(nn.Module):
         self.capacity_factor, self.tokens, self.expert_tp = capacity_factor, tokens, expert_tp
         self.variant = RouterVariant.of(moe)
         self.register_buffer("route_bias", getattr(moe, "route_bias", None))
+        self.register_buffer("balance_load", getattr(moe, "balance_load", None))  # (GlobalBalance's)
         self.bias_update_rate = getattr(moe, "bias_update_rate", 0.0)
         self.register_buffer("load", torch.zeros(self.n_experts, dtype=torch.long,
                                                  device=next(moe.parameters()).device), persistent=False)
@@ -225,7 +230,7 @@ class ExpertParallelMoE(nn.Module):
             self.load += counts.long()
         counts, prob_sums, n_ranks = self.balance.statistics(self, x, probs, experts, counts)  # (units, E) each
         tokens = counts.sum(-1, keepdim=True) / self.top_k  # each unit's, over every rank
-        f, p = counts / (tokens * self.top_k), self.tokens.total(prob_sums) / tokens
+        f, p = self.balance.fractions(self, counts, tokens), self.tokens.total(prob_sums) / tokens
         return self.n_experts * (n_ranks // self.tokens.size) * (f * p).sum(-1).mean()
 
     def _dispatch_compute_combine(self, tokens, gates, experts, keep):
@@ -335,7 +340,7 @@ class RouterVariant:
         return gates * self.scale, experts, probs
 
 
-class SequenceBalance:
+class SequenceBalance(MicroBatchBalance):
     """DeepSeek-V3's sequence-wise balance loss (its equations 17-20): the Switch loss of each sequence of the
     micro-batch, averaged. `group`: the ranks holding parts of the same sequences (context and tensor
     parallelism's), over which each sequence's counts are summed. The layer's input is (sequences, tokens,
@@ -344,6 +349,7 @@ class SequenceBalance:
     scope = "sequence"
 
     def __init__(self, group):
+        super().__init__(group)
         self.group = group
 
     def statistics(self, layer, x, probs, experts, counts):
@@ -355,6 +361,21 @@ class SequenceBalance:
         dist.all_reduce(counts, group=self.group)
         prob_sums = torch.zeros_like(counts).index_add(0, sequence, probs)
         return counts, prob_sums, dist.get_world_size(self.group)
+
+
+class GlobalBalance(MicroBatchBalance):
+    """Qwen's global-batch balance (arXiv 2501.11873): each expert's f_i its share of the whole global batch's
+    assignments, not the micro-batch's, the probabilities still the micro-batch's. The layer's `balance_load`
+    holds the previous step's loads over every micro-batch of every rank (model.py's end_moe_step keeps them),
+    since a micro-batch cannot wait for those not yet run: the same f for every micro-batch and rank, and for
+    a recomputed forward; uniform before the first step was counted."""
+
+    scope = "global"
+
+    def fractions(self, layer, counts, tokens):
+        load = layer.balance_load
+        total = load.sum()
+        return torch.where(total > 0, load.to(counts.dtype) / total.clamp(min=1), 1 / len(load)).unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------

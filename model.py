@@ -127,7 +127,8 @@ class GPTConfig:
     topk_group: int = 1          # chosen within its topk_group best groups (see `route`)
     routed_scaling_factor: float = 1.0  # the chosen experts' gates multiplied by it (DeepSeek-V3: 2.5)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss (0: none)
-    aux_loss_scope: str = "batch"  # that loss over each micro-batch, or each "sequence" of it (DeepSeek-V3's)
+    aux_loss_scope: str = "batch"  # that loss over each micro-batch, each "sequence" of it (DeepSeek-V3's), or with
+    #                                each expert's share of the whole "global" batch (Qwen's; see load_balancing_loss)
     bias_update_rate: float = 0.0  # step of the routing bias towards balance per training step (0: none)
 
     def __post_init__(self):
@@ -155,7 +156,7 @@ class GPTConfig:
                                      ("qk_norm_scope", self.qk_norm_scope, ("head", "projection")),
                                      ("rope_type", self.rope_type, ("llama3", "yarn", "linear")),
                                      ("router_scoring", self.router_scoring, tuple(SCORES)),
-                                     ("aux_loss_scope", self.aux_loss_scope, ("batch", "sequence"))]:
+                                     ("aux_loss_scope", self.aux_loss_scope, ("batch", "sequence", "global"))]:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
         if self.position == "rope" and self.rotary_dim % 2:
@@ -733,7 +734,7 @@ def gated_shared_expert(shared, gate, x):
     return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
-def load_balancing_loss(probs, experts, n_experts):
+def load_balancing_loss(probs, experts, n_experts, fractions=None):
     """Switch Transformer auxiliary loss: E * sum_i f_i * P_i, for probs (tokens, E) and the chosen experts
     (tokens, k); given (sequences, tokens, ...), each sequence's, averaged: DeepSeek-V3's sequence-wise balance
     loss (its equations 17-20).
@@ -741,12 +742,22 @@ def load_balancing_loss(probs, experts, n_experts):
     f_i is the fraction of the (token, choice) assignments that went to expert
     i (no gradient: it comes from an argmax), P_i the mean router probability
     of expert i. It equals 1 when routing is perfectly uniform and grows as
-    tokens pile onto a few experts.
+    tokens pile onto a few experts. `fractions`: f given (global balance: the
+    previous step's over its whole batch, `step_fractions`), not counted here.
     """
-    assignments = experts.flatten(-2)
-    counts = torch.zeros(*assignments.shape[:-1], n_experts, dtype=probs.dtype, device=probs.device)
-    f = counts.scatter_add_(-1, assignments, torch.ones_like(assignments, dtype=probs.dtype)) / assignments.shape[-1]
-    return n_experts * (f * probs.mean(-2)).sum(-1).mean()
+    if fractions is None:
+        assignments = experts.flatten(-2)
+        counts = torch.zeros(*assignments.shape[:-1], n_experts, dtype=probs.dtype, device=probs.device)
+        ones = torch.ones_like(assignments, dtype=probs.dtype)
+        fractions = counts.scatter_add_(-1, assignments, ones) / assignments.shape[-1]
+    return n_experts * (fractions * probs.mean(-2)).sum(-1).mean()
+
+
+def step_fractions(load, dtype):
+    """Each expert's fraction of a step's assignments, from its counts `load` (global balance, Qwen's "global-batch"
+    balance, arXiv 2501.11873: over every micro-batch of every rank); uniform before any step was counted."""
+    total = load.sum()
+    return torch.where(total > 0, load.to(dtype) / total.clamp(min=1), 1 / len(load))
 
 
 class MoE(nn.Module):
@@ -763,10 +774,17 @@ class MoE(nn.Module):
     (`aux_loss`, added to the loss by GPT.forward with aux_loss_coef), and a
     routing bias (DeepSeek-V3's auxiliary-loss-free balancing): `route_bias`
     shifts which experts are chosen, and after every training step
-    `update_route_biases` moves it by bias_update_rate towards balance, from
+    `end_moe_step` moves it by bias_update_rate towards balance, from
     the tokens each expert received during the step (`load`). With DeepSeek-V3's sigmoid scores the
     auxiliary loss takes their normalised s', so it is that paper's balance loss (its equation 17), and with
     aux_loss_scope "sequence" it is taken over each sequence and averaged, as that paper's is.
+
+    With aux_loss_scope "global" each expert's f_i is its share of the whole global batch (every micro-batch of
+    every rank), not of the micro-batch, so that experts may specialise within a batch (Qwen's global-batch
+    balance). A micro-batch's loss cannot wait for the loads of micro-batches not yet run, so f is the previous
+    step's (`balance_load`, kept by end_moe_step and in checkpoints): one f for every micro-batch of a step,
+    whatever the layout, and a recomputed forward reads the same f. The first step has none: f uniform, so the
+    loss is constant and pushes nothing.
     """
 
     def __init__(self, config: GPTConfig):
@@ -782,6 +800,8 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(config.d_model, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("route_bias", torch.zeros(config.n_experts))  # saved in checkpoints
         self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.long), persistent=False)  # step's tokens
+        self.register_buffer("balance_load", torch.zeros(config.n_experts, dtype=torch.long)  # the last step's
+                             if config.aux_loss_scope == "global" else None)
         self.aux_loss = None  # set by every forward; GPT.forward adds it to the loss
         self.recomputing = False  # set while a forward runs again for backward (see `recomputed`)
 
@@ -791,7 +811,9 @@ class MoE(nn.Module):
                                       self.scoring, self.groups, self.routed_scaling_factor)
         # the loss over the micro-batch's tokens, or each sequence's (x: (sequences, tokens, d_model))
         tokens_by = x.shape[:-1] if self.aux_loss_scope == "sequence" else tokens.shape[:-1]
-        self.aux_loss = load_balancing_loss(probs.view(*tokens_by, -1), experts.view(*tokens_by, -1), len(self.experts))
+        fractions = None if self.balance_load is None else step_fractions(self.balance_load, probs.dtype)
+        self.aux_loss = load_balancing_loss(probs.view(*tokens_by, -1), experts.view(*tokens_by, -1), len(self.experts),
+                                            fractions)
         if torch.is_grad_enabled() and not self.recomputing:  # a training forward, counted once
             self.load += torch.bincount(experts.flatten(), minlength=len(self.experts))
         out = (torch.zeros_like(tokens) if self.shared is None
@@ -805,9 +827,10 @@ class MoE(nn.Module):
 
 
 @torch.no_grad()
-def update_route_biases(model):
-    """After a training step: b_i += rate * sign(mean load - load_i) in every MoE layer (DeepSeek-V3),
-    so an expert that got more than its share of the step's tokens is chosen less; then the loads restart.
+def end_moe_step(model):
+    """After a training step, in every MoE layer: b_i += rate * sign(mean load - load_i) (DeepSeek-V3), so an
+    expert that got more than its share of the step's tokens is chosen less; with global balance the step's
+    loads kept for the next step's loss (balance_load); then the loads restart.
 
     Found by attribute, like moe_aux_losses; the loads must already be those of the whole step's batch
     (expert parallelism sums them over ranks), so every rank moves its biases alike.
@@ -816,6 +839,8 @@ def update_route_biases(model):
         if isinstance(getattr(m, "route_bias", None), torch.Tensor):
             load = m.load.to(m.route_bias.dtype)
             m.route_bias += m.bias_update_rate * torch.sign(load.mean() - load)
+            if m.balance_load is not None:
+                m.balance_load.copy_(m.load)
             m.load.zero_()
 
 

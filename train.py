@@ -42,8 +42,8 @@ import tp
 from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_, gpt_lend, gpt_units,
                 ring_bytes_sent, unallocated)
 from mesh import Mesh, coordinates
-from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, fill_in_chunks, initial_values,
-                   tied_name, update_route_biases)
+from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, end_moe_step, fill_in_chunks,
+                   initial_values, tied_name)
 from training import checkpoint, flight, fp8, hf, integrity, muon, stragglers, tensorfile
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
@@ -325,7 +325,7 @@ class Trainer:
             self.tied.sum_gradients()
         grad_norm = self.update(step)
         for moe in self.moe_layers:  # (only they: a walk of the whole model's modules costs 2% of a small step)
-            update_route_biases(moe)  # from the step's tokens per expert, the same on every rank
+            end_moe_step(moe)  # from the step's tokens per expert, the same on every rank
         self.routing.sum_over_stages(self.runner)
         compute_s, comm_wait_s = clock.stop()
         self.timeline = clock.pipeline.timeline() if timeline else None
@@ -539,7 +539,8 @@ def expert_parallel(model, mesh, args):
     tokens = (ep.OwnTokens() if mesh.size("tp") == 1 else ep.ShardedTokens(tp_group) if args.sp
               else ep.ReplicatedTokens(tp_group))
     expert_tp = ep.SplitExperts(mesh.groups["expert_tp"]) if mesh.size("expert_tp") > 1 else ep.WholeExperts()
-    balance = ep.SequenceBalance(mesh.groups["sequence"]) if model.config.aux_loss_scope == "sequence" else None
+    balance = {"batch": None, "sequence": ep.SequenceBalance(mesh.groups["sequence"]),
+               "global": ep.GlobalBalance(mesh.groups["stage"])}[model.config.aux_loss_scope]
     ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor,
                              tokens=tokens, expert_tp=expert_tp, balance=balance)
     return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from training.meter import ActivationMeter
 from model import (GPT, IGNORE, KVCache, MoE, GPTConfig, apply_recomputation, causal_attention, document_ids,
                    document_targets, load_balancing_loss, route, rotary, rotary_frequencies,
-                   token_positions, update_route_biases, visible)
+                   token_positions, end_moe_step, visible)
 
 TINY = dict(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
 LLAMA = dict(n_head=4, n_kv_heads=2, position="rope", norm="rms", mlp="swiglu", bias=False, d_ff=40)
@@ -558,7 +558,7 @@ def test_bias_balancing_evens_out_the_tokens_of_a_skewed_router():
         with torch.enable_grad():
             moe(x)
         load = moe.load.clone()
-        update_route_biases(moe)
+        end_moe_step(moe)
         return load
     first = spread()
     for _ in range(60):

@@ -93,7 +93,7 @@ def reference_steps(argv, skipped_steps=(), record=False):
         if step not in skipped_steps:
             optimizer.step()
         optimizer.zero_grad()  # to None: a parameter without a gradient next step (an unused expert) is skipped
-        model_lib.update_route_biases(model)  # MoE routing biases move towards balance (--balance bias)
+        model_lib.end_moe_step(model)  # MoE routing biases move towards balance (--balance bias)
         result["losses"].append(step_loss)
         if record:
             result["weights"].append({name: t.clone() for name, t in model.state_dict().items()})

@@ -256,8 +256,10 @@ def parse_args(argv=None):
     p.add_argument("--balance", choices=("aux", "bias", "both"), default="aux",
                    help="expert balancing: the Switch auxiliary loss, DeepSeek-V3's routing bias, or both")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
-    p.add_argument("--aux-loss-scope", choices=("batch", "sequence"), default="batch",
-                   help="the auxiliary loss balances each micro-batch (Switch), or each sequence (DeepSeek-V3)")
+    p.add_argument("--aux-loss-scope", choices=("batch", "sequence", "global"), default="batch",
+                   help="the auxiliary loss balances each micro-batch (Switch), each sequence (DeepSeek-V3), or "
+                        "the micro-batch by the experts' shares of the whole global batch (Qwen's; the previous "
+                        "step's: docs/design-ep.md)")
     p.add_argument("--bias-update-rate", type=float, default=1e-3,
                    help="step of the routing bias towards balance after every training step (--balance bias, both)")
     p.add_argument("--capacity-factor", type=float, default=0.0,

@@ -92,7 +92,7 @@ def balance_statistics(c, layout):
     a softmax's output already holds but DeepSeek-V3's sigmoid scores divide into a tensor of their own."""
     wide = max(layout.activation_bytes, 4)
     per_unit = (c.n_experts + 1) * wide
-    if c.aux_loss_scope == "batch":
+    if c.aux_loss_scope != "sequence":  # (global balance's f: the previous step's, kept as the unit's would be)
         return per_unit
     probs = c.n_experts * wide if c.router_scoring == "sigmoid" else 0
     return layout.micro_batch * per_unit + routed_tokens(c, layout) * (INT64 + probs)
