@@ -39,6 +39,7 @@ Self-check: torchrun --nproc_per_node 4 ep.py
 import os
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -580,6 +581,118 @@ class SplitExperts(WholeExperts):
 
 
 # ---------------------------------------------------------------------------
+# The all-to-alls beside the experts' computation: the routed tokens in chunks
+# ---------------------------------------------------------------------------
+
+class Exchange:
+    """One all-to-all of rows, started in one place and finished in another, so that computation runs between
+    (dist.all_to_all_single with async_op), forward, and its reverse, backward. The trace names each start
+    `<name> start` and each finish `<name> wait`: from the one's start to the other's end the rows are in
+    flight, and only the wait leaves the rank idle (tools/bench's moe_overlap reads them)."""
+
+    def __init__(self, name, output_splits, input_splits, group):
+        self.name, self.splits, self.group = name, (output_splits, input_splits), group
+        self.pending = None
+
+    def start(self, x, backward=False):
+        output_splits, input_splits = self.splits[::-1] if backward else self.splits
+        name = f"{self.name} grad" if backward else self.name
+        with torch.profiler.record_function(f"{name} start"):
+            out, x = x.new_empty((sum(output_splits), *x.shape[1:])), x.contiguous()
+            work = dist.all_to_all_single(out, x, output_splits, input_splits, group=self.group, async_op=True)
+        rank, row_bytes = dist.get_rank(self.group), x[0].numel() * x.element_size() if len(x) else 0
+        comm_bytes["all_to_all"] += sum(n for r, n in enumerate(input_splits) if r != rank) * row_bytes
+        self.pending = (name, work, out, x)  # (x kept alive until the rows have left)
+
+    def finish(self):
+        name, work, out, _ = self.pending
+        self.pending = None
+        with torch.profiler.record_function(f"{name} wait"):
+            work.wait()
+        return out
+
+
+class StartExchange(torch.autograd.Function):
+    """Forward: start sending x's rows; returns an empty tensor that ties the start to its finish in the graph.
+    Backward: finish receiving the gradient's rows, which FinishExchange's backward started."""
+
+    @staticmethod
+    def forward(ctx, x, exchange):
+        ctx.exchange = exchange
+        exchange.start(x)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.exchange.finish(), None
+
+
+class FinishExchange(torch.autograd.Function):
+    """Forward: the rows received; backward: start sending their gradient back."""
+
+    @staticmethod
+    def forward(ctx, started, exchange):
+        ctx.exchange = exchange
+        return exchange.finish()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.exchange.start(grad, backward=True)
+        return grad.new_empty(0), None
+
+
+class OverlappedExpertParallelMoE(ExpertParallelMoE):
+    """ExpertParallelMoE whose all-to-alls travel beside its experts' computation (Megatron's and DeepSeek's
+    overlap within a layer): the routed tokens in `chunks` groups, each dispatched, computed and combined on
+    its own. Every chunk's dispatch starts at once, each combine as soon as its chunk is computed, so chunk
+    c's experts compute while the later chunks' tokens travel and the earlier chunks' outputs return (the
+    first dispatch and the last combine alone wait in the open). Backward the same, reversed: the autograd
+    engine runs the later chunk first, so its experts' backward runs while the earlier chunk's gradients travel.
+    Every row meets the same weights as in ExpertParallelMoE: the same numbers (an expert's gradient summed over
+    the chunks in another order: to rounding), the same activations kept, the same bytes sent."""
+
+    def __init__(self, moe, ep_group, stats_group, *, chunks=2, **options):
+        super().__init__(moe, ep_group, stats_group, **options)
+        self.chunks = chunks
+
+    def _dispatch_compute_combine(self, tokens, gates, experts, keep):
+        n, kept = dist.get_world_size(self.ep_group), keep.flatten()
+        flat_experts, flat_gates = experts.flatten()[kept], gates.flatten()[kept]
+        assignment = torch.nonzero(kept).squeeze(1)  # (token, choice) pairs kept, in token order
+        ends = torch.linspace(0, len(tokens), self.chunks + 1, device=tokens.device).long()[1:] * self.top_k
+        sizes = torch.diff(torch.searchsorted(assignment, ends), prepend=ends.new_zeros(1)).tolist()
+        chunks = [self._sorted(*pieces) for pieces in zip(assignment.split(sizes), flat_experts.split(sizes),
+                                                         flat_gates.split(sizes))]
+        recv_counts = self._exchange_counts(torch.stack([send for _, _, send in chunks]), n)
+        dispatches, combines = [], []
+        for c, (token_of, _, send_counts) in enumerate(chunks):
+            send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
+            dispatches.append(Exchange(f"ep.dispatch c{c}", recv_counts[c].sum(1).tolist(), send_splits, self.ep_group))
+            combines.append(Exchange(f"ep.combine c{c}", send_splits, recv_counts[c].sum(1).tolist(), self.ep_group))
+        started = [StartExchange.apply(tokens[token_of], exchange) for (token_of, _, _), exchange in zip(chunks, dispatches)]
+        for c, exchange in enumerate(dispatches):
+            computed = self._compute(FinishExchange.apply(started[c], exchange), recv_counts[c])
+            started[c] = StartExchange.apply(computed, combines[c])
+        out = torch.zeros_like(tokens)
+        for (token_of, weights, _), start, exchange in zip(chunks, started, combines):
+            returned = FinishExchange.apply(start, exchange)
+            out = out.index_add(0, token_of, returned * weights.to(tokens.dtype).unsqueeze(1))
+        return out
+
+    def _sorted(self, assignment, flat_experts, flat_gates):
+        """A chunk's (token of each assignment, its gate, assignments per expert), grouped by expert."""
+        order = torch.argsort(flat_experts, stable=True)
+        return assignment[order] // self.top_k, flat_gates[order], torch.bincount(flat_experts, minlength=self.n_experts)
+
+    def _exchange_counts(self, send_counts, n):
+        """Every chunk's counts in one all-to-all: (chunks, source rank, local expert) of those this rank gets."""
+        by_rank = send_counts.view(self.chunks, n, self.per_rank).transpose(0, 1).contiguous()
+        received = torch.empty_like(by_rank)
+        dist.all_to_all_single(received, by_rank, group=self.ep_group)
+        return received.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------
 # Applying it to model.py's GPT
 # ---------------------------------------------------------------------------
 
@@ -587,12 +700,14 @@ def is_expert_parameter(name):
     return ".experts." in name
 
 
-def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, **options):
-    """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here);
-    options: ExpertParallelMoE's `tokens`, `expert_tp` and `balance`."""
+def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, overlap_chunks=0, **options):
+    """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here), with
+    overlap_chunks its all-to-alls beside its experts' computation, the tokens in that many chunks
+    (OverlappedExpertParallelMoE); options: ExpertParallelMoE's `tokens`, `expert_tp` and `balance`."""
+    layer = partial(OverlappedExpertParallelMoE, chunks=overlap_chunks) if overlap_chunks else ExpertParallelMoE
     for block in model.blocks:
         if hasattr(getattr(block, "mlp", None), "experts"):
-            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)
+            block.mlp = layer(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)
     return model
 
 

@@ -541,7 +541,7 @@ def expert_parallel(model, mesh, args):
     expert_tp = ep.SplitExperts(mesh.groups["expert_tp"]) if mesh.size("expert_tp") > 1 else ep.WholeExperts()
     balance = {"batch": None, "sequence": ep.SequenceBalance(mesh.groups["sequence"]),
                "global": ep.GlobalBalance(mesh.groups["stage"])}[model.config.aux_loss_scope]
-    ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor,
+    ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor, args.ep_overlap,
                              tokens=tokens, expert_tp=expert_tp, balance=balance)
     return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
 

@@ -12,6 +12,7 @@ from distributed import run_on_ranks, self_check_alone
 from hf_models import make_folder
 from model import MoE, GPTConfig
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
+from planned import assert_matches_plan
 
 BASE = [*EQUIVALENCE, "--experts", "4"]
 
@@ -95,10 +96,12 @@ def local_tokens(rank):
     return x[rank]
 
 
-def skewed_worker():
+def skewed_worker(chunks=0):
+    """The expert-parallel layer (with chunks, the overlapped one) against one device's, and its traffic."""
     rank, n = dist.get_rank(), dist.get_world_size()
     reference = skewed_moe()
-    layer = ep.ExpertParallelMoE(copy.deepcopy(reference), None, None)
+    layer = (ep.OverlappedExpertParallelMoE(copy.deepcopy(reference), None, None, chunks=chunks) if chunks
+             else ep.ExpertParallelMoE(copy.deepcopy(reference), None, None))
     all_tokens = torch.stack([local_tokens(r) for r in range(n)])
     grad = torch.randn_like(all_tokens, generator=torch.Generator().manual_seed(2))
     expected = reference(all_tokens.flatten(0, 1))
@@ -134,8 +137,11 @@ def skewed_worker():
                 routed_here=routed_here)
 
 
-def test_skewed_router_with_idle_experts_still_matches():
-    results = run_on_ranks(2, skewed_worker)
+@pytest.mark.parametrize("chunks", [0, 3], ids=["exchanged-whole", "overlapped-in-3-chunks"])
+def test_skewed_router_with_idle_experts_still_matches(chunks):
+    """Whole or in chunks (the all-to-alls beside the experts, an idle expert and a chunk without rows for some
+    experts among them), the layer's output, loss and gradients are one device's, its traffic the same."""
+    results = run_on_ranks(2, skewed_worker, chunks)
     for rank, r in enumerate(results):
         assert r["worst"] < 1e-12
         assert r["tokens_per_expert"][0] == r["tokens_per_expert"][3] == 0  # rank 0 and rank 1 each own an idle one
@@ -203,3 +209,32 @@ def test_the_first_blocks_of_a_qwen_moe_folder_keep_their_sparse_layers(tmp_path
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
     differences = self_check_alone("ep.py", 4, tmp_path)
     assert len(differences) == 1 and max(differences) < 1e-12
+
+
+# -- the all-to-alls beside the experts' computation (--ep-overlap) -----------------------------
+
+OVERLAPPED = [*BASE, "--top-k", "2"]
+SHARED = ["--shared-experts", "1", "--arch", "llama"]
+# (ranks, the experiment's flags (the oracle's too), the layout's): experts whole and split, folded over tp with
+# and without sp, with a shared expert, recomputed, pipelined, under ZeRO-3
+OVERLAP_LAYOUTS = [
+    (2, [], ["--ep", "2"]),
+    (4, ["--micro-batches", "1"], ["--ep", "4"]),
+    (4, [], ["--ep", "2", "--tp", "2"]),
+    (4, [], ["--ep", "2", "--tp", "2", "--sp", "--recompute", "full"]),
+    (4, SHARED, ["--ep", "2", "--expert-tp", "2"]),
+    (4, ["--micro-batches", "4", "--batch-size", "16"], ["--ep", "2", "--pp", "2", "--schedule", "1f1b"]),
+    (4, [], ["--ep", "2", "--zero", "3", "--recompute", "selective"]),
+]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("world,model_flags,flags", OVERLAP_LAYOUTS,
+                         ids=["-".join(f.lstrip("-") for f in flags) for _, _, flags in OVERLAP_LAYOUTS])
+def test_the_overlapped_exchange_trains_as_one_device(tmp_path, world, model_flags, flags):
+    """Each layout with its all-to-alls in three chunks beside the experts: the losses and weights of one
+    device, as without the overlap, and the counters of tools.plan (the same activations, the same bytes)."""
+    argv = [*OVERLAPPED, *model_flags, *flags, "--ep-overlap", "3"]
+    for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
+        assert_matches_oracle(result, oracle([*OVERLAPPED, *model_flags]))
+    assert_matches_plan(tmp_path, argv, world)

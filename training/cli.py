@@ -264,6 +264,9 @@ def parse_args(argv=None):
                    help="step of the routing bias towards balance after every training step (--balance bias, both)")
     p.add_argument("--capacity-factor", type=float, default=0.0,
                    help="an expert takes at most this x its fair share of a rank's tokens (0: dropless)")
+    p.add_argument("--ep-overlap", type=int, default=0, metavar="CHUNKS",
+                   help="the experts' all-to-alls beside their computation: the routed tokens in this many chunks, "
+                        "each dispatched, computed and combined on its own (0: one exchange each way, waited for)")
     for dim, help_ in [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")]:
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{help_}-parallel size")
     p.add_argument("--ep", type=int, default=1,
@@ -427,6 +430,8 @@ def check_experts(args, config):
         raise ConfigError(f"--tp {args.tp}: the shared expert's hidden size {config.d_shared} does not divide by it")
     if not 0 <= args.capacity_factor < math.inf or (args.capacity_factor and not experts):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
+    if args.ep_overlap < 0 or (args.ep_overlap and not experts):
+        raise ConfigError("--ep-overlap is a number of chunks (0: no overlap) and needs --experts")
     if not experts and (args.shared_experts or args.balance != "aux" or args.aux_loss_scope != "batch"):
         raise ConfigError("--shared-experts, --balance and --aux-loss-scope shape mixture-of-experts layers: they "
                           "need --experts")

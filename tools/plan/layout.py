@@ -34,6 +34,7 @@ class Layout:
     optimizer: str = "adamw"  # --optimizer: "muon" steps the blocks' matrices with Muon (training/muon.py)
     muon_gather: bool = False  # --muon-assembly gather: every holder of a matrix assembles it, not one owner
     fp8: str = None        # --fp8's recipe: the blocks' linears in float8 (training/fp8.py), None: not
+    ep_overlap: int = 0    # --ep-overlap: the routed tokens in this many chunks, each exchanged on its own (ep.py)
 
     @property
     def placement(self):  # which pipeline rank holds which model chunk (pp.py)
@@ -100,7 +101,8 @@ def layout_of(args, world, data=None):
                   dtype=args.dtype, master_dtype=args.master_dtype, reduce_dtype=args.reduce_dtype,
                   bucket_bytes=int(args.bucket_mb * 2**20),
                   documents=cli.document_eos(args, data=described) is not None,
-                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather", fp8=args.fp8)
+                  optimizer=args.optimizer, muon_gather=args.muon_assembly == "gather", fp8=args.fp8,
+                  ep_overlap=args.ep_overlap)
 
 
 def coordinates(layout, rank):

@@ -164,7 +164,8 @@ def moe_traffic(config, layout, layers):
                       experts' partial outputs of their rows go back to them (SplitExperts); backward the
                       reverse of each
       expert_tp_bias  expert tp: each local expert's proj bias, whole on every rank, has its gradient summed
-                      over the group once per backward (tp.ExpertTensorParallel; the GPT blocks' bias)
+                      over the group once per backward of each run of the expert (tp.ExpertTensorParallel; the
+                      GPT blocks' bias): with --ep-overlap once a chunk
     All but the last are ep.py's all-to-alls, each row in the weights' dtype, which is the activations'.
     Full recomputation runs the forward's again up to the last tensor backward needs: the combined outputs
     (weighted), so GatherRows too only when a shared expert, whose tensors come after, or a norm after the
@@ -189,7 +190,8 @@ def moe_traffic(config, layout, layers):
         traffic["expert_tp"] = rows((layout.expert_tp - 1) * assignments, 2 * (forwards + 1))
         if c.bias:
             bias = ring_bytes_sent("all_reduce", c.d_model * layout.weight_bytes, layout.expert_tp)
-            traffic["expert_tp_bias"] = Counter(all_reduce=moe_layers * c.n_experts // layout.ep * bias)
+            runs = max(layout.ep_overlap, 1)
+            traffic["expert_tp_bias"] = Counter(all_reduce=moe_layers * c.n_experts // layout.ep * bias * runs)
     return traffic
 
 
