@@ -669,7 +669,8 @@ class OverlappedExpertParallelMoE(ExpertParallelMoE):
             send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
             dispatches.append(Exchange(f"ep.dispatch c{c}", recv_counts[c].sum(1).tolist(), send_splits, self.ep_group))
             combines.append(Exchange(f"ep.combine c{c}", send_splits, recv_counts[c].sum(1).tolist(), self.ep_group))
-        started = [StartExchange.apply(tokens[token_of], exchange) for (token_of, _, _), exchange in zip(chunks, dispatches)]
+        started = [StartExchange.apply(tokens[token_of], exchange)
+                   for (token_of, _, _), exchange in zip(chunks, dispatches)]
         for c, exchange in enumerate(dispatches):
             computed = self._compute(FinishExchange.apply(started[c], exchange), recv_counts[c])
             started[c] = StartExchange.apply(computed, combines[c])
@@ -682,7 +683,8 @@ class OverlappedExpertParallelMoE(ExpertParallelMoE):
     def _sorted(self, assignment, flat_experts, flat_gates):
         """A chunk's (token of each assignment, its gate, assignments per expert), grouped by expert."""
         order = torch.argsort(flat_experts, stable=True)
-        return assignment[order] // self.top_k, flat_gates[order], torch.bincount(flat_experts, minlength=self.n_experts)
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        return assignment[order] // self.top_k, flat_gates[order], counts
 
     def _exchange_counts(self, send_counts, n):
         """Every chunk's counts in one all-to-all: (chunks, source rank, local expert) of those this rank gets."""

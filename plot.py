@@ -492,6 +492,30 @@ def run_timeline(log_path):
     return out
 
 
+def moe_overlap(results):
+    """The experts' all-to-alls of one measured step (rank 0 of ep 2 under 1F1B, tools/bench's moe_overlap), a
+    row per exchange (kind, chunk, forward or gradient): light from its start to its wait, when the rank computed
+    beside it, dark while the rank waited for it."""
+    overlap = optional_result(results, "moe_overlap.json")
+    if overlap is None:
+        return
+    rows = sorted({name for name, *_ in overlap["exchanges"]}, key=lambda name: (name.endswith("grad"), name))
+    fig, ax = plt.subplots(figsize=(14, 0.3 * len(rows) + 1.5))
+    for name, start, wait, end in overlap["exchanges"]:
+        row = rows.index(name)
+        ax.barh(row, wait - start, left=start, color="tab:green", alpha=0.5, height=0.7)
+        ax.barh(row, end - wait, left=wait, color="tab:red", height=0.7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step started")
+    ax.set_title(f"The experts' all-to-alls of one step, rank 0: in flight beside computation (green), waited for "
+                 f"(red); {overlap['fraction']:.0%} of their time in flight overlapped, over every rank and round",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results, "moe_overlap.png"), dpi=90)
+    plt.close(fig)
+
+
 def document_masking(results, lengths=(7, 3, 12, 1, 9), n_ranks=4):
     """Packed documents (model.py's visible): left, which keys each query of one packed sequence attends
     to, cut into cp.py's 2N zigzag chunks; right, ring attention's blocks (query chunk, key chunk) each rank
@@ -564,6 +588,7 @@ def main():
     timelines(results)
     muon_convergence(results)
     fp8_convergence(results)
+    moe_overlap(results)
     document_masking(results)
     print(f"plot.py: figures and results.md written to {results}")
 

@@ -205,3 +205,27 @@ def test_muon_timing_steps_adamw_and_both_assemblies_and_reads_their_logged_byte
     assert measured["owner"]["losses"] == measured["gather"]["losses"] != measured["adamw"]["losses"]
     # Muon keeps one momentum a matrix element where AdamW keeps two moments
     assert sum(measured["owner"]["last_step"]["optim_bytes"]) < sum(measured["adamw"]["last_step"]["optim_bytes"])
+
+
+def test_quick_moe_overlap_reads_the_exchanges_from_every_ranks_trace(tmp_path):
+    """--only moe_overlap: ep 2 under 1F1B with the all-to-alls in chunks and waited for, each traced on all four
+    ranks; the overlapped arm's trace pairs every exchange's start with its wait (forward and backward), the
+    waited arm's has none, and both train the same."""
+    from tools.bench.moe_overlap import overlapped_fraction
+    run = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--out", str(tmp_path), "--only",
+                          "moe_overlap"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "moe_overlap.json").read_text())
+    assert result["max_loss_difference"] < 1e-6  # the same training, in float32
+    for arm, chunks in (("overlapped", 4), ("waited", 0)):
+        traces = sorted((tmp_path / "moe_overlap" / f"{arm}_0" / "traces").glob("rank*.json"))
+        assert len(traces) == 4
+        for path in traces:
+            events = json.loads(path.read_text())["traceEvents"]
+            names = {e["name"] for e in events if str(e.get("name", "")).startswith("ep.")}
+            exchanged = {f"ep.{kind} c{c}{grad} {mark}" for kind in ("dispatch", "combine") for c in range(chunks)
+                         for grad in ("", " grad") for mark in ("start", "wait")}
+            assert exchanged <= names and (chunks or not any(n.endswith(" wait") for n in names))
+            in_flight, waited = overlapped_fraction(events)
+            assert (in_flight > 0) == bool(chunks) and 0 <= waited <= in_flight
+    assert 0 < result["fraction"] <= 1 and result["per_round"][0]["waited"]["fraction"] == 0

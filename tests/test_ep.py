@@ -238,3 +238,15 @@ def test_the_overlapped_exchange_trains_as_one_device(tmp_path, world, model_fla
     for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
         assert_matches_oracle(result, oracle([*OVERLAPPED, *model_flags]))
     assert_matches_plan(tmp_path, argv, world)
+
+
+def test_the_overlap_is_the_share_of_the_exchanges_time_not_spent_waiting():
+    """Two exchanges in one trace (microseconds): the first in flight 0-100 and waited for 60-100, the second
+    20-70, waited for 65-70; interleaved, and a range of another name between them."""
+    from tools.bench.moe_overlap import overlapped_fraction
+    events = [dict(ph="X", name="ep.dispatch c0 start", ts=0, dur=1),
+              dict(ph="X", name="ep.dispatch c1 start", ts=20, dur=1), dict(ph="X", name="ep.experts", ts=30, dur=10),
+              dict(ph="X", name="ep.dispatch c0 wait", ts=60, dur=40), dict(ph="X", name="ep.dispatch c1 wait", ts=65, dur=5),
+              dict(ph="i", name="ep.dispatch c1 wait", ts=1)]
+    in_flight, waited = overlapped_fraction(events)
+    assert (in_flight, waited) == pytest.approx((150e-6, 45e-6))

@@ -12,6 +12,7 @@ from tools.bench.common import FULL, QUICK, REPO, read_json, write_json
 from tools.bench.comparisons import WORKERS, run_comparisons
 from tools.bench.documents import documents_part
 from tools.bench.fp8 import fp8_part
+from tools.bench.moe_overlap import moe_overlap_check
 from tools.bench.muon import muon_check, muon_convergence, worker_muon
 from tools.bench.pipeline import pipeline_schedules
 from tools.bench.planner import planner_check
@@ -65,7 +66,8 @@ def main():
                                              "consolidated checkpoints, 'pipeline' for the five schedules' "
                                              "timelines, 'precision' for bfloat16 before and after its "
                                              "mixed-precision policy, 'fp8' for each --fp8 recipe beside "
-                                             "bfloat16); the rest "
+                                             "bfloat16, 'moe_overlap' for the experts' all-to-alls "
+                                             "beside their computation and waited for); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")
@@ -177,6 +179,13 @@ def main():
                   f"{row['before']['comm_bytes']:,} -> {row['after']['comm_bytes']:,} bytes")
     if not args.only or "fp8" in args.only:
         fp8_part(settings, args.out)
+    if not args.only or "moe_overlap" in args.only:
+        overlap = moe_overlap_check(settings, args.out)
+        write_json(os.path.join(args.out, "moe_overlap.json"), overlap)
+        print(f"moe overlap: {overlap['fraction']:.0%} of the all-to-alls' time in flight with computation beside "
+              f"(rounds {overlap['fraction_range'][0]:.0%}-{overlap['fraction_range'][1]:.0%}); step time "
+              f"overlapped / waited {overlap['step_time_ratio']:.2f} ({overlap['ratio_range'][0]:.2f}-"
+              f"{overlap['ratio_range'][1]:.2f}), loss difference {overlap['max_loss_difference']:.2g}")
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])
     elif "scaling" in earlier["machine.json"]:

@@ -20,7 +20,8 @@ FULL = dict(model="small", batch_size=64, micro_batches=2, steps=50, eval_interv
             muon_convergence=dict(model="small", batch_size=32, steps=300, eval_interval=50,
                                   lrs=dict(adamw=[1e-3, 3e-3, 1e-2, 3e-2], muon=[1e-3, 3e-3, 1e-2, 3e-2])),
             fp8=dict(model="small", batch_size=16, steps=400, lr=3e-3, eval_interval=100, final_steps=50),
-            fp8_cuda=dict(batch_size=8, steps=30, skip=10, rounds=3))
+            fp8_cuda=dict(batch_size=8, steps=30, skip=10, rounds=3),
+            moe_overlap=dict(batch_size=32, steps=8, rounds=5))
 QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interval=6, skip=3, rounds=6, k=1,
              scaling_rounds=1, scaling_steps=8, attention_lengths=[256, 512], document_lengths=["short", "long"],
              long_sequences=dict(model="tiny", arch="llama", steps=4, skip=1, rounds=1, rows=[
@@ -30,7 +31,8 @@ QUICK = dict(model="tiny", batch_size=16, micro_batches=2, steps=12, eval_interv
              muon_convergence=dict(model="tiny", batch_size=8, steps=20, eval_interval=10,
                                    lrs=dict(adamw=[3e-3, 1e-2], muon=[3e-3, 1e-2])),
              fp8=dict(model="tiny", batch_size=8, steps=12, lr=1e-2, eval_interval=6, final_steps=4),
-             fp8_cuda=dict(batch_size=2, steps=6, skip=2, rounds=1))
+             fp8_cuda=dict(batch_size=2, steps=6, skip=2, rounds=1),
+             moe_overlap=dict(batch_size=8, steps=3, rounds=1))
 
 
 def torchrun_command(n_ranks, *argv, max_restarts=0):

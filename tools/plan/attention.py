@@ -155,9 +155,9 @@ LATENT_ATTENTION = Attention(latent_attention_activations, latent_replicated_wei
 
 def head_norm_activations(c, layout, tokens):
     """QK-norm's (c.qk_norm): q_norm and k_norm each keep what an RMSNorm keeps of this rank's heads, x/rms and
-    1/rms (qk_norm_statistics) in float32 or wider, and their input: narrower than float32, a copy cast up; else a view of
-    q | k | v, whose storage is kept already where the attention core keeps its inputs (rotated_kept), but
-    not by Ulysses's (which keeps its own copies). Their outputs are new tensors: the rotation that follows
+    1/rms (qk_norm_statistics) in float32 or wider, and their input: narrower than float32, a copy cast up; else a
+    view of q | k | v, whose storage is kept already where the attention core keeps its inputs (rotated_kept),
+    but not by Ulysses's (which keeps its own copies). Their outputs are new tensors: the rotation that follows
     keeps only its cos and sin, but without one the core keeps them where it keeps its inputs."""
     if not c.qk_norm:
         return 0

@@ -118,7 +118,8 @@ def muon_held(config, layout, stage):
             where = stage_rank(layout, stage, place)
             pieces = [(rank_name(name, config, layout, where), start, end, None)
                       for name, start, end in optimizer_pieces(params, layout, kind, where)]
-            found = muon.held_segments(pieces, shapes, config, functools.partial(tp_split, layout=layout, where=where, config=config),
+            split = functools.partial(tp_split, layout=layout, where=where, config=config)
+            found = muon.held_segments(pieces, shapes, config, split,
                                        functools.partial(muon_copy, layout=layout, where=where))
             held[place] = [s for _, segments in found for s in segments]
         instances.append(held)

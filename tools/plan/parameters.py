@@ -27,7 +27,8 @@ def model_parameters(config_fields):
 def norms_per_block(c):
     """A block's norms: before each sub-layer, after it, or both (model.PLACEMENTS). A norm after a sub-layer
     keeps that sub-layer's output, which nothing else keeps; a sub-layer without a norm before it has its input
-    kept by its first matrix, where a norm before it would keep it: each norm keeps what activations.norm_activations counts."""
+    kept by its first matrix, where a norm before it would keep it: each norm keeps what
+    activations.norm_activations counts."""
     return 2 * sum(PLACEMENTS[c.norm_placement])
 
 
