@@ -48,6 +48,7 @@ from training import checkpoint, flight, fp8, hf, integrity, muon, stragglers, t
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
 from training.data import open_data
+from training.determinism import make_deterministic
 from training.flex import FlexAttentionCore
 from training.launch import (Preemption, exit_with_error, first_problem, in_collective, init_distributed,
                              rank_and_world, where)
@@ -99,6 +100,9 @@ def run_training(args, recorder):
     check_memory(args, world, config, described)  # and before anything is allocated
     if args.resume not in (None, "auto"):
         checkpoint.complete(args.resume)  # its files' SHA-256 are checked by every rank together, below
+    deterministic = make_deterministic(torch.cuda.is_available()) if args.deterministic else None  # (before NCCL)
+    if deterministic == {} and rank == 0:
+        print("--deterministic: on CPUs a run repeats bit for bit already; nothing to set", flush=True)
     device = init_distributed(timedelta(seconds=args.timeout))
     # Checkpoints are written on a thread of their own, with a group of their own (see checkpoint.Saver).
     saver = checkpoint.Saver(dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)))
@@ -110,7 +114,7 @@ def run_training(args, recorder):
     check_tokens(data, rank, world)
     trainer = Trainer(args, config, mesh, data, device)
     log = RunLog(args, world, device, trainer, writes=rank == 0)
-    log.begin(shape, data)
+    log.begin(shape, data, deterministic)
     recorder.folder = log.folder  # where a failing rank writes its record of collectives
     end, stopped = min(args.steps, args.stop_at or args.steps), False
     last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
@@ -218,9 +222,9 @@ class RunLog:
         self.peak_flops, self.flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
         self.timings = []  # each step's compute and waiting per rank: who was slow (training/stragglers.py)
 
-    def begin(self, shape, data):
-        """config.json, and the log kept up to the step the run starts at (a resumed run writes those after
-        its checkpoint again: one record per step)."""
+    def begin(self, shape, data, deterministic=None):
+        """config.json (with --deterministic what it set: training/determinism.py), and the log kept up to the
+        step the run starts at (a resumed run writes those after its checkpoint again: one record per step)."""
         if not self.writes:
             self.file, self.dashboard = open(os.devnull, "w"), NoDashboard()
             return
@@ -229,7 +233,7 @@ class RunLog:
         with open(os.path.join(self.folder, "config.json"), "w") as f:
             json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
                            world=self.world, device=str(self.device), peak_flops=self.peak_flops,
-                           entropy_floor=data.entropy_rate), f, indent=2)
+                           entropy_floor=data.entropy_rate, deterministic=deterministic), f, indent=2)
         floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
         self.print(f"run {self.folder}: {self.world} ranks {shape}, {trainer.n_params:,} parameters, "
                    f"loss floor (entropy rate) {floor}", flush=True)

@@ -320,6 +320,53 @@ def test_a_node_lost_for_good_leaves_a_smaller_world_that_goes_on_exactly(tmp_pa
     assert_matches_oracle(dict(losses=[e["loss"] for e in entries], state_dict=final_state(run)), reference)
 
 
+# torchrun's agents share the rendezvous's store with the workers, and its rank 0 publishes the workers' master
+# address in it only at its first round (DynamicRendezvousHandler.next_rendezvous): a node that joins later
+# waits for that round's address forever. Growing a job needs the store unshared (docs/gpus.md).
+GROWING = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@pytest.mark.full
+def test_a_node_that_joins_grows_the_world_which_goes_on_exactly(tmp_path):
+    """The other way: one torchrun "node" of 2 ranks (tp=2) starts alone under --nnodes 1:2 and hosts the
+    rendezvous (in its agent, not in a trainer: a trainer that dies does not take it down). Once it has written
+    the checkpoint of step 2 a second node joins: the first node's agent sees a node waiting, stops its
+    workers (a membership change, not one of --max-restarts; SIGTERM, so they finish their step and write
+    its checkpoint), and both nodes start as 4 ranks (dp=2), which resume with --resume auto from the newest
+    checkpoint the 2 wrote: every step logged once, the losses and final weights of a run never interrupted."""
+    steps = 120  # (the first node alone runs a few dozen steps a second: enough that it cannot finish first)
+    argv = [*EQUIVALENCE, "--tp", "2", "--steps", str(steps), "--checkpoint-interval", "1", "--resume", "auto",
+            "--timeout", "20", "--out", str(tmp_path / "runs")]
+    run = tmp_path / "runs" / "gpu2_tp2_pp1_cp1_ep1"  # named by the first world; the larger one goes on in it
+    endpoint = f"127.0.0.1:{free_port()}"
+    deadline = time.monotonic() + 200
+    with open(tmp_path / "first.txt", "w") as first_output, open(tmp_path / "joining.txt", "w") as joining_output:
+        first = elastic_node(endpoint, "127.0.0.1", True, 1, argv, first_output, env=GROWING)
+        joining = None
+        try:
+            wait_for(lambda: any(step >= 2 for step in complete_checkpoints(run)), deadline,
+                     "the first node alone wrote no checkpoint of step 2")
+            joining = elastic_node(endpoint, "localhost", False, 1, argv, joining_output, env=GROWING)
+            for node in (first, joining):
+                node.wait(timeout=max(1, deadline - time.monotonic()))
+        finally:
+            for node in (first, joining):  # on a failure: no process of the test outlives it
+                if node and node.poll() is None:
+                    for pid in [*worker_pids(node.pid), node.pid]:
+                        os.kill(pid, signal.SIGKILL)
+                    node.wait()
+    output = (tmp_path / "first.txt").read_text()
+    assert first.returncode == joining.returncode == 0, output[-3000:] + (tmp_path / "joining.txt").read_text()[-3000:]
+    assert f"run {run}: 2 ranks MeshShape(dp=1" in output
+    assert f"run {run}: 4 ranks MeshShape(dp=2" in output  # the larger world, in the same run folder
+    resumed = int(re.search(r"resuming from .*checkpoint-(\d+)", output).group(1))
+    assert 2 <= resumed < steps
+    entries = read_log(run)
+    assert [e["step"] for e in entries] == list(range(steps))
+    assert_matches_oracle(dict(losses=[e["loss"] for e in entries], state_dict=final_state(run)),
+                          reference_run([*EQUIVALENCE, "--steps", str(steps)]))
+
+
 def test_resume_auto_on_another_number_of_ranks_goes_on_in_the_run_folder_those_ranks_wrote(tmp_path):
     """The default run name counts the ranks (gpu4_...), so --resume auto on 2 ranks looks in gpu2_...: with
     nothing there, it goes on in the one folder of its layout that another world wrote, and refuses to guess

@@ -242,6 +242,10 @@ def parse_args(argv=None):
                    help="trace these steps, counted from 0 as the log counts them (3, or 5-7): one Chrome trace per "
                         "rank in the run's traces/ (and on CUDA the allocator's memory in memory/), for Perfetto; "
                         "see docs/diagnosing.md")
+    p.add_argument("--deterministic", action="store_true",
+                   help="on GPUs, the settings under which a run repeats bit for bit (deterministic kernels, "
+                        "cuBLAS's workspace, NCCL's algorithm; training/determinism.py), recorded in config.json; on "
+                        "CPUs a run repeats already")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="data-parallel gradient bucket size")
     p.add_argument("--experts", type=int, default=None,
                    help="experts per MoE layer (0: dense MLPs; default: the preset's, 0 but for deepseek-v3 and "
