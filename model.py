@@ -164,6 +164,9 @@ class GPTConfig:
         if self.kv_lora_rank and (self.position != "rope" or min(self.qk_nope_head_dim, self.qk_rope_head_dim) < 1):
             raise ValueError("latent attention (kv_lora_rank) rotates qk_rope_head_dim features of each head and "
                              "leaves qk_nope_head_dim as they are: it needs position='rope' and both of at least 1")
+        if self.qk_norm_scope == "projection" and self.norm == "rms_offset":
+            raise ValueError("QK-norm over a whole projection is OLMo 2's RMSNorm (weight times x/rms), whose "
+                             "weights start at 1: not with Gemma's (1 + weight) norms, which start at 0")
         if (self.query_scale or self.local_rope_theta) and (self.position != "rope" or self.kv_lora_rank):
             raise ValueError("query_scale and local_rope_theta act through the rotation of grouped-query attention "
                              "(rotary): they need position='rope' and no latent attention")

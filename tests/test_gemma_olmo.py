@@ -168,3 +168,9 @@ def test_a_split_projection_norm_resumes_under_another_layout(tmp_path):
     for result in second:
         assert_matches_oracle(dict(losses=first["losses"] + result["losses"], state_dict=result["state_dict"]),
                               oracle(argv))
+
+
+def test_a_projection_norm_among_gemmas_norms_is_refused():
+    """Its weights would start at Gemma's 0 (every norm's by name, GPTConfig.norm_weight), zeroing q and k."""
+    with pytest.raises(ValueError, match="QK-norm over a whole projection is OLMo 2's RMSNorm"):
+        model.GPTConfig(position="rope", norm="rms_offset", qk_norm=True, qk_norm_scope="projection")
