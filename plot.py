@@ -492,6 +492,27 @@ def run_timeline(log_path):
     return out
 
 
+def compared_runs(losses_a, losses_b, labels, out, parted_at=None):
+    """python -m tools.compare --plot: two runs' losses ({step: loss}) as logged (left; B dashed, so that it
+    shows over A where they agree) and B's minus A's on the steps both logged (right), the step where they
+    first part marked."""
+    fig, (curves, difference) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = (dict(color="black"), dict(color="tab:red", ls="--"))
+    for losses, label, style in zip((losses_a, losses_b), labels, styles):
+        curves.plot(list(losses), list(losses.values()), lw=1, label=label, **style)
+    common = sorted(set(losses_a) & set(losses_b))
+    difference.plot(common, [losses_b[s] - losses_a[s] for s in common], color="tab:blue", lw=1)
+    difference.axhline(0, color="black", lw=0.5)
+    if parted_at is not None:
+        for ax in (curves, difference):
+            ax.axvline(parted_at, color="grey", ls=":", lw=1, label=f"first parting: step {parted_at}")
+    curves.set(xlabel="step", ylabel="loss", title="training loss")
+    difference.set(xlabel="step", ylabel="loss B - loss A", title="difference, step by step")
+    curves.legend(fontsize=8)
+    save(fig, os.path.dirname(out), os.path.basename(out))
+    return out
+
+
 def moe_overlap(results):
     """The experts' all-to-alls of one measured step (rank 0 of ep 2 under 1F1B, tools/bench's moe_overlap), a
     row per exchange (kind, chunk, forward or gradient): light from its start to its wait, when the rank computed
