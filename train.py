@@ -73,7 +73,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
               "activation_peak_bytes", "peak_resident_bytes", "device_peak_bytes", "compute_s", "comm_wait_s",
-              "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
+              "collective_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
 
 
 class NonFiniteStep(ArithmeticError):
@@ -118,7 +118,8 @@ def run_training(args, recorder):
     recorder.folder = log.folder  # where a failing rank writes its record of collectives
     end, stopped = min(args.steps, args.stop_at or args.steps), False
     last_checkpoint = args.resume  # the newest good one: where a run stopped by bad numbers can go back to
-    with Preemption() as preemption, StepProfiler.from_args(args, log.folder, rank, device) as profiler:
+    with Preemption() as preemption, StepProfiler.from_args(args, log.folder, rank, device) as profiler, \
+            trainer.collectives:  # (its time inside collectives, each step: training/stragglers.py)
         for step in range(trainer.start_step, end):
             profiler.start(step)  # --profile's steps alone are traced, to profiler.stop; without it, nothing
             recorder.step = step
@@ -220,7 +221,7 @@ class RunLog:
         # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
         # tokens per second, over every device's peak.
         self.peak_flops, self.flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
-        self.timings = []  # each step's compute and waiting per rank: who was slow (training/stragglers.py)
+        self.waited_for = []  # each step's ranks their peers waited for (training/stragglers.py)
 
     def begin(self, shape, data, deterministic=None):
         """config.json (with --deterministic what it set: training/determinism.py), and the log kept up to the
@@ -252,7 +253,7 @@ class RunLog:
         if self.peak_flops:
             entry["mfu"] = self.flops_per_token * entry["tokens_per_s"] / (self.world * self.peak_flops)
         self.wall_s = entry["time_s"]
-        self.timings.append({k: entry[k] for k in ("compute_s", "comm_wait_s", "slowest_rank", "slowest_compute_ratio")})
+        self.waited_for.append(entry["stragglers"])
         self.losses.append(entry["loss"])
         self.grad_norms.append(entry["grad_norm"])
         return entry
@@ -268,7 +269,7 @@ class RunLog:
         """The whole run's peak memory per rank (start-up, steps and saves), and why it stopped early, if it did."""
         kind = "GPU" if self.device.type == "cuda" else "resident"
         self.print(f"peak {kind} memory per rank (GiB): " + " ".join(f"{b / 2**30:.2f}" for b in peaks), flush=True)
-        straggler = stragglers.report(self.timings)
+        straggler = stragglers.report(self.waited_for)
         if straggler:
             self.print(straggler, flush=True)
         if stopped:
@@ -312,6 +313,7 @@ class Trainer:
         self.meter = ActivationMeter(self.params)
         # Each rank's pipeline stage: the ranks of a stage do the same work (training/stragglers.py)
         self.stage_of = [coordinates(mesh.shape, rank)["pp"] for rank in range(dist.get_world_size())]
+        self.collectives = stragglers.CollectiveClock(device, mesh.groups.values())  # counts once installed
         self.reset_comm_baseline()
 
     def train_step(self, step, timeline=False):
@@ -319,7 +321,7 @@ class Trainer:
         pipeline records when each action waited and ran (self.timeline)."""
         micro_batches, loss_tokens = self.batch("train", step)
         self.meter.reset_peak()
-        clock = StepClock(self.device, timeline)
+        clock = StepClock(self.device, timeline, self.collectives)
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self.routing.reset()
@@ -331,9 +333,10 @@ class Trainer:
         for moe in self.moe_layers:  # (only they: a walk of the whole model's modules costs 2% of a small step)
             end_moe_step(moe)  # from the step's tokens per expert, the same on every rank
         self.routing.sum_over_stages(self.runner)
-        compute_s, comm_wait_s = clock.stop()
+        compute_s, comm_wait_s, collective_s = clock.stop()
         self.timeline = clock.pipeline.timeline() if timeline else None
-        return dict(self.rank_record(contribution, compute_s, comm_wait_s, clock.pipeline), grad_norm=grad_norm)
+        return dict(self.rank_record(contribution, compute_s, comm_wait_s, clock.pipeline), grad_norm=grad_norm,
+                    collective_s=collective_s)
 
     def update(self, step):
         """The step's learning rate, the gradients clipped, and the update (ZeRO: of this rank's shards, then
@@ -1051,26 +1054,29 @@ class StepClock:
     """A step's wall time, split into computing and waiting for communication: the gradients' reduction
     after backward (device time, not host time: pp.Stopwatch) and the pipeline's waits for its
     neighbours (pp.PipelineStats, which stays empty without pipeline parallelism; with `timeline`, it
-    records when each action waited and ran)."""
+    records when each action waited and ran). Of the computing, the time inside the step's other
+    collectives (`collectives`, a stragglers.CollectiveClock)."""
 
-    def __init__(self, device, timeline):
-        self.device, self.start = device, time.perf_counter()
+    def __init__(self, device, timeline, collectives):
+        self.device, self.start, self.collectives = device, time.perf_counter(), collectives
         self.pipeline = pp.PipelineStats(device, record=timeline)
         self.reduction = pp.Stopwatch(device)
+        collectives.start()
 
     @contextmanager
     def waiting(self):
         begin = self.reduction.now()
-        yield
+        with self.collectives.paused():  # the reduction's collectives: its waiting, counted once
+            yield
         self.reduction.add(begin, self.reduction.now())
 
     def stop(self):
-        """(computing, waiting) seconds since the start."""
+        """(computing, waiting, of the computing the time in collectives) seconds since the start."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels have run: the host clock now spans them
         elapsed = time.perf_counter() - self.start
         waiting = self.reduction.seconds() + self.pipeline.wait_s
-        return elapsed - waiting, waiting
+        return elapsed - waiting, waiting, self.collectives.stop()
 
 
 # ---------------------------------------------------------------------------
@@ -1355,7 +1361,8 @@ def log_entry(args, step, record, wall, trainer):
                  tokens_seen=(step + 1) * args.batch_size * args.seq_len,  # every step reads one global batch
                  **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
     entry.update(trainer.routing.log())
-    entry["slowest_rank"], entry["slowest_compute_ratio"] = stragglers.slowest(record["compute_s"], trainer.stage_of)
+    entry["stragglers"] = stragglers.waited_for(record["compute_s"], record["comm_wait_s"], record["collective_s"],
+                                                trainer.stage_of)
     entry.update(trainer.data.log(step, args.batch_size, args.seq_len))  # a mixture's tokens_seen_by_source
     if args.pp > 1:  # the measured idle fraction of each stage (pp_bubble) beside the ideal one
         entry["pp_bubble_formula"] = pp.bubble_formula(args.pp, args.micro_batches, args.virtual_stages, args.schedule)

@@ -13,7 +13,8 @@ record froze or was killed before it could (a stopped process, a lost node): its
 Who is "out of step" is decided by the majority of the ranks that run the same code: the group's own
 members and the members of its sibling groups (the same kind of group in the same pipeline stage).
 
-The run's log (log.jsonl) names the straggler, if there was one (training/stragglers.py).
+The run's log (log.jsonl) names the straggler, if there was one: the rank the others of its pipeline stage
+waited for in half the steps or more (training/stragglers.py).
 """
 import argparse
 import collections
@@ -183,9 +184,7 @@ def diagnose(folder):
         lines += verdict(config, records, world)
     else:
         lines.append("no record of collectives (the run did not fail, or ran with --record-collectives 0)")
-    straggler = stragglers.report([e for e in log if "slowest_rank" in e])
-    lines.append(straggler or "no straggler: no rank computed " f"{stragglers.SLOW:g}x its stage's median in half "
-                 "the steps")
+    lines.append(stragglers.report([e["stragglers"] for e in log if "stragglers" in e]) or stragglers.NONE)
     return lines
 
 

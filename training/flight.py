@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from training.launch import REPO, ours, where
+from training.launch import REPO, WRAPPERS, ours, where
 
 RECORDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
             "reduce_scatter_single", "all_to_all_single",
@@ -48,7 +48,7 @@ def call_site(frame):
     site = []
     while frame is not None and len(site) < SITE_FRAMES:
         path = frame.f_code.co_filename
-        if ours(path):
+        if ours(path) and os.path.abspath(path) not in WRAPPERS:  # (stragglers.py's clock wraps this record)
             site.append(f"{os.path.relpath(path, REPO)}:{frame.f_lineno} {frame.f_code.co_name}")
         frame = frame.f_back
     return site

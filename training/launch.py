@@ -135,7 +135,8 @@ def ours(path):
     return not os.path.relpath(path, REPO).startswith(os.pardir) and "site-packages" not in path
 
 
-RECORDER = os.path.join(REPO, "training", "flight.py")  # its wrapper around each collective is not where one waits
+# Their wrappers around each collective (flight.py's record, stragglers.py's clock) are not where one waits
+WRAPPERS = tuple(os.path.join(REPO, "training", name) for name in ("flight.py", "stragglers.py"))
 
 
 def where(error):
@@ -143,5 +144,5 @@ def where(error):
     file named from the top folder (train.py, training/checkpoint.py); installed packages are not ours,
     even in a virtual environment inside the repository."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if ours(os.path.abspath(f.filename)) and os.path.abspath(f.filename) != RECORDER]
+              if ours(os.path.abspath(f.filename)) and os.path.abspath(f.filename) not in WRAPPERS]
     return f"{os.path.relpath(frames[-1].filename, REPO)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
