@@ -5,12 +5,14 @@ two ranks on one GPU, so multi-rank NCCL runs cannot be made there (the CPU test
 layout under NCCL's matching rule instead, see distributed.py).
 """
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from training.checkpoint import Checkpoint
-from distributed import run_on_ranks, self_check_alone, torchrun
+from distributed import REPO, run_on_ranks, self_check_alone, torchrun
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: GPU checks need one")
@@ -210,3 +212,20 @@ def test_ring_attention_with_values_of_their_own_width_on_cuda():
     result, = run_on_ranks(1, ring_kernels_on_cuda, "CUDA_EFFICIENT", "bfloat16", 256, 32)
     out, lse, *grads = result["differences"]
     assert lse < 4 * 2**-8 / 10 and max(out, *grads) < 4 * 2**-8
+
+
+def test_a_deterministic_run_repeats_bit_for_bit_on_a_gpu(tmp_path):
+    """--deterministic (training/determinism.py): the same bfloat16 run of the llama block with packed documents
+    and experts (index_add_, the fused attention's backward), twice, compared by tools.compare --assert-equal,
+    every setting recorded in config.json."""
+    argv = ["--model", "small", "--arch", "llama", "--dtype", "bfloat16", "--steps", "6", "--experts", "4",
+            "--document-mask", "--eos-id", "0", "--deterministic", "--checkpoint-interval", "3",
+            "--eval-interval", "1000"]
+    for name in ("a", "b"):
+        out = torchrun(1, "train.py", *argv, "--out", str(tmp_path), "--name", name)
+        assert out.returncode == 0, out.stderr
+        config, _ = read_run(tmp_path / name)
+        assert config["deterministic"]["NCCL_ALGO"] == "Ring" and config["deterministic"]["use_deterministic_algorithms"]
+    compared = subprocess.run([sys.executable, "-m", "tools.compare", str(tmp_path / "a"), str(tmp_path / "b"),
+                               "--assert-equal"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
