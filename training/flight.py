@@ -54,6 +54,28 @@ def call_site(frame):
     return site
 
 
+def wrap_collectives(wrapper):
+    """Replace torch.distributed's collectives (RECORDED), and the names this repository's modules gave them
+    (dp.py's all_gather_flat is dist.all_gather_into_tensor, or all_gather_single where PyTorch has it), by
+    wrapper(name, original), whose result has `__wrapped__` = original; returns what restore_collectives puts
+    back ({(module, attribute): original})."""
+    wrapped, originals = {}, {}
+    for name in RECORDED:
+        if hasattr(dist, name):
+            wrapped[id(getattr(dist, name))] = wrapper(name, getattr(dist, name))
+    for module in [dist, *(m for m in list(sys.modules.values()) if ours(getattr(m, "__file__", None) or "/"))]:
+        for attr, value in list(vars(module).items()):
+            if id(value) in wrapped and getattr(wrapped[id(value)], "__wrapped__", None) is value:
+                originals[(module, attr)] = value
+                setattr(module, attr, wrapped[id(value)])
+    return originals
+
+
+def restore_collectives(originals):
+    for (module, attr), original in originals.items():
+        setattr(module, attr, original)
+
+
 class FlightRecorder:
     """The record of this rank's collectives, made by wrapping torch.distributed's functions (install)."""
 
@@ -65,22 +87,11 @@ class FlightRecorder:
         self.folder, self.step, self.originals = None, None, {}
 
     def install(self):
-        """Wrap torch.distributed's collectives, and the names this repository's modules gave them (dp.py's
-        all_gather_flat is dist.all_gather_into_tensor, or all_gather_single where PyTorch has it)."""
-        wrapped = {}
-        for name in RECORDED:
-            if hasattr(dist, name):
-                wrapped[id(getattr(dist, name))] = self.recording(name, getattr(dist, name))
-        for module in [dist, *(m for m in list(sys.modules.values()) if ours(getattr(m, "__file__", None) or "/"))]:
-            for attr, value in list(vars(module).items()):
-                if id(value) in wrapped and getattr(wrapped[id(value)], "__wrapped__", None) is value:
-                    self.originals[(module, attr)] = value
-                    setattr(module, attr, wrapped[id(value)])
+        self.originals = wrap_collectives(self.recording)
         return self
 
     def uninstall(self):
-        for (module, attr), original in self.originals.items():
-            setattr(module, attr, original)
+        restore_collectives(self.originals)
         self.originals = {}
 
     def group_ranks(self, group):

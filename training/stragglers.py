@@ -36,13 +36,11 @@ are waited for inside computing, so a slow rank's ring or exchange partners look
 import collections
 import contextlib
 import statistics
-import sys
 
 import torch.distributed as dist
 
 from pp import Stopwatch
 from training import flight
-from training.launch import ours
 
 SLOW = 1.2     # its work over its peers' median: beyond the noise between equal ranks
 DELAY = 0.1    # its extra work, as a share of its step: a delay the others notice
@@ -113,20 +111,11 @@ class CollectiveClock:
         self.stopwatch, self.originals = None, {}
 
     def __enter__(self):
-        wrapped = {}
-        for name in flight.RECORDED:
-            if hasattr(dist, name):
-                wrapped[id(getattr(dist, name))] = self.timing(name, getattr(dist, name))
-        for module in [dist, *(m for m in list(sys.modules.values()) if ours(getattr(m, "__file__", None) or "/"))]:
-            for attr, value in list(vars(module).items()):
-                if id(value) in wrapped and getattr(wrapped[id(value)], "__wrapped__", None) is value:
-                    self.originals[(module, attr)] = value
-                    setattr(module, attr, wrapped[id(value)])
+        self.originals = flight.wrap_collectives(self.timing)
         return self
 
     def __exit__(self, *_):
-        for (module, attr), original in self.originals.items():
-            setattr(module, attr, original)
+        flight.restore_collectives(self.originals)
         self.originals = {}
 
     def timing(self, name, original):
