@@ -123,8 +123,8 @@ BUGS = {
         "tp.py", "        p.register_hook(partial(all_reduce, group=group))\n", "        pass\n",
         2, ["--tp", "2", "--sp"], "norm"),
     "an expert's gradient doubled": (
-        "ep.py", "            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)\n",
-        "            block.mlp = ExpertParallelMoE(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)\n"
+        "ep.py", "            block.mlp = layer(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)\n",
+        "            block.mlp = layer(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)\n"
         "            [p.register_hook(lambda g: 2 * g) for p in block.mlp.experts.parameters()]\n",
         2, ["--ep", "2", "--experts", "4"], ".experts."),
     "a ring step's contribution dropped": (
