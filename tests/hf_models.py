@@ -2,8 +2,9 @@
 
 make_folder writes a folder laid out as transformers' save_pretrained writes it (config.json,
 model.safetensors or shards with model.safetensors.index.json, tensors under Hugging Face names)
-for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and gpt-oss
-(its experts in bfloat16's layout, or in MXFP4 as OpenAI released them).
+for GPT-2, Llama (2, 3.1, 3.2), Mistral, Qwen2, Mixtral, Qwen3, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, gpt-oss
+(its experts in bfloat16's layout, or in MXFP4 as OpenAI released them), Gemma 3 (its language model, and its
+multimodal model with a vision tower beside it), OLMo 2 and OLMo 3.
 reference_logits reads such a folder and computes its logits with a plain float64 functional forward
 following the semantics of transformers' modeling code. Nothing from the repository is imported here on purpose: these
 functions check the repository's own name/layout mapping, so they must not share it.
@@ -11,13 +12,14 @@ functions check the repository's own name/layout mapping, so they must not share
 import json
 import math
 import os
+import re
 
 import torch
 from safetensors.torch import load_file, save_file
 
 ARCHITECTURES = ("gpt2", "llama", "llama3.1", "llama3.2", "mistral", "mistral_window", "qwen2", "qwen2_window",
                  "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj", "gpt_oss",
-                 "gpt_oss_mxfp4")
+                 "gpt_oss_mxfp4", "gemma3_text", "gemma3", "olmo2", "olmo3")
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
@@ -80,7 +82,66 @@ def tiny_config(arch: str, transformers: int = 4) -> dict:
         quantized = dict(quantization_config=_MXFP4) if arch == "gpt_oss_mxfp4" else {}
         return dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], **_GPT_OSS, **quantized,
                     torch_dtype="bfloat16", transformers_version="4.55.0")
+    if arch in _GEMMA_OLMO:
+        return dict(model_type=arch, architectures=[_GEMMA_OLMO_CLASSES[arch]], **_GEMMA_OLMO[arch],
+                    torch_dtype="float32", transformers_version="4.57.0")
+    if arch == "gemma3":
+        return dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], **_GEMMA3,
+                    torch_dtype="bfloat16", transformers_version="4.50.0.dev0")
     raise ValueError(f"unknown architecture {arch!r}")
+
+
+_S, _F = "sliding_attention", "full_attention"
+# Gemma 3's language model (configuration_gemma3.py's Gemma3TextConfig, 4.57: every setting, each layer's kind
+# listed), tiny: heads of 16 on a width of 32 (4 query heads, 2 key/value heads), scores scaled by 24^-1/2
+# (query_pre_attn_scalar, as Gemma 3 27B's 168 beside heads of 128), windows of 5 tokens on layers 0, 1 and 3, which
+# turn by a base of 100 of their own (rope_local_base_freq), the full layer by 10,000 slowed 4 times (linear
+# scaling: Gemma 3 4B and larger's global layers' by 8), a tied output layer.
+# OLMo 2 (configuration_olmo2.py, 4.57; allenai/OLMo-2-1124-7B's settings, tiny): rotary base 500,000, norm
+# epsilon 1e-6, grouped-query attention (k_norm 16 wide, q_norm 32), untied. OLMo 3 (configuration_olmo3.py, 4.57;
+# allenai/Olmo-3-7B-Instruct's settings): OLMo 2's with windows of 5 tokens on three layers of four (Olmo3Config's
+# pattern), YaRN on the full layer from 16 to 128 positions with the attention_factor its files state, 0.1 ln 8 + 1
+# (the sliding ones turn unscaled; at head size 8 and base 500,000 YaRN keeps pair 0 and slows the others 8 times).
+_OLMO2 = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, hidden_act="silu", max_position_embeddings=64, initializer_range=0.02,
+              use_cache=True, pad_token_id=1, bos_token_id=None, eos_token_id=2, tie_word_embeddings=False,
+              rope_theta=500000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0, rms_norm_eps=1e-6)
+_GEMMA_OLMO = {
+    "gemma3_text": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=64, initializer_range=0.02,
+                        rms_norm_eps=1e-6, use_cache=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                        tie_word_embeddings=True, rope_theta=10000.0, attention_bias=False, attention_dropout=0.0,
+                        query_pre_attn_scalar=24, sliding_window=5,
+                        layer_types=[_S, _S, _F, _S], final_logit_softcapping=None, attn_logit_softcapping=None,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_local_base_freq=100.0,
+                        use_bidirectional_attention=False),
+    "olmo2": _OLMO2,
+    "olmo3": dict(_OLMO2, sliding_window=5, layer_types=[_S, _S, _S, _F], max_position_embeddings=128,
+                  rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=16, beta_fast=32,
+                                    beta_slow=1, attention_factor=0.1 * math.log(8.0) + 1)),
+}
+_GEMMA_OLMO_CLASSES = {"gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+# Gemma 3's multimodal model (Gemma3Config) as google/gemma-3-4b-it's config.json has it (transformers 4.50): a
+# text_config of the few settings that differ from Gemma3TextConfig's defaults (windows of 5 on every layer but each
+# sliding_window_pattern-th: layers 0, 1 and 3; linear scaling by 8 on the full ones; the defaults' bases, 1e6 and
+# 1e4, query_pre_attn_scalar 256, rms_norm_eps 1e-6 and tied output layer), a tiny SigLIP vision_config, and the
+# image tokens' settings.
+_GEMMA3 = dict(text_config=dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=64, sliding_window=5, sliding_window_pattern=3,
+                                rope_scaling={"factor": 8.0, "rope_type": "linear"}),
+               vision_config=dict(model_type="siglip_vision_model", hidden_size=8, intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8,
+                                  vision_use_head=False),
+               mm_tokens_per_image=4, boi_token_index=60, eoi_token_index=61, image_token_index=62,
+               initializer_range=0.02, eos_token_id=[1, 3])
+# Gemma3TextConfig's defaults (4.57 and 5), for what a config.json leaves out.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                             hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                             tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                             final_logit_softcapping=None, attn_logit_softcapping=None)
 
 
 # DeepSeek-V3 (configuration_deepseek_v3.py, 4.57): its 671B model's shape, tiny. Latent attention with a query
@@ -171,12 +232,23 @@ def _as_transformers5(cfg: dict) -> dict:
     """A transformers 4 config.json as transformers 5 writes the same model (PreTrainedConfig.to_diff_dict of
     5.0 to 5.24). The rotary settings move into one dict, rope_parameters: RotaryEmbeddingConfigMixin's
     convert_rope_params_to_dict takes rope_scaling (or {}) as it, rope_theta into it, and
-    standardize_rope_params adds rope_type; no top-level rope_theta or rope_scaling is left to save. The dtype
-    is saved as dtype, not torch_dtype; Qwen2's, Qwen3's and Qwen2-MoE's configs save their layer_types
+    standardize_rope_params adds rope_type; no top-level rope_theta or rope_scaling is left to save. Gemma 3's and
+    OLMo 3's (5.24) are one such dict per kind of layer (_kind_rope_parameters; Gemma 3's rope_local_base_freq moves
+    into the sliding layers'), Gemma 3's multimodal model's in its text_config, which lists its layers' kinds. The
+    dtype is saved as dtype, not torch_dtype; Qwen2's, Qwen3's and Qwen2-MoE's configs save their layer_types
     (configuration_qwen2/qwen3/qwen2_moe.py), Qwen3-MoE's none; Qwen3's and Qwen3-MoE's __post_init__ save
     sliding_window None and Qwen2-MoE's 0 when use_sliding_window is false, and Qwen2-MoE's qkv_bias (True)."""
-    out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
-    if cfg["model_type"] != "gpt2":
+    if cfg["model_type"] == "gemma3":
+        text = _as_transformers5(dict(cfg["text_config"], torch_dtype=cfg["torch_dtype"]))
+        text = {k: v for k, v in text.items() if k not in ("dtype", "transformers_version")}
+        out = {k: v for k, v in cfg.items() if k != "torch_dtype"}
+        return out | dict(text_config=text | dict(layer_types=_layer_kinds(_gemma3_text(cfg))),
+                          dtype=cfg["torch_dtype"], transformers_version="5.0.0")
+    moved = ("rope_theta", "rope_scaling", "torch_dtype", "rope_local_base_freq")
+    out = {k: v for k, v in cfg.items() if k not in moved}
+    if cfg["model_type"] in _PER_KIND:
+        out["rope_parameters"] = {kind: _kind_rope_parameters(cfg, kind) for kind in (_S, _F)}
+    elif cfg["model_type"] != "gpt2":
         rope = dict(cfg.get("rope_scaling") or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA[cfg["model_type"]]))
         rope.setdefault("rope_type", rope.get("type", "default"))
@@ -381,11 +453,77 @@ def _gpt_oss_shapes(cfg):
     return out + [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "w")]
 
 
+def _gemma3_text_shapes(cfg, prefix="model.", head="lm_head."):
+    """(name, shape, kind) in Gemma3ForCausalLM's state_dict order (modeling_gemma3), its language model's under
+    `prefix` and its output layer's under `head`: Gemma3Attention's projections and its q_norm and k_norm of
+    head_dim, Gemma3MLP, and the block's four norms, each a weight w of Gemma3RMSNorm's (1 + w)."""
+    h, f, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    out = [(prefix + "embed_tokens.weight", (cfg["vocab_size"], h), "w")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"{prefix}layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (nq, h), "w"), (p + "self_attn.k_proj.weight", (nkv, h), "w"),
+                (p + "self_attn.v_proj.weight", (nkv, h), "w"), (p + "self_attn.o_proj.weight", (h, nq), "w"),
+                (p + "self_attn.q_norm.weight", (d,), "offset norm"),
+                (p + "self_attn.k_norm.weight", (d,), "offset norm")]
+        out += _mlp_shapes(p + "mlp.", h, f)
+        out += [(p + f"{norm}.weight", (h,), "offset norm") for norm in ("input_layernorm", "post_attention_layernorm",
+                                                                          "pre_feedforward_layernorm",
+                                                                          "post_feedforward_layernorm")]
+    out.append((prefix + "norm.weight", (h,), "offset norm"))
+    if not cfg["tie_word_embeddings"]:
+        out.append((head + "weight", (cfg["vocab_size"], h), "w"))
+    return out
+
+
+def _gemma3_shapes(cfg):
+    """Gemma3ForConditionalGeneration's tensors: its language model's (_gemma3_text_shapes) under language_model.model
+    in the released files, under model.language_model as transformers 4.52 and later save them, and a few of its vision
+    tower's and projector's (a SigLIP patch embedding and norm, the projection to the text width), which a reader of
+    the language model must leave unread."""
+    text, vision = _gemma3_text(cfg), cfg["vision_config"]
+    new = tuple(int(n) for n in cfg["transformers_version"].split(".")[:2]) >= (4, 52)
+    prefix, head, outer = ("model.language_model.", "lm_head.", "model.") if new else (
+        "language_model.model.", "language_model.lm_head.", "")
+    v, patch = vision["hidden_size"], vision["patch_size"]
+    return _gemma3_text_shapes(text, prefix, head) + [
+        (outer + "vision_tower.vision_model.embeddings.patch_embedding.weight", (v, 3, patch, patch), "w"),
+        (outer + "vision_tower.vision_model.post_layernorm.weight", (v,), "norm"),
+        (outer + "multi_modal_projector.mm_input_projection_weight", (v, text["hidden_size"]), "w")]
+
+
+def _olmo2_shapes(cfg):
+    """(name, shape, kind) in Olmo2ForCausalLM's (and Olmo3ForCausalLM's) state_dict order (modeling_olmo2): its
+    attention's projections with q_norm and k_norm over each whole projection, the MLP, and the two norms after them."""
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    nq, nkv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    out = [("model.embed_tokens.weight", (v, h), "w")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (nq, h), "w"), (p + "self_attn.k_proj.weight", (nkv, h), "w"),
+                (p + "self_attn.v_proj.weight", (nkv, h), "w"), (p + "self_attn.o_proj.weight", (h, nq), "w"),
+                (p + "self_attn.q_norm.weight", (nq,), "norm"), (p + "self_attn.k_norm.weight", (nkv,), "norm")]
+        out += _mlp_shapes(p + "mlp.", h, f)
+        out += [(p + "post_attention_layernorm.weight", (h,), "norm"),
+                (p + "post_feedforward_layernorm.weight", (h,), "norm")]
+    out.append(("model.norm.weight", (h,), "norm"))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h), "w"))
+    return out
+
+
 def _shapes(cfg):
     if cfg["model_type"] == "gpt2":
         return _gpt2_shapes(cfg)
     if cfg["model_type"] == "gpt_oss":
         return _gpt_oss_shapes(cfg)
+    if cfg["model_type"] == "gemma3_text":
+        return _gemma3_text_shapes(_gemma3_text(cfg))
+    if cfg["model_type"] == "gemma3":
+        return _gemma3_shapes(cfg)
+    if cfg["model_type"] in ("olmo2", "olmo3"):
+        return _olmo2_shapes(cfg)
     return _deepseek_shapes(cfg) if cfg["model_type"] == "deepseek_v3" else _llama_shapes(cfg)
 
 
@@ -398,8 +536,10 @@ def _shapes(cfg):
 # so that the tokens' own part outweighs them and tokens choose experts apart (with "w"'s, the rarest of a layer's
 # four experts gets one token in a hundred). Its gate | up biases in the last layer are "b"'s but about one in a
 # hundred +-8, beyond the clamps at +-7 (in earlier layers they would add the same large vectors to the tokens
-# they route, and route them alike thereafter); its sinks logits of the size of the attention scores'.
+# they route, and route them alike thereafter); its sinks logits of the size of the attention scores'. Gemma's
+# norms' weights w scale by (1 + w), so theirs are about 0 where the others' are about 1.
 _VALUES = {"w": lambda r: 0.02 * r, "b": lambda r: 0.1 * r, "norm": lambda r: 1 + 0.1 * r,
+           "offset norm": lambda r: 0.1 * r,
            "routing bias": lambda r: 0.01 * r, "embedding": lambda r: r,
            "expert bias": lambda r: torch.where(r.abs() > 2.5, 8 * r.sign(), 0.1 * r), "sink": lambda r: r}
 # MXFP4's two parts (the format's definition, as in transformers' integrations/mxfp4.py): a byte of blocks is two
@@ -544,7 +684,9 @@ def _gpt2_logits(cfg, w, ids):
 _DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
                   "qwen3_moe": 10000.0, "qwen2_moe": 10000.0,  # (configuration_qwen3/qwen3_moe/qwen2_moe.py too)
                   "deepseek_v3": 10000.0,  # (configuration_deepseek_v3.py)
-                  "gpt_oss": 150000.0}  # (configuration_gpt_oss.py's default_theta)
+                  "gpt_oss": 150000.0,  # (configuration_gpt_oss.py's default_theta)
+                  "gemma3_text": 1e6, "olmo2": 10000.0, "olmo3": 10000.0}  # (configuration_gemma3/olmo2/olmo3.py, 4.57)
+_PER_KIND = ("gemma3_text", "olmo3")  # the families whose kinds of layer rotate apart
 
 
 def _rope_parameters(cfg):
@@ -560,13 +702,38 @@ def _rope_parameters(cfg):
     return rope
 
 
+def _kind_rope_parameters(cfg, kind):
+    """The rotary settings of one kind of layer of Gemma 3 or OLMo 3, as transformers 5.24's Gemma3TextConfig and
+    Olmo3Config read any config.json (convert_rope_params_to_dict) and 4.57's Gemma3TextModel and Olmo3Model read
+    transformers 4's form: rope_parameters[kind] where given; rope_scaling on the full layers alone; the base from the
+    kind's dict, else the top-level one (Gemma 3's sliding layers': rope_local_base_freq), else the class's default.
+    (OLMo 3's sliding layers as 4.57 turns them, by rope_theta: 5.24 turns them by 500,000 in 4's form, the base of
+    these folders.)"""
+    rope = dict((cfg.get("rope_parameters") or {}).get(kind) or {"rope_type": "default"})
+    if kind == _F and cfg.get("rope_scaling"):
+        rope.update(cfg["rope_scaling"])
+    if cfg["model_type"] == "gemma3_text" and kind == _S:
+        rope.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA[cfg["model_type"]]))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+    return rope
+
+
 def _rope_inv_freq(cfg, d):
-    """modeling_rope_utils: _compute_default_rope_parameters and _compute_llama3_parameters."""
-    rs = _rope_parameters(cfg)
+    return _inv_freq(_rope_parameters(cfg), d)
+
+
+def _inv_freq(rs, d):
+    """modeling_rope_utils: _compute_default_rope_parameters, _compute_linear_scaling_rope_parameters and
+    _compute_llama3_parameters, of the rotary settings rs."""
     inv = 1.0 / (rs["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     kind = rs["rope_type"]
     if kind == "default":
         return inv
+    if kind == "linear":
+        return inv / rs["factor"]
     if kind != "llama3":
         raise NotImplementedError(f"rope_type {kind!r}")
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
@@ -840,11 +1007,114 @@ def _gpt_oss_logits(cfg, w, ids):
     return _rms(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
+def _gemma3_text(cfg):
+    """The language model's config, with Gemma3TextConfig's defaults where it is silent: a gemma3_text config.json, or
+    a multimodal one's text_config (Gemma3Config builds Gemma3TextConfig(**text_config)), of the folder's dtype."""
+    if cfg["model_type"] == "gemma3":
+        dtype = {k: cfg[k] for k in ("torch_dtype", "dtype") if k in cfg}
+        return _GEMMA3_TEXT_DEFAULTS | cfg["text_config"] | dtype | {"model_type": "gemma3_text"}
+    return _GEMMA3_TEXT_DEFAULTS | cfg
+
+
+def _layer_kinds(cfg):
+    """Each layer's kind: layer_types, else as Gemma3TextConfig makes them (each sliding_window_pattern-th layer
+    full, the others sliding; 6 by default) and Olmo3Config (each fourth full)."""
+    if cfg.get("layer_types"):
+        return cfg["layer_types"]
+    every = cfg.get("sliding_window_pattern", 6) if cfg["model_type"] == "gemma3_text" else 4
+    return [_F if (i + 1) % every == 0 else _S for i in range(cfg["num_hidden_layers"])]
+
+
+def _cos_sin(cfg, rs, d, t):
+    """cos and sin of positions 0..t-1 turned by the rotary settings rs, each (t, d), times YaRN's attention factor
+    (the rotary embedding's)."""
+    inv_freq, gain = _yarn(cfg, rs, d) if rs["rope_type"] == "yarn" else (_inv_freq(rs, d), 1.0)
+    angles = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos() * gain, emb.sin() * gain
+
+
+def _gemma_rms(x, weight, eps):
+    """Gemma3RMSNorm: x / rms(x) * (1 + weight)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+
+def _gemma3_logits(cfg, w, ids):
+    """modeling_gemma3.Gemma3ForCausalLM (and Gemma3ForConditionalGeneration's language model on text alone): the
+    embedding times sqrt(hidden_size) (Gemma3TextScaledWordEmbedding: the scale a tensor of the weights' dtype); in
+    each layer (Gemma3DecoderLayer) Gemma3RMSNorm before and after attention and before and after the MLP; q_norm and
+    k_norm of each head before the rotation, the scores scaled by query_pre_attn_scalar^-1/2; the sliding layers'
+    window and rotation (rotary_emb_local: rope_local_base_freq, unscaled), the full layers' (rotary_emb: rope_theta,
+    rope_scaling); Gemma3MLP's gelu_pytorch_tanh-gated MLP."""
+    cfg = _gemma3_text(cfg)
+    h, nh, nkv, d, eps = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                           "rms_norm_eps"))
+    rotations = {kind: _cos_sin(cfg, _kind_rope_parameters(cfg, kind), d, ids.shape[1]) for kind in (_S, _F)}
+    dtype = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    x = w["model.embed_tokens.weight"][ids] * torch.tensor(h ** 0.5, dtype=dtype).item()
+    act = _ACT[cfg["hidden_activation"]]
+    for i, kind in enumerate(_layer_kinds(cfg)):
+        p = f"model.layers.{i}."
+        a = _gemma_rms(x, w[p + "input_layernorm.weight"], eps)
+        q = _gemma_rms(_heads(_lin(w, a, p + "self_attn.q_proj"), nh), w[p + "self_attn.q_norm.weight"], eps)
+        k = _gemma_rms(_heads(_lin(w, a, p + "self_attn.k_proj"), nkv), w[p + "self_attn.k_norm.weight"], eps)
+        q, k = _rotate(q, *rotations[kind]), _rotate(k, *rotations[kind])
+        v = _heads(_lin(w, a, p + "self_attn.v_proj"), nkv)
+        window = cfg["sliding_window"] if kind == _S else None
+        o = _merge(_attend(q, k, v, cfg["query_pre_attn_scalar"] ** -0.5, window))
+        x = x + _gemma_rms(_lin(w, o, p + "self_attn.o_proj"), w[p + "post_attention_layernorm.weight"], eps)
+        m = _gemma_rms(x, w[p + "pre_feedforward_layernorm.weight"], eps)
+        g = act(_lin(w, m, p + "mlp.gate_proj")) * _lin(w, m, p + "mlp.up_proj")
+        x = x + _gemma_rms(_lin(w, g, p + "mlp.down_proj"), w[p + "post_feedforward_layernorm.weight"], eps)
+    x = _gemma_rms(x, w["model.norm.weight"], eps)
+    return x @ (w["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else w["lm_head.weight"]).T
+
+
+def _olmo2_logits(cfg, w, ids):
+    """modeling_olmo2.Olmo2ForCausalLM and modeling_olmo3.Olmo3ForCausalLM: q_norm and k_norm (Olmo2RMSNorm) over each
+    whole projection before its heads are cut and rotated; an Olmo2RMSNorm after attention and after the MLP, inside
+    the residual branch (Olmo2DecoderLayer), none before; OLMo 3's sliding layers (layer_types) with their window and
+    an unscaled rotation (Olmo3Model's rotary_embs["sliding_attention"], rope_type default)."""
+    h, nh, nkv, eps = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps"))
+    d, t, olmo3 = cfg.get("head_dim") or h // nh, ids.shape[1], cfg["model_type"] == "olmo3"
+    kinds = _layer_kinds(cfg) if olmo3 else [_F] * cfg["num_hidden_layers"]
+    rotations = ({kind: _cos_sin(cfg, _kind_rope_parameters(cfg, kind), d, t) for kind in (_S, _F)} if olmo3
+                 else {_F: _cos_sin(cfg, _rope_parameters(cfg), d, t)})
+    x = w["model.embed_tokens.weight"][ids]
+    for i, kind in enumerate(kinds):
+        p = f"model.layers.{i}."
+        q = _heads(_rms(_lin(w, x, p + "self_attn.q_proj"), w[p + "self_attn.q_norm.weight"], eps), nh)
+        k = _heads(_rms(_lin(w, x, p + "self_attn.k_proj"), w[p + "self_attn.k_norm.weight"], eps), nkv)
+        q, k = _rotate(q, *rotations[kind]), _rotate(k, *rotations[kind])
+        v = _heads(_lin(w, x, p + "self_attn.v_proj"), nkv)
+        o = _merge(_attend(q, k, v, d ** -0.5, cfg["sliding_window"] if kind == _S else None))
+        x = x + _rms(_lin(w, o, p + "self_attn.o_proj"), w[p + "post_attention_layernorm.weight"], eps)
+        x = x + _rms(_swiglu(w, x, p + "mlp."), w[p + "post_feedforward_layernorm.weight"], eps)
+    x = _rms(x, w["model.norm.weight"], eps)
+    return x @ (w["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings", False) else w["lm_head.weight"]).T
+
+
+# Gemma 3's multimodal names -> its language model's (the released files' and transformers 4.52's).
+_LANGUAGE_MODEL = [(r"^(language_model\.model|model\.language_model)\.", "model."),
+                   (r"^(language_model\.)?lm_head\.", "lm_head.")]
+
+
+def _language_model(w):
+    """A multimodal folder's language model's tensors under Gemma3ForCausalLM's names, its vision tower's and
+    projector's left out."""
+    return {re.sub(pattern, new, name): t for name, t in w.items() for pattern, new in _LANGUAGE_MODEL
+            if re.match(pattern, name)}
+
+
 def reference_logits(path, input_ids) -> torch.Tensor:
     """Logits (batch, seq, vocab_size) in float64 of the model in folder `path` for input_ids
     (batch, seq) at positions 0..seq-1, by a functional forward with Hugging Face's semantics."""
     cfg, w = _load(path)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if cfg["model_type"] in ("gemma3_text", "gemma3"):
+        return _gemma3_logits(cfg, _language_model(w) if cfg["model_type"] == "gemma3" else w, ids)
+    if cfg["model_type"] in ("olmo2", "olmo3"):
+        return _olmo2_logits(cfg, w, ids)
     if cfg["model_type"] == "gpt2":
         return _gpt2_logits(cfg, w, ids)
     if cfg["model_type"] in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"):

@@ -15,7 +15,10 @@
   rotary settings stated twice differently or of a kind model.py lacks are refused by name, and the config
   training/hf.py exports reads back as the model it was made of;
 - training/hf.py export writes any layout's checkpoint back as the folder it came from, bit for bit (less
-  DeepSeek-V3's multi-token-prediction layers, which are read past and not written: see hf.with_layers).
+  DeepSeek-V3's multi-token-prediction layers, which are read past and not written: see hf.with_layers; of Gemma 3's
+  multimodal folder its language model, as Gemma 3's text folder);
+- Gemma 3's and OLMo's settings model.py cannot represent, or that transformers 4 and 5 read apart, are refused by
+  name, as are exported models their modeling code does not compute.
 """
 import dataclasses
 import json
@@ -24,7 +27,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from training import checkpoint
 from training import cli
@@ -222,6 +225,16 @@ LAYOUTS = [
     ("gpt_oss", 4, ["--tp", "2", "--ep", "2", "--cp", "2", "--cp-mode", "allgather"]),  # ep folded over tp
     ("gpt_oss_mxfp4", 2, ["--cp", "2", "--cp-mode", "alltoall"]),  # (expert tp: test_parity's round trip)
     ("gpt_oss", 4, ["--pp", "2", "--schedule", "zbv", "--zero", "3"]),
+    # Gemma 3 (tied, four norms a block, per-kind rotary bases, linear scaling, windows) and OLMo 2 and 3 (norms
+    # after the sub-layers, QK-norm over each whole projection): every dimension from their folders
+    ("gemma3_text", 2, ["--tp", "2", "--sp"]),
+    ("gemma3", 2, ["--cp", "2", "--cp-mode", "ring"]),  # the multimodal folder's language model
+    ("gemma3_text", 2, ["--cp", "2", "--cp-mode", "alltoall"]),
+    ("gemma3_text", 2, ["--pp", "2", "--schedule", "zbv"]),  # the tied embedding on both ends of the V
+    ("gemma3_text", 4, ["--zero", "3", "--dp-shard", "2", "--tp", "2"]),  # hybrid sharding of the tied weight
+    ("olmo2", 2, ["--tp", "2", "--recompute", "full"]),
+    ("olmo3", 2, ["--cp", "2", "--cp-mode", "allgather"]),
+    ("olmo3", 2, ["--pp", "2", "--schedule", "zbv", "--zero", "3"]),
 ]
 
 
@@ -241,7 +254,8 @@ EXPORTS = [("gpt2", 2, ["--pp", "2"]), ("llama3.2", 2, ["--tp", "2"]), ("llama3.
            ("qwen2_window", 2, ["--tp", "2"]), ("mixtral", 2, ["--ep", "2"]),
            ("llama", 2, ["--pp", "2", "--zero", "1"]), ("qwen3", 2, ["--tp", "2"]),
            ("qwen3_moe", 2, ["--tp", "2", "--ep", "2"]), ("qwen2_moe", 2, ["--tp", "2", "--expert-tp", "2"]),
-           ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, []), ("gpt_oss", 2, ["--ep", "2"])]
+           ("deepseek_v3", 2, ["--tp", "2"]), ("deepseek_v3_q_proj", 1, []), ("gpt_oss", 2, ["--ep", "2"]),
+           ("gemma3_text", 2, ["--tp", "2"]), ("olmo2", 2, ["--tp", "2"]), ("olmo3", 2, ["--pp", "2"])]
 
 
 @pytest.mark.full
@@ -368,6 +382,7 @@ def test_the_qwen_moe_layers_are_those_transformers_makes_sparse():
 
 
 TIED_ZERO3 = [("qwen3", 2, ["--zero", "3"]),  # Qwen3-0.6B's shape: a tied output layer, one stage
+              ("gemma3_text", 2, ["--zero", "3"]),  # Gemma 3's: tied, its embedding scaled
               ("llama3.2", 4, ["--zero", "3", "--dp-shard", "2", "--tp", "2"]),  # hybrid sharding, split by tp
               ("gpt2", 2, ["--zero", "3", "--recompute", "full"])]  # learned positions, the blocks recomputed
 
@@ -541,3 +556,155 @@ def test_sample_generates_from_a_deepseek_folder_with_a_key_value_cache(folders)
     greedy = sample.continuations(model, ids[0, :6].tolist(), None, 1, 8, temperature=0)
     uncached = model.generate(ids[:1, :6], 8, temperature=0, cache=False)[0, 6:].tolist()
     assert greedy == [uncached]
+
+
+# ---------------------------------------------------------------------------
+# Gemma 3 and OLMo 2 and 3
+# ---------------------------------------------------------------------------
+
+_S, _F = "sliding_attention", "full_attention"  # (the kinds of layer, as layer_types and rope_parameters name them)
+
+def test_gemma3_and_olmo_folders_map_onto_their_blocks():
+    """Gemma 3's settings as model.py's (Gemma's norm around each sub-layer, GeGLU, the query scale, the scaled
+    embedding, the sliding layers' own base unscaled beside the full layers' linear scaling), its multimodal model's
+    language model with Gemma3TextConfig's defaults and its old sliding_window_pattern; OLMo 2's norms after the
+    sub-layers and QK-norm over each projection, OLMo 3's windows turning unscaled (by the full layers' base) beside
+    the full layers' YaRN, its released files' attention_factor read as the one YaRN computes."""
+    gemma, multimodal, olmo2, olmo3 = (hf.config_from_hf(hf_models.tiny_config(arch), seq_len=12)
+                                       for arch in ("gemma3_text", "gemma3", "olmo2", "olmo3"))
+    assert (gemma.norm, gemma.norm_placement, gemma.mlp, gemma.qk_norm_scope, gemma.query_scale, gemma.scale_embedding,
+            gemma.tie_embeddings) == ("rms_offset", "sandwich", "geglu", "head", 24, True, True)
+    assert (gemma.rope_theta, gemma.rope_type, gemma.rope_factor, gemma.local_rope_theta, gemma.sliding_window,
+            gemma.window_layers) == (10000.0, "linear", 4.0, 100.0, 5, (0, 1, 3))
+    assert (multimodal.query_scale, multimodal.rope_theta, multimodal.rope_factor, multimodal.local_rope_theta,
+            multimodal.window_layers, multimodal.norm_eps) == (256, 1e6, 8.0, 10000.0, (0, 1, 3), 1e-6)
+    assert (olmo2.norm, olmo2.norm_placement, olmo2.qk_norm_scope, olmo2.sliding_window, olmo2.tie_embeddings) \
+        == ("rms", "post", "projection", 0, False)
+    assert (olmo3.window_layers, olmo3.rope_type, olmo3.rope_factor, olmo3.rope_original_context,
+            olmo3.local_rope_theta) == ((0, 1, 2), "yarn", 8.0, 16, 500000.0)
+    unscaled = hf.config_from_hf(hf_models.tiny_config("olmo3") | {"rope_scaling": None}, seq_len=12)
+    assert unscaled.local_rope_theta == 0.0  # (its windowed layers turn as the others do)
+    assert hf.source("gemma3", "blocks.1.norm2.weight").names == (
+        "model.language_model.layers.1.pre_feedforward_layernorm.weight",)
+    assert hf.source("olmo2", "blocks.1.post_norm1.weight").names == ("model.layers.1.post_attention_layernorm.weight",)
+    assert not hf.has_source("olmo2", "blocks.1.norm1.weight")
+
+
+@pytest.mark.parametrize("flags", [["--arch", "gemma3"], ["--arch", "gemma3", "--layers", "4", "--sliding-window", "5",
+                                                          "--window-layers", "1:1"],
+                                   ["--arch", "olmo2"], ["--arch", "olmo2", "--layers", "4", "--sliding-window", "5",
+                                                         "--window-layers", "3:1"]],
+                         ids=["gemma3_text", "gemma3_text-windows", "olmo2", "olmo3"])
+def test_a_gemma3_or_olmo_model_from_scratch_exports_a_config_that_reads_back_as_itself(tmp_path, flags):
+    """--arch gemma3 exports as Gemma 3's language model (without windows: every layer full, the class's window
+    kept, which no layer has), --arch olmo2 as OLMo 2, or with windows as OLMo 3; each config reads back as the run's,
+    and the reference, reading the folder as transformers does, computes model.py's logits."""
+    config = cli.model_config(cli.parse_args([*ARGS, *flags]), 64)
+    exported = hf.hf_from_config(config)
+    assert exported["model_type"] == ("gemma3_text" if "gemma3" in flags else "olmo3" if config.sliding_window
+                                      else "olmo2")
+    assert hf.config_from_hf(exported, seq_len=16) == dataclasses.replace(config, aux_loss_coef=0.01)
+    hf_models.make_folder(str(tmp_path), exported["model_type"], config=json.loads(json.dumps(exported)))
+    torch.testing.assert_close(*model_logits(str(tmp_path)), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.full
+def test_a_gemma3_multimodal_folder_exports_its_language_model_as_gemma3_text(tmp_path, folders):
+    """Gemma3ForConditionalGeneration's folder, loaded under tp and saved (one step at lr 0), exports its language model
+    alone, as Gemma3ForCausalLM's folder: the language model's tensors bit for bit under their text names, none of the
+    vision tower's, config.json its text_config with Gemma3TextConfig's defaults written out; the reference computes
+    the same logits from both folders."""
+    argv = [*ARGS, "--steps", "1", "--lr", "0", "--init-from", folders["gemma3"], "--tp", "2", "--out", str(tmp_path),
+            "--vocab-size", "64"]  # (the synthetic language's: the folder's config.json keeps its in text_config)
+    run_on_ranks(2, train_worker, argv, timeout=300)
+    saved = checkpoint.checkpoints(os.path.join(tmp_path, os.listdir(tmp_path)[0]))[0]
+    out = str(tmp_path / "exported")
+    convert.export_hf(saved, out)
+    language = {name.replace("language_model.model.", "model."): t for name, t in tensors_of(folders["gemma3"]).items()
+                if name.startswith("language_model.model.")}
+    assert tensors_of(out).keys() == language.keys()
+    for name, expected in language.items():
+        assert torch.equal(tensors_of(out)[name], expected), name
+    original, exported = hf.read_config(folders["gemma3"]), hf.read_config(out)
+    assert (exported["model_type"], exported["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
+    assert {key: exported[key] for key in original["text_config"]} == original["text_config"]
+    assert (exported["query_pre_attn_scalar"], exported["rms_norm_eps"], exported["tie_word_embeddings"]) \
+        == (256, 1e-6, True)
+    assert hf.config_from_hf(exported, seq_len=12) == hf.config_from_hf(original, seq_len=12)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hf_models.reference_logits(out, ids), hf_models.reference_logits(folders["gemma3"], ids),
+                               rtol=1e-15, atol=1e-15)
+
+
+def test_gemma3_and_olmo_settings_model_py_cannot_represent_are_refused_by_name(tmp_path):
+    """Gemma 2's soft-capping, another activation, EmbeddingGemma's bidirectional attention, biases, sliding layers
+    without a window, rotary settings of a kind or form model.py or transformers 4 and 5 read otherwise; a
+    multimodal folder whose language model is another or whose two tie_word_embeddings differ, or that holds a vision
+    tower alone; OLMo's biases and activation, and OLMo 3's rotary settings that transformers 4 and 5 read apart."""
+    gemma, gemma5, multimodal = (hf_models.tiny_config("gemma3_text"), hf_models.tiny_config("gemma3_text", 5),
+                                 hf_models.tiny_config("gemma3"))
+    olmo2, olmo3, olmo3_5 = hf_models.tiny_config("olmo2"), hf_models.tiny_config("olmo3"), hf_models.tiny_config(
+        "olmo3", 5)
+    nested = gemma5["rope_parameters"]
+    for config, pattern in [
+            (gemma | {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: model.py does not cap"),
+            (gemma | {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+            (gemma | {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+            (gemma | {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+            (gemma | {"attention_bias": True}, "attention_bias"),
+            (gemma | {"sliding_window": None}, "sliding_window=None: its sliding layers have no window"),
+            (gemma | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'.*full_attention layers"),
+            (gemma5 | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "per kind of layer"),
+            (gemma5 | {"rope_parameters": nested | {_S: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e2}}},
+             "sliding layers' rotation scaled"),
+            (gemma | {"rope_parameters": nested | {_F: {"rope_type": "default", "rope_theta": 1e4}}},
+             "rope_scaling=.*rope_parameters=.*full_attention layers"),  # (both forms, disagreeing)
+            (gemma | {"rope_local_base_freq": 1e4, "rope_parameters": nested}, "rope_theta=10000.0.*sliding_attention"),
+            (multimodal | {"text_config": multimodal["text_config"] | {"final_logit_softcapping": 30.0}},
+             "final_logit_softcapping"),
+            (multimodal | {"text_config": {"model_type": "siglip_text_model"}}, "text_config.*gemma3_text"),
+            (multimodal | {"tie_word_embeddings": False}, "tie_word_embeddings=False: its text_config says otherwise"),
+            (olmo2 | {"attention_bias": True}, "attention_bias"),
+            (olmo2 | {"hidden_act": "gelu"}, "hidden_act"),
+            (olmo3 | {"rope_theta": 10000.0}, "rope_theta=10000.0: transformers 4 turns .* 5 by 500,000"),
+            (olmo3 | {"rope_scaling": olmo3["rope_scaling"] | {"attention_factor": 1.5}}, "attention_factor of its own"),
+            ({k: v for k, v in olmo3.items() if k != "rope_theta"}, "rope_theta=None"),
+            (olmo3_5 | {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "per kind of layer"),
+            (olmo3 | {"sliding_window": None}, "sliding_window")]:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.config_from_hf(config, seq_len=12)
+    folder = str(tmp_path / "vision")  # (a multimodal folder's vision tower alone)
+    hf_models.make_folder(folder, "gemma3")
+    vision = {name: t for name, t in tensors_of(folder).items() if not name.startswith("language_model.")}
+    save_file(vision, os.path.join(folder, "model.safetensors"))
+    config = hf.config_from_hf(hf.read_config(folder), seq_len=12)
+    with pytest.raises(hf.UnsupportedModel, match="no tensor model.language_model.embed_tokens.weight"):
+        hf.HuggingFaceValues(folder, config).check_shapes()
+
+
+def test_exported_models_gemma3_or_olmo_cannot_hold_are_refused_by_name():
+    """What Gemma 3's, OLMo 2's and OLMo 3's modeling code does not compute, and Gemma's and OLMo's pieces in the other
+    families: refused by name, never written as something else."""
+    gemma, olmo2, olmo3, llama, qwen3, mistral = (hf.config_from_hf(hf_models.tiny_config(arch), seq_len=12) for arch in
+                                                  ("gemma3_text", "olmo2", "olmo3", "llama", "qwen3", "mistral_window"))
+    for config, pattern in [
+            (dataclasses.replace(gemma, mlp="swiglu"), "gemma3_text is the nearest, but has not the swiglu MLP"),
+            (dataclasses.replace(gemma, norm_placement="pre"), "norms before each sub-layer"),
+            (dataclasses.replace(gemma, qk_norm=False), "attention without QK-norm of each head"),
+            (dataclasses.replace(gemma, scale_embedding=False), "an unscaled embedding"),
+            (dataclasses.replace(gemma, rope_type="llama3"), "llama3 rotary scaling"),
+            (dataclasses.replace(gemma, local_rope_theta=0.0), "windowed layers whose rotation is scaled"),
+            (dataclasses.replace(olmo3, local_rope_theta=0.0), "olmo3 .* windowed layers whose rotation is scaled"),
+            (dataclasses.replace(olmo3, local_rope_theta=1e4), "olmo3 .* a base of their own"),
+            (dataclasses.replace(olmo3, rope_theta=1e4, local_rope_theta=1e4), "rope_theta other than 500,000"),
+            (dataclasses.replace(olmo3, max_seq_len=256), "olmo3 .* YaRN with max_seq_len 256"),
+            (dataclasses.replace(olmo2, qk_norm_scope="head"), "olmo2 .* QK-norm of each head"),
+            (dataclasses.replace(olmo2, qk_norm=False), "olmo2 .* attention without QK-norm"),
+            (dataclasses.replace(llama, mlp="geglu"), "llama .* GeGLU"),
+            (dataclasses.replace(llama, norm_placement="sandwich"), "norms before and after each sub-layer"),
+            (dataclasses.replace(llama, scale_embedding=True), "a scaled embedding"),
+            (dataclasses.replace(llama, query_scale=24), "a query scale"),
+            (dataclasses.replace(qwen3, qk_norm_scope="projection"), "qwen3 .* QK-norm over the whole projection"),
+            (dataclasses.replace(mistral, local_rope_theta=100.0), "mistral .* turning by a base of their own")]:
+        with pytest.raises(hf.UnsupportedModel, match=pattern):
+            hf.hf_from_config(config)

@@ -3,9 +3,9 @@
 It passes on composed layouts, and it catches one-line bugs planted in a copy of the repository (the
 dimension files are imported from the working tree, as a user's edit would be): each exits 1 and names
 a parameter the bug touches as the worst. With --hf-roundtrip, the layout's checkpoint exported as a Hugging
-Face folder comes back tensor for tensor on Qwen and gpt-oss layouts (experts over ep folded over tp, split by
-expert-tp, sharded by ZeRO-3, read from MXFP4; a tied output layer across stages), and a converter that drops an expert or writes a tied
-output layer twice is named.
+Face folder comes back tensor for tensor on Qwen, gpt-oss, Gemma 3 and OLMo layouts (experts over ep folded over tp,
+split by expert-tp, sharded by ZeRO-3, read from MXFP4; a tied output layer across stages; Gemma's and OLMo's norms),
+and a converter that drops an expert or writes a tied output layer twice is named.
 """
 import os
 import re
@@ -64,7 +64,10 @@ def planted_copy(tmp_path, file, replacements):
 ROUNDTRIPS = [("qwen3", 4, ["--tp", "2", "--pp", "2"]),  # tied across stages, QK-norm, heads wider than hidden/heads
               ("qwen3_moe", 4, ["--tp", "2", "--ep", "2", "--expert-tp", "2", "--zero", "3"]),
               ("qwen2_moe", 2, ["--tp", "2", "--ep", "2"]),  # ep folded over tp; the gated shared expert
-              ("gpt_oss_mxfp4", 2, ["--tp", "2", "--expert-tp", "2"])]  # MXFP4 in, its experts dequantized out
+              ("gpt_oss_mxfp4", 2, ["--tp", "2", "--expert-tp", "2"]),  # MXFP4 in, its experts dequantized out
+              ("gemma3_text", 2, ["--tp", "2"]),  # Gemma's four norms a block, tied; its per-kind rotary settings
+              ("olmo2", 2, ["--tp", "2", "--sp"]),  # QK-norm over each whole projection, split by tp
+              ("olmo3", 2, ["--pp", "2"])]  # windows on three layers of four, the full one's scaling
 
 
 @pytest.mark.parametrize("arch,world,flags", ROUNDTRIPS, ids=[f"{arch}-{'-'.join(f.lstrip('-') for f in flags)}"

@@ -584,7 +584,7 @@ def synthetic_vocab_size(args):
 
 def hf_vocab_size(folder):
     try:
-        return hf.read_config(folder)["vocab_size"]
+        return hf.language_model(hf.read_config(folder))["vocab_size"]  # (Gemma 3's multimodal: its text model's)
     except (hf.UnsupportedModel, KeyError) as e:
         raise ConfigError(f"--init-from {folder}: {e}") from None
 

@@ -6,9 +6,9 @@
 A Hugging Face model folder holds config.json (the architecture and its shape) and the weights in the
 safetensors format: one model.safetensors, or model-0000N-of-0000M.safetensors with
 model.safetensors.index.json naming the file of every tensor. This file reads GPT-2, Llama (2, 3, 3.1,
-3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and gpt-oss folders
-(docs/model-families.md: what each maps and what it refuses); tools/convert.py writes any run's checkpoint as
-one, with the same tables.
+3.2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, gpt-oss, Gemma 3 (the language model
+alone of its multimodal folders), OLMo 2 and OLMo 3 folders (docs/model-families.md: what each maps and what it
+refuses); tools/convert.py writes any run's checkpoint as one, with the same tables.
 
 Three things translate:
 - the config (config_from_hf): each setting mapped to model.py's GPTConfig, and one it cannot represent
@@ -174,14 +174,41 @@ GPT_OSS_SINKS_AND_MOE = {
     "blocks.{i}.mlp.experts.{e}.proj.bias": Source((LAYER + "mlp.experts.down_proj_bias",), stacked=True),
 }
 
+# Gemma 3's language model (transformers' Gemma3ForCausalLM, model_type gemma3_text): Llama's names, QK-norm's
+# q_norm and k_norm of each head, and four norms a block, before and after attention (input_layernorm,
+# post_attention_layernorm) and before and after the MLP (pre_feedforward_layernorm, post_feedforward_layernorm).
+# Every norm's weight is stored as Gemma's RMSNorm multiplies by (1 + w), and model.py's OffsetRMSNorm holds it so.
+GEMMA3_NORMS = {
+    "blocks.{i}.norm1.weight": one(LAYER + "input_layernorm.weight"),
+    "blocks.{i}.post_norm1.weight": one(LAYER + "post_attention_layernorm.weight"),
+    "blocks.{i}.norm2.weight": one(LAYER + "pre_feedforward_layernorm.weight"),
+    "blocks.{i}.post_norm2.weight": one(LAYER + "post_feedforward_layernorm.weight"),
+}
+GEMMA3_TEXT = LLAMA_BLOCK | QK_NORM | GEMMA3_NORMS
+# Gemma 3's multimodal model (Gemma3ForConditionalGeneration, model_type gemma3): its language model's tensors
+# under model.language_model, as transformers 4.52 and later save them (the released files' names: see
+# RELEASED_NAMES), the output layer under lm_head; its vision tower and projector are not model.py's.
+GEMMA3 = {name: dataclasses.replace(s, names=tuple(re.sub(r"^model\.", "model.language_model.", n) for n in s.names))
+          for name, s in GEMMA3_TEXT.items()}
+# OLMo 2 (Olmo2ForCausalLM) and OLMo 3: Llama's names without a norm before either sub-layer; the norms after
+# them are post_attention_layernorm (Llama's name for the one before the MLP) and post_feedforward_layernorm;
+# q_norm and k_norm each one weight over the whole projection (model.py's ProjectionNorm).
+PRE_NORMS = ("blocks.{i}.norm1.weight", "blocks.{i}.norm2.weight")
+OLMO2 = {name: s for name, s in LLAMA_BLOCK.items() if name not in PRE_NORMS} | QK_NORM | {
+    "blocks.{i}.post_norm1.weight": one(LAYER + "post_attention_layernorm.weight"),
+    "blocks.{i}.post_norm2.weight": one(LAYER + "post_feedforward_layernorm.weight"),
+}
+
 TABLES = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "mixtral": LLAMA,
           "qwen3": LLAMA_BLOCK | QK_NORM, "qwen3_moe": LLAMA_BLOCK | QK_NORM | QWEN_EXPERTS,
           "qwen2_moe": LLAMA_BLOCK | QWEN_EXPERTS | QWEN_SHARED_EXPERT, "deepseek_v3": DEEPSEEK_V3,
-          "gpt_oss": LLAMA_BLOCK | GPT_OSS_SINKS_AND_MOE}
+          "gpt_oss": LLAMA_BLOCK | GPT_OSS_SINKS_AND_MOE, "gemma3_text": GEMMA3_TEXT, "gemma3": GEMMA3,
+          "olmo2": OLMO2, "olmo3": OLMO2}
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 INDEXED = re.compile(r"(blocks|experts)\.(\d+)")
 
 
@@ -270,7 +297,10 @@ def with_layers(hf_config, n_layer):
     an export holds none of them, so its config says num_nextn_predict_layers 0 (claiming them without
     their tensors would be a broken folder to whatever reads it for speculative decoding). The model is held
     dequantized (gpt-oss's MXFP4 experts read as numbers of the run's dtype), so it has no quantization_config:
-    an export writes its experts as such, which transformers loads as they are."""
+    an export writes its experts as such, which transformers loads as they are. Of Gemma 3's multimodal model
+    the language model alone is held: its gemma3_text config (language_model), which an export writes, and
+    Gemma3ForCausalLM loads."""
+    hf_config = language_model(hf_config)
     key = "n_layer" if hf_config.get("model_type") == "gpt2" else "num_hidden_layers"
     held = {setting: value for setting, value in hf_config.items() if setting != "quantization_config"}
     held[key] = n_layer
@@ -292,15 +322,49 @@ def refuse(hf, setting, why):
     raise UnsupportedModel(f"{hf.get('model_type')} with {setting}={hf.get(setting)!r}: {why}")
 
 
+# Gemma3TextConfig's defaults (transformers 4.57 and 5 alike), for the settings a config.json leaves out: Gemma 3's
+# multimodal releases give their text_config's few that differ (google/gemma-3-4b-it: six). The rotary settings'
+# are DEFAULT_THETA's and per_kind_rope_fields', since a rotary setting filled in here would seem to be stated.
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                            hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                            tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096)
+# Defaults of the families' own config classes where the Llama block's reader would take others: Olmo2Config's and
+# Olmo3Config's norm epsilon (1e-5, where Llama's reader takes 1e-6 for a config stating none), Olmo3Config's window.
+CLASS_DEFAULTS = {"gemma3_text": GEMMA3_TEXT_DEFAULTS, "olmo2": dict(rms_norm_eps=1e-5),
+                  "olmo3": dict(rms_norm_eps=1e-5, sliding_window=4096)}
+
+
+def language_model(hf):
+    """The config of the decoder a config.json describes: itself, or of Gemma 3's multimodal model
+    (Gemma3ForConditionalGeneration, model_type gemma3) its language model's, text_config, as a gemma3_text config
+    (Gemma3ForCausalLM's) with Gemma3TextConfig's defaults written out. Its vision tower and projector
+    (vision_config, mm_tokens_per_image and the image tokens) are another model's: model.py holds the language model
+    alone, which reads text as the multimodal model does (whose attention is bidirectional among an image's tokens
+    alone), and the folder's vision tensors are left unread. transformers 4 ties the output layer by text_config's
+    tie_word_embeddings, 5 by the top level's: where the two differ, refused."""
+    if hf.get("model_type") != "gemma3":
+        return hf
+    text = hf.get("text_config") or {}
+    if not isinstance(text, dict) or text.get("model_type", "gemma3_text") != "gemma3_text":
+        refuse(hf, "text_config", "Gemma 3's language model is a gemma3_text config")
+    tied = {setting.get("tie_word_embeddings", True) for setting in (text, hf)}
+    if len(tied) > 1:
+        refuse(hf, "tie_word_embeddings", "its text_config says otherwise: transformers 4 ties the output layer by "
+                                          "text_config's, 5 by this one")
+    return GEMMA3_TEXT_DEFAULTS | text | dict(model_type="gemma3_text", tie_word_embeddings=tied.pop())
+
+
 def config_from_hf(hf, seq_len, **training):
     """model.py's GPTConfig of a Hugging Face config (a dict), for training on sequences of seq_len tokens;
     `training`: the GPTConfig fields that are training choices (the MoE balancing), from the flags."""
+    hf = language_model(hf)
     model_type = hf.get("model_type")
     if model_type not in TABLES:
         raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(TABLES)}")
+    hf = CLASS_DEFAULTS.get(model_type, {}) | hf
     try:
-        fields = (gpt2_fields(hf) if model_type == "gpt2" else deepseek_fields(hf) if model_type == "deepseek_v3"
-                  else llama_fields(hf))
+        fields = READERS.get(model_type, llama_fields)(hf)
     except UnsupportedModel:
         raise
     except KeyError as e:
@@ -373,7 +437,8 @@ def llama_fields(hf):
                   d_model=d, d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
                   position="rope", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", bias=bias,
                   qkv_bias=True if model_type == "qwen2" else bias,
-                  tie_embeddings=hf.get("tie_word_embeddings", False), **rope_fields(hf), **window_fields(hf))
+                  tie_embeddings=hf.get("tie_word_embeddings", False),
+                  **(kinds_fields(hf) if model_type in PER_KIND else rope_fields(hf) | window_fields(hf)))
     return fields | FAMILY_FIELDS.get(model_type, lambda hf: {})(hf)
 
 
@@ -400,10 +465,15 @@ def window_fields(hf):
 
 def default_layer_types(hf):
     """Each layer's kind where a config lists none, as its config class makes them: Mistral's window on every
-    layer, the Qwens' from max_window_layers on, gpt-oss's on every second layer from the first."""
+    layer, the Qwens' from max_window_layers on, gpt-oss's on every second layer from the first, Gemma 3's on
+    every layer but each sliding_window_pattern-th (6 by default: Gemma3TextConfig, as its releases before
+    transformers 4.53 say it), OLMo 3's on every layer but each fourth (Olmo3Config)."""
     n, model_type = hf["num_hidden_layers"], hf["model_type"]
     if model_type == "gpt_oss":  # (GptOssConfig: sliding and full attention in turn, sliding first)
         return ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+    if model_type in ("gemma3_text", "olmo3"):
+        every = hf.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 4
+        return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
     first = hf.get("max_window_layers", n) if model_type.startswith("qwen") else 0
     return ["full_attention" if i < first else "sliding_attention" for i in range(n)]
 
@@ -476,8 +546,69 @@ def gpt_oss_fields(hf):
                 norm_topk_prob=True)
 
 
+def olmo2_fields(hf):
+    """OLMo 2 (transformers' Olmo2ForCausalLM): the Llama block with its RMSNorms after each sub-layer, inside the
+    residual branch (post_attention_layernorm, post_feedforward_layernorm), none before, and QK-norm over the whole
+    q and k projections before their heads are cut and rotated (q_norm of num_attention_heads x head_dim weights,
+    k_norm of num_key_value_heads x head_dim); attention_bias would put biases on q, k, v and o but none in the MLP."""
+    if hf.get("attention_bias", False):
+        refuse(hf, "attention_bias", "biases on q, k, v and o but not in the MLP: model.py has biases in every "
+                                     "linear layer or in none (besides q, k, v)")
+    return dict(norm_placement="post", qk_norm=True, qk_norm_scope="projection")
+
+
+OLMO3_THETA = 500000.0  # OLMo 3's own rotary base, Olmo3Config's default_theta in transformers 5
+
+
+def olmo3_fields(hf):
+    """OLMo 3 (Olmo3ForCausalLM): OLMo 2's block with windows on the layers layer_types names sliding (three of every
+    four by default), which turn unscaled where rope_scaling scales the others (transformers 4.57's and 5.24's; 5.0
+    turned every layer alike). In transformers 4's form (rope_theta, rope_scaling) transformers 5 turns the sliding
+    layers by 500,000 whatever rope_theta says (Olmo3Config.convert_rope_params_to_dict gives rope_theta to the full
+    ones alone), 4 by rope_theta: such a file is one model to both with rope_theta 500,000 alone."""
+    if hf.get("rope_parameters") is None and hf.get("rope_theta") != OLMO3_THETA:
+        refuse(hf, "rope_theta", f"transformers 4 turns OLMo 3's sliding layers by rope_theta, 5 by {OLMO3_THETA:,.0f} "
+                                 f"where rope_parameters does not say: two models")
+    return olmo2_fields(hf)
+
+
+def gemma3_fields(hf):
+    """Gemma 3's language model (transformers' Gemma3ForCausalLM; Gemma3ForConditionalGeneration's, see
+    language_model): Gemma's RMSNorm x / rms(x) * (1 + w) before and after each sub-layer (sandwich), QK-norm of
+    each head by it before the rotation, GeGLU (gelu_pytorch_tanh), scores scaled by query_pre_attn_scalar^-1/2, the
+    embeddings multiplied by sqrt(hidden_size) (rounded to the weights' dtype), no biases; windows on the layers
+    layer_types names sliding, which turn by their own base unscaled (rope_local_base_freq), the others by
+    rope_theta, scaled (linear) or not (kinds_fields)."""
+    for setting, allowed, why in [
+            ("hidden_activation", ("gelu_pytorch_tanh",), "model.py's GeGLU is the tanh-approximated GELU's"),
+            ("attn_logit_softcapping", (None,), "model.py does not cap the attention scores (Gemma 2's soft-capping)"),
+            ("final_logit_softcapping", (None,), "model.py does not cap the logits (Gemma 2's soft-capping)"),
+            ("attention_bias", (False, None), "model.py's Gemma block has no biases"),
+            ("use_bidirectional_attention", (False, None), "model.py's attention is causal (EmbeddingGemma's is not)")]:
+        if hf.get(setting) not in allowed:
+            refuse(hf, setting, why)
+    if not hf["query_pre_attn_scalar"] > 0:
+        refuse(hf, "query_pre_attn_scalar", "the scores are scaled by its inverse square root: it is positive")
+    return dict(n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+                n_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], d_model=hf["hidden_size"],
+                d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], position="rope",
+                norm="rms_offset", norm_placement="sandwich", norm_eps=hf["rms_norm_eps"], mlp="geglu", bias=False,
+                qkv_bias=False, qk_norm=True, query_scale=hf["query_pre_attn_scalar"], scale_embedding=True,
+                tie_embeddings=hf["tie_word_embeddings"], **kinds_fields(hf))
+
+
+def kinds_fields(hf):
+    """The windows and each kind's rotation of a family whose kinds of layer rotate apart (Gemma 3, OLMo 3): its
+    sliding layers need a window (transformers builds their mask of it, and rotates them as sliding ones)."""
+    fields = window_fields(hf)
+    if "sliding_attention" in (hf.get("layer_types") or default_layer_types(hf)) and not hf.get("sliding_window"):
+        refuse(hf, "sliding_window", "its sliding layers have no window")
+    return fields | per_kind_rope_fields(hf)
+
+
 FAMILY_FIELDS = {"mixtral": mixtral_fields, "qwen3": qwen3_fields, "qwen2_moe": qwen2_moe_fields,
-                 "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf), "gpt_oss": gpt_oss_fields}
+                 "qwen3_moe": lambda hf: qwen3_fields(hf) | qwen_experts_fields(hf), "gpt_oss": gpt_oss_fields,
+                 "olmo2": olmo2_fields, "olmo3": olmo3_fields}
 
 
 # DeepSeek-V3's settings where its config.json leaves them out: DeepseekV3Config's defaults, the same in
@@ -521,6 +652,9 @@ def deepseek_fields(hf):
                 norm_eps=deepseek_setting(hf, "rms_norm_eps"), mlp="swiglu", bias=False, qkv_bias=False,
                 tie_embeddings=deepseek_setting(hf, "tie_word_embeddings"), **latent, **routing,
                 **deepseek_moe_layers(hf), **rope_fields(hf))
+
+
+READERS = {"gpt2": gpt2_fields, "deepseek_v3": deepseek_fields, "gemma3_text": gemma3_fields}  # (others: llama_fields)
 
 
 def deepseek_moe_layers(hf):
@@ -573,8 +707,9 @@ def refuse_deepseek_settings(hf):
 #   It reads the first form too (convert_rope_params_to_dict: a rope_scaling replaces rope_parameters, a
 #   top-level rope_theta fills in one rope_parameters lacks); transformers 4 reads only the first.
 #   rope_parameters nested by attention kind ({"full_attention": {...}, "sliding_attention": {...}}) is for
-#   models whose kinds of layer rotate differently (Gemma 3 and the like): the rotary embedding of Llama,
-#   Mistral, Qwen2 and Mixtral reads one flat dict (rope_parameters["rope_type"]), so a nested one is refused.
+#   models whose kinds of layer rotate differently (Gemma 3 and OLMo 3, PER_KIND: per_kind_rope_fields): the
+#   rotary embedding of Llama, Mistral, Qwen2 and Mixtral reads one flat dict (rope_parameters["rope_type"]), so
+#   a nested one is refused for them.
 # Both forms in one file (edited by hand, or by a tool that knows one of them): where each states a value,
 # they must agree, or the folder is refused by name, since transformers 4 and 5 would each take another one.
 ROPE_FORMS = ("rope_scaling", "rope_parameters")  # transformers 4's dict, transformers 5's
@@ -583,10 +718,54 @@ LLAMA3 = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
 # A file that states no rope_theta at all rotates by its config class's default, the same in transformers 4
 # and 5: 10000.0 for Llama, Mistral, Qwen2, Qwen3 and the Qwen MoEs (their rope_theta argument in 4,
 # RotaryEmbeddingConfigMixin's default_theta in 5), 1e6 for Mixtral (rope_theta=1e6 in 4,
-# MixtralConfig.default_theta in 5), 150,000 for gpt-oss (GptOssConfig.default_theta). Neither version depends
-# on which wrote the file, so the default is taken, not refused.
+# MixtralConfig.default_theta in 5), 150,000 for gpt-oss (GptOssConfig.default_theta), 1e6 for Gemma 3's full
+# layers and 10,000 for its sliding ones (rope_local_base_freq; Gemma3TextConfig.default_theta in 5), 10,000 for
+# OLMo 2. Neither version depends on which wrote the file, so the default is taken, not refused. (OLMo 3's is
+# 10,000 in 4, 500,000 in 5: a file in 4's form states its own or is refused, olmo3_fields; 5's default stands
+# for a rope_parameters without one.)
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0}
+                 "qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0,
+                 "gemma3_text": 1e6, "olmo2": 10000.0, "olmo3": OLMO3_THETA}
+GEMMA3_LOCAL_THETA = 10000.0
+PER_KIND = ("gemma3_text", "olmo3")  # the families whose kinds of layer rotate apart
+
+
+def per_kind_rope_fields(hf):
+    """GPTConfig's rotary fields of a family whose kinds of layer rotate apart (PER_KIND): the full layers' base and
+    scaling (rope_theta and rope_scaling, transformers 5's rope_parameters["full_attention"]), and the sliding
+    layers' base (Gemma 3's rope_local_base_freq, OLMo 3's rope_theta; rope_parameters["sliding_attention"]), which
+    they turn by unscaled: local_rope_theta, 0 where that is the full layers' own rotation. Each kind is read as one
+    flat config by rope_fields (kind_view), both forms compared. Transformers 5 writes rope_parameters per kind for
+    these families, and reads a flat one past (its Gemma3TextConfig and Olmo3Config keep the kinds' defaults)."""
+    nested = hf.get("rope_parameters")
+    if nested is not None and (not isinstance(nested, dict) or not set(nested) <= set(LAYER_TYPES)):
+        refuse(hf, "rope_parameters", f"not one dict of rotary settings per kind of layer ({', '.join(LAYER_TYPES)}),"
+                                      f" which transformers 5 reads for {hf['model_type']}")
+    full, sliding = (kind_rope_fields(hf, kind) for kind in LAYER_TYPES)
+    if len(sliding) > 1:
+        refuse(hf, "rope_parameters", "its sliding layers' rotation scaled: model.py turns them unscaled, by "
+                                      "local_rope_theta")
+    local = sliding["rope_theta"]
+    return full | dict(local_rope_theta=0.0 if local == full["rope_theta"] and len(full) == 1 else local)
+
+
+def kind_rope_fields(hf, kind):
+    """rope_fields of one kind of layer, read from its settings as one flat config: the top-level base (the
+    sliding layers' own for Gemma 3, its default where no form states one), rope_scaling for the full layers
+    (transformers 4 scales those alone), and rope_parameters[kind]; a refusal names the kind."""
+    local = (hf["model_type"], kind) == ("gemma3_text", "sliding_attention")
+    base, nested = "rope_local_base_freq" if local else "rope_theta", (hf.get("rope_parameters") or {}).get(kind)
+    view = {key: hf[key] for key in ("model_type", "max_position_embeddings", "partial_rotary_factor") if key in hf}
+    if nested is not None:
+        view["rope_parameters"] = nested
+    if base in hf or (local and not (isinstance(nested, dict) and nested.get("rope_theta") is not None)):
+        view["rope_theta"] = hf.get(base, GEMMA3_LOCAL_THETA)
+    if kind == "full_attention" and "rope_scaling" in hf:
+        view["rope_scaling"] = hf["rope_scaling"]
+    try:
+        return rope_fields(view)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{e} (its {kind} layers' rotary settings)") from None
 
 
 def rope_fields(hf):
@@ -644,14 +823,17 @@ def yarn_scaling(hf, name, form):
 
     Where the file states original_max_position_embeddings, transformers 4 (its later releases) scales by
     max_position_embeddings / original_max_position_embeddings in place of factor, transformers 5 by
-    factor: a file where the two differ is two models, and refused (DeepSeek-V3's: 163,840 / 4,096 = 40)."""
+    factor: a file where the two differ is two models, and refused (DeepSeek-V3's: 163,840 / 4,096 = 40). An
+    attention_factor is read where it is the one transformers would compute without it (OLMo 3's files state it).
+    """
     if form.get("factor") is None:
         refuse(hf, name, "yarn scaling without factor")
-    if form.get("attention_factor") is not None:
-        refuse(hf, name, "an attention_factor of its own: model.py's is YaRN's, from mscale and mscale_all_dim")
     if type(form.get("truncate", True)) is not bool:
         refuse(hf, name, "truncate is true (the ramp's ends rounded to whole pairs, the default) or false")
     factor, positions = float(form["factor"]), hf["max_position_embeddings"]
+    if form.get("attention_factor") not in (None, yarn_attention_factor(factor, form.get("mscale"),
+                                                                          form.get("mscale_all_dim"))):
+        refuse(hf, name, "an attention_factor of its own: model.py's is YaRN's, from mscale and mscale_all_dim")
     context = form.get("original_max_position_embeddings") or positions
     if form.get("original_max_position_embeddings") is not None and positions / context != factor:
         refuse(hf, name, f"factor {factor} is not max_position_embeddings / original_max_position_embeddings "
@@ -662,8 +844,26 @@ def yarn_scaling(hf, name, form):
                 rope_mscale_all_dim=float(form.get("mscale_all_dim") or 0.0), rope_truncate=form.get("truncate", True))
 
 
-# The rotary scalings each family reads (the others refuse any but llama3): DeepSeek-V3's and gpt-oss's YaRN.
-SCALINGS = {"deepseek_v3": {"yarn": yarn_scaling}, "gpt_oss": {"yarn": yarn_scaling}}
+def yarn_attention_factor(factor, mscale, mscale_all_dim):
+    """The attention_factor transformers' _compute_yarn_parameters computes where a config states none: the ratio of
+    0.1 m ln(factor) + 1 for mscale and mscale_all_dim where it states both, else for m = 1."""
+    def gain(m):
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return gain(mscale) / gain(mscale_all_dim) if mscale and mscale_all_dim else gain(1)
+
+
+def linear_scaling(hf, name, form):
+    """Every frequency `factor` times slower (transformers' _compute_linear_scaling_rope_parameters): Gemma 3's
+    global layers' (4B and larger: 8)."""
+    if form.get("factor") is None:
+        refuse(hf, name, "linear scaling without factor")
+    return dict(rope_type="linear", rope_factor=float(form["factor"]))
+
+
+# The rotary scalings each family reads, and writes (the others any but llama3): DeepSeek-V3's and gpt-oss's YaRN,
+# Gemma 3's linear scaling, OLMo 3's YaRN (its long-context releases') or Llama 3.1's.
+SCALINGS = {"deepseek_v3": {"yarn": yarn_scaling}, "gpt_oss": {"yarn": yarn_scaling},
+            "gemma3_text": {"linear": linear_scaling}, "olmo3": {"llama3": llama3_scaling, "yarn": yarn_scaling}}
 
 
 def disagree(hf, stated, shown=None):
@@ -682,17 +882,22 @@ def disagree(hf, stated, shown=None):
 def hf_from_config(config):
     """A Hugging Face config (dict) for a model.py config that did not come from one (a run trained from
     scratch): GPT-2 for the GPT-2 block; for the Llama one Llama, Qwen2 (biases on q, k, v alone), Mixtral,
-    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts), Qwen2-MoE (a gated shared expert) or gpt-oss (the
-    clamped SwiGLU, --arch gpt-oss); DeepSeek-V3 for latent attention (--arch deepseek)."""
+    Qwen3 (QK-norm), Qwen3-MoE (QK-norm and experts), Qwen2-MoE (a gated shared expert), gpt-oss (the
+    clamped SwiGLU, --arch gpt-oss), OLMo 2 (norms after the sub-layers, --arch olmo2) or OLMo 3 (with windows);
+    DeepSeek-V3 for latent attention (--arch deepseek); Gemma 3's language model for Gemma's norm (--arch gemma3)."""
     c, common = config, dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings)
     if c.position == "learned" and c.norm == "layer" and c.mlp in ("gelu", "gelu_tanh") and c.bias \
-            and c.n_kv_heads == c.n_head and not c.n_experts and not c.qk_norm and c.head_dim * c.n_head == c.d_model:
+            and c.n_kv_heads == c.n_head and not c.n_experts and not c.qk_norm and c.head_dim * c.n_head == c.d_model \
+            and c.norm_placement == "pre" and not c.scale_embedding:
         activation = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
         return dict(model_type="gpt2", n_layer=c.n_layer, n_head=c.n_head, n_embd=c.d_model, n_inner=c.d_ff,
                     n_positions=c.max_seq_len, activation_function=activation, layer_norm_epsilon=c.norm_eps,
                     **common)
-    if not (c.position == "rope" and c.norm == "rms" and c.gated):
-        raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, or the Llama block")
+    if not (c.position == "rope" and c.norm in ("rms", "rms_offset") and c.gated):
+        raise UnsupportedModel("this model has no Hugging Face architecture here: GPT-2's block, the Llama block, or "
+                               "Gemma 3's")
+    if c.norm == "rms_offset":
+        return gemma3_config(c, common)
     if c.kv_lora_rank:
         return deepseek_config(c, common)
     model_type = llama_family(c)
@@ -704,10 +909,59 @@ def hf_from_config(config):
     # as its own (convert_rope_params_to_dict moves both into rope_parameters), so one form is written once.
     # (YaRN is gpt-oss's; llama_family refuses it for the others.)
     if c.rope_factor != 1:
-        fields["rope_scaling"] = yarn_config(c) if c.rope_type == "yarn" else dict(
-            rope_type="llama3", factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
-            high_freq_factor=c.rope_high_freq_factor, original_max_position_embeddings=c.rope_original_context)
+        fields["rope_scaling"] = rope_scaling_config(c)
     return fields | EXPORTED_FIELDS[model_type](c)
+
+
+def rope_scaling_config(c):
+    """rope_scaling, as transformers reads it, of c's scaling kind (None where it has none)."""
+    if c.rope_factor == 1:
+        return None
+    if c.rope_type == "yarn":
+        return yarn_config(c)
+    if c.rope_type == "linear":
+        return dict(rope_type="linear", factor=c.rope_factor)
+    return dict(rope_type="llama3", factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+                high_freq_factor=c.rope_high_freq_factor, original_max_position_embeddings=c.rope_original_context)
+
+
+def layer_types(c):
+    """Each layer's kind, as the configs that list them say it."""
+    return ["sliding_attention" if c.window(i) else "full_attention" for i in range(c.n_layer)]
+
+
+def windows_rotate_apart(c):
+    """Whether c's windowed layers turn otherwise than its others (by a base of their own, unscaled)."""
+    return bool(c.local_rope_theta and window_layers(c) and (c.local_rope_theta != c.rope_theta or c.rope_factor != 1))
+
+
+def gemma3_config(c, common):
+    """Gemma3TextConfig's config.json (Gemma3ForCausalLM) for a model with Gemma's norm, as transformers 4 writes it
+    (5 reads it too), or UnsupportedModel naming what Gemma 3 has not. Every layer's kind is listed; a model without
+    windows lists every layer full and keeps the class's window, since transformers builds the sliding layers' mask
+    whatever the layers are (and a window of null fails there). The sliding layers turn by rope_local_base_freq,
+    unscaled: local_rope_theta, or where that is 0 (they turn as the others do) rope_theta, if it is unscaled."""
+    windows = window_layers(c)
+    lacks = [(c.norm_placement != "sandwich", f"norms {PLACED[c.norm_placement]} (Gemma 3's are before and after)"),
+             (c.mlp != "geglu", f"the {c.mlp} MLP (Gemma 3's is GeGLU)"),
+             (not c.qk_norm or c.qk_norm_scope != "head", "attention without QK-norm of each head"),
+             (not c.scale_embedding, "an unscaled embedding"), (c.bias or c.qkv_bias, "biases"),
+             (c.n_experts, "experts"), (c.attention_sinks, "attention sinks"), (c.kv_lora_rank, "latent attention"),
+             (c.rope_factor != 1 and c.rope_type != "linear", f"{c.rope_type} rotary scaling (Gemma 3's is linear)"),
+             (windows and not c.local_rope_theta and c.rope_factor != 1,
+              "windowed layers whose rotation is scaled (Gemma 3's sliding ones turn unscaled)")]
+    missing = [what for has, what in lacks if has]
+    if missing:
+        raise UnsupportedModel(f"this model has no Hugging Face architecture here: gemma3_text is the nearest, but "
+                               f"has not {', '.join(missing)}")
+    return dict(model_type="gemma3_text", num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                num_key_value_heads=c.n_kv_heads, hidden_size=c.d_model, head_dim=c.head_dim,
+                intermediate_size=c.d_ff, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+                hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=c.query_scale or c.head_dim,
+                sliding_window=c.sliding_window if windows else GEMMA3_TEXT_DEFAULTS["sliding_window"],
+                layer_types=layer_types(c), rope_theta=c.rope_theta,
+                rope_local_base_freq=c.local_rope_theta or c.rope_theta, rope_scaling=rope_scaling_config(c),
+                attention_bias=False, attn_logit_softcapping=None, final_logit_softcapping=None, **common)
 
 
 def yarn_config(c):
@@ -724,6 +978,8 @@ def llama_family(c):
     UnsupportedModel naming what none of them has."""
     if c.mlp == "clamped_swiglu":
         family = "gpt_oss"
+    elif c.norm_placement == "post":
+        family = "olmo3" if c.sliding_window else "olmo2"
     elif c.qk_norm:
         family = "qwen3_moe" if c.n_experts else "qwen3"
     elif c.shared_expert_gate:
@@ -741,10 +997,14 @@ def llama_family(c):
         "qwen2_moe": [(c.bias, "biases besides those of q, k, v")],
         "mistral": [(c.bias, "biases")],
         "gpt_oss": gpt_oss_lacks(c, every_layer),
+        "olmo2": olmo_lacks(c),
+        "olmo3": olmo_lacks(c) + olmo3_rotation_lacks(c),
     }
+    lacks[family] = lacks.get(family, []) + block_lacks(c, family)
     if family != "gpt_oss":  # (gpt-oss lists every layer's kind, and its attention always has sinks)
-        lacks[family] = lacks.get(family, []) + window_lacks(c, family) + [
-            (c.rope_type == "yarn" and c.rope_factor != 1, "YaRN rotary scaling")]
+        lacks[family] += window_lacks(c, family) + [
+            (c.rope_factor != 1 and c.rope_type not in SCALINGS.get(family, ("llama3",)),
+             f"{c.rope_type} rotary scaling")]
     if c.n_experts:  # (the routers here: a softmax over every expert, or over the top k, the same gates)
         lacks[family] = lacks.get(family, []) + [
             (c.router_scoring != "softmax", f"{c.router_scoring} router scores"),
@@ -759,13 +1019,47 @@ def llama_family(c):
 
 def window_lacks(c, family):
     """Windows and sinks where a family has not: Mistral's and Mixtral's windows are on every layer, the
-    Qwens' on the last ones (from max_window_layers), and none has sinks."""
+    Qwens' on the last ones (from max_window_layers), OLMo 3's on any (it lists each layer's kind), and none has
+    sinks."""
     windows, every = window_layers(c), family in ("mistral", "mixtral")
     tail = windows == list(range(c.n_layer - len(windows), c.n_layer))
     return [(c.attention_sinks, "attention sinks"),
-            (windows and (len(windows) < c.n_layer if every else not tail),
+            (family != "olmo3" and windows and (len(windows) < c.n_layer if every else not tail),
              "a sliding window on these layers" + (" (it has one on every layer)" if every else
                                                    " (the Qwens' are the last ones, from max_window_layers)"))]
+
+
+PLACED = {"pre": "before each sub-layer", "post": "after each sub-layer", "sandwich": "before and after each sub-layer"}
+
+
+def block_lacks(c, family):
+    """What of Gemma 3's and OLMo 2's blocks a Llama-block family has not: Gemma's MLP, embedding and query scale
+    (Gemma's alone), norms placed otherwise than the family's (after each sub-layer in OLMo's, before in the others),
+    QK-norm over the whole projection (OLMo's) or of each head (the others'), windowed layers turning by their own
+    base (OLMo 3's sliding layers turn as the full ones do, unscaled: olmo3_rotation_lacks)."""
+    olmo = family in ("olmo2", "olmo3")
+    return [(c.mlp == "geglu", "GeGLU"), (c.scale_embedding, "a scaled embedding"),
+            (c.query_scale not in (0, c.head_dim), "a query scale other than the head size"),
+            (c.norm_placement != ("post" if olmo else "pre"), f"norms {PLACED[c.norm_placement]}"),
+            (c.qk_norm and (c.qk_norm_scope == "projection") != olmo,
+             "QK-norm of each head" if olmo else "QK-norm over the whole projection"),
+            (family != "olmo3" and windows_rotate_apart(c), "windowed layers turning by a base of their own")]
+
+
+def olmo_lacks(c):
+    """What a model with OLMo 2's norm placement has that Olmo2ForCausalLM has not."""
+    return [(not c.qk_norm, "attention without QK-norm"), (c.bias or c.qkv_bias, "biases"), (c.n_experts, "experts")]
+
+
+def olmo3_rotation_lacks(c):
+    """OLMo 3's sliding layers turn by rope_theta unscaled, the others by it scaled or not (YaRN's factor the ratio
+    of the contexts, as yarn_scaling reads it); and transformers 5 reads transformers 4's form (which export
+    writes) with the sliding layers at 500,000 (olmo3_fields)."""
+    return [(c.local_rope_theta not in (0, c.rope_theta), "windowed layers turning by a base of their own"),
+            (not c.local_rope_theta and c.rope_factor != 1,
+             "windowed layers whose rotation is scaled (OLMo 3's sliding ones turn unscaled)"),
+            (c.rope_theta != OLMO3_THETA, f"a rope_theta other than {OLMO3_THETA:,.0f} (transformers 5 turns OLMo 3's "
+                                          f"sliding layers by it in transformers 4's form)"), *yarn_ratio_lacks(c)]
 
 
 def gpt_oss_lacks(c, every_layer):
@@ -780,9 +1074,14 @@ def gpt_oss_lacks(c, every_layer):
 def yarn_lacks(c, family):
     """A family whose rotary scaling is YaRN alone (DeepSeek-V3, gpt-oss): another kind is not, nor YaRN whose
     factor is not max_position_embeddings / original_max_position_embeddings (transformers 4 reads the ratio)."""
-    scaled = c.rope_factor != 1
-    return [(scaled and c.rope_type != "yarn", f"{c.rope_type} rotary scaling ({family}'s is YaRN)"),
-            (scaled and c.rope_type == "yarn" and c.max_seq_len != c.rope_factor * c.rope_original_context,
+    return [(c.rope_factor != 1 and c.rope_type != "yarn", f"{c.rope_type} rotary scaling ({family}'s is YaRN)"),
+            *yarn_ratio_lacks(c)]
+
+
+def yarn_ratio_lacks(c):
+    """YaRN whose factor is not max_position_embeddings / original_max_position_embeddings (transformers 4 reads
+    the ratio)."""
+    return [(c.rope_factor != 1 and c.rope_type == "yarn" and c.max_seq_len != c.rope_factor * c.rope_original_context,
              f"YaRN with max_seq_len {c.max_seq_len} other than rope_factor x rope_original_context (transformers 4 "
              f"reads its factor as the ratio of the two)")]
 
@@ -808,7 +1107,7 @@ def deepseek_config(c, common):
              (c.n_experts and c.router_scoring != "sigmoid", "softmax router scores (DeepSeek-V3's are sigmoids)"),
              (c.d_shared != c.n_shared_experts * c.d_expert, "a shared expert of another width than its experts'"),
              (moe != list(range(dense, c.n_layer)), "dense layers after MoE ones (DeepSeek-V3's are the first ones)"),
-             *yarn_lacks(c, "DeepSeek-V3")]
+             *yarn_lacks(c, "DeepSeek-V3"), *block_lacks(c, "deepseek_v3")]
     missing = [what for has, what in lacks if has]
     if missing:
         raise UnsupportedModel(f"this model has no Hugging Face architecture here: deepseek_v3 is the nearest, but "
@@ -847,10 +1146,8 @@ def window_config(c):
 
 def gpt_oss_config(c):
     """GptOssConfig's own settings: its experts, every layer's kind listed."""
-    windows = set(window_layers(c))
-    kinds = ["sliding_attention" if i in windows else "full_attention" for i in range(c.n_layer)]
     return dict(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k, attention_bias=True, swiglu_limit=7.0,
-                sliding_window=c.sliding_window, layer_types=kinds)
+                sliding_window=c.sliding_window, layer_types=layer_types(c))
 
 
 EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
@@ -863,6 +1160,8 @@ EXPORTED_FIELDS = {  # each family's own settings, beside the Llama block's
     "qwen2_moe": lambda c: dict(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=c.d_shared,
                                 **qwen_experts_config(c), **qwen_window_config(c)),
     "gpt_oss": gpt_oss_config,
+    "olmo2": lambda c: dict(attention_bias=False),
+    "olmo3": lambda c: dict(attention_bias=False, sliding_window=c.sliding_window, layer_types=layer_types(c)),
 }
 
 
@@ -937,8 +1236,10 @@ class Folder:
         return None
 
     def _entry(self, name):
-        """The entry of tensor `name` (GPT-2's first release names its tensors without "transformer.")."""
-        for entry in (name, name.removeprefix("transformer.")):
+        """The entry of tensor `name`: under that name, or the one the folder's release gave it (RELEASED_NAMES)."""
+        released = [old + name[len(new):] for new, old in RELEASED_NAMES.get(self.config.get("model_type"), ())
+                    if name.startswith(new)]
+        for entry in (name, *released):
             if entry in self.file_of:
                 return entry
         raise UnsupportedModel(f"{self.folder}: no tensor {name}")
@@ -969,6 +1270,15 @@ class Folder:
         except mxfp4.BadMXFP4 as e:
             raise DamagedFile(f"{self.folder}: {e}") from None
         return values.transpose(1, 2).flatten()[start - first * per_expert:end - first * per_expert]
+
+
+# The names tensors go by in folders as they were released, where transformers now saves others ({model_type:
+# [(the name's start as saved now, as released)]}): GPT-2's first files name theirs without "transformer.", Gemma 3's
+# multimodal ones (google/gemma-3-4b and larger) keep the language model under language_model.model and its output
+# layer under language_model.lm_head, which transformers 4.52 and later save as model.language_model and lm_head
+# (Gemma3ForConditionalGeneration's _checkpoint_conversion_mapping).
+RELEASED_NAMES = {"gpt2": [("transformer.", "")], "gemma3": [("model.language_model.", "language_model.model."),
+                                                              ("lm_head.", "language_model.lm_head.")]}
 
 
 def read_weight_map(index):
