@@ -258,6 +258,15 @@ def elastic_node(endpoint, address, hosts_rendezvous, last_call_s, argv, output,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(env)})
 
 
+def kill_nodes(*nodes):
+    """On a failure, no process of the test outlives it: every node still running, agent and workers, killed."""
+    for node in nodes:
+        if node and node.poll() is None:
+            for pid in [*worker_pids(node.pid), node.pid]:
+                os.kill(pid, signal.SIGKILL)
+            node.wait()
+
+
 def wait_for(condition, deadline, what):
     while not condition():
         assert time.monotonic() < deadline, what
@@ -303,11 +312,7 @@ def test_a_node_lost_for_good_leaves_a_smaller_world_that_goes_on_exactly(tmp_pa
             assert written_by_four < steps, "the run ended before the node was lost"
             survivor.wait(timeout=max(1, deadline - time.monotonic()))
         finally:
-            for node in (lost, survivor):  # on a failure: no process of the test outlives it
-                if node and node.poll() is None:
-                    for pid in [*worker_pids(node.pid), node.pid]:
-                        os.kill(pid, signal.SIGKILL)
-                    node.wait()
+            kill_nodes(lost, survivor)
     output = (tmp_path / "survivor.txt").read_text()
     assert survivor.returncode == 0, output[-3000:]
     assert f"run {run}: 4 ranks MeshShape(dp=2" in output
@@ -350,11 +355,7 @@ def test_a_node_that_joins_grows_the_world_which_goes_on_exactly(tmp_path):
             for node in (first, joining):
                 node.wait(timeout=max(1, deadline - time.monotonic()))
         finally:
-            for node in (first, joining):  # on a failure: no process of the test outlives it
-                if node and node.poll() is None:
-                    for pid in [*worker_pids(node.pid), node.pid]:
-                        os.kill(pid, signal.SIGKILL)
-                    node.wait()
+            kill_nodes(first, joining)
     output = (tmp_path / "first.txt").read_text()
     assert first.returncode == joining.returncode == 0, output[-3000:] + (tmp_path / "joining.txt").read_text()[-3000:]
     assert f"run {run}: 2 ranks MeshShape(dp=1" in output
