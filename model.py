@@ -434,12 +434,19 @@ def yarn_gains(config):
     """
     if config.rope_type != "yarn" or config.rope_factor <= 1:
         return 1.0, 1.0
-
-    def mscale(m):
-        return 0.1 * m * math.log(config.rope_factor) + 1.0
     m, m_all = config.rope_mscale, config.rope_mscale_all_dim
-    rotary_gain = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
-    return rotary_gain, mscale(m_all) ** 2 if m_all else 1.0
+    softmax_gain = yarn_mscale(config.rope_factor, m_all) ** 2 if m_all else 1.0
+    return yarn_rotary_gain(config.rope_factor, m, m_all), softmax_gain
+
+
+def yarn_mscale(factor, m):
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_rotary_gain(factor, m, m_all):
+    """What transformers' rotary embedding multiplies the rotated features by (its attention_factor, where a
+    config states none): mscale(s, m) / mscale(s, m_all) where both are given, else mscale(s, 1)."""
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor, 1.0)
 
 
 def rotary(x, pos, frequencies, gain=1.0):

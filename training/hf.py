@@ -37,7 +37,7 @@ import torch
 from training import mxfp4
 from training.integrity import json_object
 from training.tensorfile import TORCH_DTYPES, DamagedFile, SafetensorsFile
-from model import GPT, GPTConfig, pad_vocabulary, tied_name
+from model import GPT, GPTConfig, pad_vocabulary, tied_name, yarn_rotary_gain
 
 
 class UnsupportedModel(ValueError):
@@ -831,8 +831,8 @@ def yarn_scaling(hf, name, form):
     if type(form.get("truncate", True)) is not bool:
         refuse(hf, name, "truncate is true (the ramp's ends rounded to whole pairs, the default) or false")
     factor, positions = float(form["factor"]), hf["max_position_embeddings"]
-    if form.get("attention_factor") not in (None, yarn_attention_factor(factor, form.get("mscale"),
-                                                                          form.get("mscale_all_dim"))):
+    if form.get("attention_factor") not in (None, yarn_rotary_gain(factor, form.get("mscale"),
+                                                                     form.get("mscale_all_dim"))):
         refuse(hf, name, "an attention_factor of its own: model.py's is YaRN's, from mscale and mscale_all_dim")
     context = form.get("original_max_position_embeddings") or positions
     if form.get("original_max_position_embeddings") is not None and positions / context != factor:
@@ -842,14 +842,6 @@ def yarn_scaling(hf, name, form):
                 rope_beta_fast=float(form.get("beta_fast") or 32), rope_beta_slow=float(form.get("beta_slow") or 1),
                 rope_mscale=float(form.get("mscale") or 0.0),
                 rope_mscale_all_dim=float(form.get("mscale_all_dim") or 0.0), rope_truncate=form.get("truncate", True))
-
-
-def yarn_attention_factor(factor, mscale, mscale_all_dim):
-    """The attention_factor transformers' _compute_yarn_parameters computes where a config states none: the ratio of
-    0.1 m ln(factor) + 1 for mscale and mscale_all_dim where it states both, else for m = 1."""
-    def gain(m):
-        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return gain(mscale) / gain(mscale_all_dim) if mscale and mscale_all_dim else gain(1)
 
 
 def linear_scaling(hf, name, form):
