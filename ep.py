@@ -590,8 +590,9 @@ class Exchange:
     `<name> start` and each finish `<name> wait`: from the one's start to the other's end the rows are in
     flight, and only the wait leaves the rank idle (tools/bench's moe_overlap reads them)."""
 
-    def __init__(self, name, output_splits, input_splits, group):
+    def __init__(self, name, output_splits, input_splits, group, in_flight=None):
         self.name, self.splits, self.group = name, (output_splits, input_splits), group
+        self.in_flight = in_flight or (lambda: None)
         self.pending = None
 
     def start(self, x, backward=False):
@@ -603,6 +604,7 @@ class Exchange:
         rank, row_bytes = dist.get_rank(self.group), x[0].numel() * x.element_size() if len(x) else 0
         comm_bytes["all_to_all"] += sum(n for r, n in enumerate(input_splits) if r != rank) * row_bytes
         self.pending = (name, work, out, x)  # (x kept alive until the rows have left)
+        self.in_flight()
 
     def finish(self):
         name, work, out, _ = self.pending
@@ -649,11 +651,15 @@ class OverlappedExpertParallelMoE(ExpertParallelMoE):
     first dispatch and the last combine alone wait in the open). Backward the same, reversed: the autograd
     engine runs the later chunk first, so its experts' backward runs while the earlier chunk's gradients travel.
     Every row meets the same weights as in ExpertParallelMoE: the same numbers (an expert's gradient summed over
-    the chunks in another order: to rounding), the same activations kept, the same bytes sent."""
+    the chunks in another order: to rounding), the same activations kept, the same bytes sent.
 
-    def __init__(self, moe, ep_group, stats_group, *, chunks=2, **options):
+    in_flight: called as soon as each exchange has started, while its rows travel (default: nothing). A
+    pipeline pairing two micro-batches (pp.py's combined 1F1B) passes its `pass_turn`: the other micro-batch
+    computes meanwhile, forward beside backward, as Megatron's combined 1F1B and DeepSeek's DualPipe do."""
+
+    def __init__(self, moe, ep_group, stats_group, *, chunks=2, in_flight=None, **options):
         super().__init__(moe, ep_group, stats_group, **options)
-        self.chunks = chunks
+        self.chunks, self.in_flight = chunks, in_flight
 
     def _dispatch_compute_combine(self, tokens, gates, experts, keep):
         n, kept = dist.get_world_size(self.ep_group), keep.flatten()
@@ -667,8 +673,9 @@ class OverlappedExpertParallelMoE(ExpertParallelMoE):
         dispatches, combines = [], []
         for c, (token_of, _, send_counts) in enumerate(chunks):
             send_splits = send_counts.view(n, self.per_rank).sum(1).tolist()
-            dispatches.append(Exchange(f"ep.dispatch c{c}", recv_counts[c].sum(1).tolist(), send_splits, self.ep_group))
-            combines.append(Exchange(f"ep.combine c{c}", send_splits, recv_counts[c].sum(1).tolist(), self.ep_group))
+            received = recv_counts[c].sum(1).tolist()
+            dispatches.append(Exchange(f"ep.dispatch c{c}", received, send_splits, self.ep_group, self.in_flight))
+            combines.append(Exchange(f"ep.combine c{c}", send_splits, received, self.ep_group, self.in_flight))
         started = [StartExchange.apply(tokens[token_of], exchange)
                    for (token_of, _, _), exchange in zip(chunks, dispatches)]
         for c, exchange in enumerate(dispatches):
@@ -702,11 +709,14 @@ def is_expert_parameter(name):
     return ".experts." in name
 
 
-def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, overlap_chunks=0, **options):
+def apply_expert_parallel(model, ep_group, stats_group, capacity_factor=0.0, overlap_chunks=0, in_flight=None,
+                          **options):
     """Replace every MoE layer of a GPT by its expert-parallel version (the only model knowledge here), with
-    overlap_chunks its all-to-alls beside its experts' computation, the tokens in that many chunks
-    (OverlappedExpertParallelMoE); options: ExpertParallelMoE's `tokens`, `expert_tp` and `balance`."""
-    layer = partial(OverlappedExpertParallelMoE, chunks=overlap_chunks) if overlap_chunks else ExpertParallelMoE
+    overlap_chunks its all-to-alls beside its experts' computation, the tokens in that many chunks, and
+    in_flight called while each travels (OverlappedExpertParallelMoE); options: ExpertParallelMoE's `tokens`,
+    `expert_tp` and `balance`."""
+    layer = (partial(OverlappedExpertParallelMoE, chunks=overlap_chunks, in_flight=in_flight) if overlap_chunks
+             else ExpertParallelMoE)
     for block in model.blocks:
         if hasattr(getattr(block, "mlp", None), "experts"):
             block.mlp = layer(block.mlp, ep_group, stats_group, capacity_factor=capacity_factor, **options)

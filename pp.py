@@ -33,6 +33,7 @@ run_schedule the training schedules' `placement=`.
 Self-check: torchrun --nproc_per_node 4 pp.py
 """
 import os
+import threading
 import time
 from collections import defaultdict, deque
 from contextlib import nullcontext
@@ -134,15 +135,14 @@ def timeline(schedules, placement=None):
         t, row = len(steps), []
         for r, actions in enumerate(schedules):
             action = actions[position[r]] if position[r] < len(actions) else None
-            need = action and message_needed(action, r, placement)
-            ready = action is not None and (need is None or sent_at.get(need, t) < t)
+            needs = [message_needed(half, r, placement) for half in halves(action)]
+            ready = action is not None and all(need is None or sent_at.get(need, t) < t for need in needs)
             row.append(action if ready else None)
             position[r] += ready
         if not any(row):
             raise placement.deadlock(schedules, t)
         for r, action in enumerate(row):
-            out = action and message_sent(action, r, placement)
-            if out:
+            for out in messages_sent(action, r, placement):
                 sent_at[out[1]] = t
         steps.append(row)
     return steps
@@ -166,11 +166,21 @@ def exchanges(steps, rank, placement=None):
     placement = placement or Placement(n_stages)
     posted = []
     for row in steps:
-        sent = [message_sent(a, r, placement) if a else None for r, a in enumerate(row)]
-        sends = [sent[rank]] if sent[rank] else []
-        receives = [(source, out[1]) for source, out in enumerate(sent) if out and out[0] == rank]
-        posted.append((sends, receives))
+        sent = [messages_sent(a, r, placement) for r, a in enumerate(row)]
+        receives = [(source, out[1]) for source, outs in enumerate(sent) for out in outs if out[0] == rank]
+        posted.append((sent[rank], receives))
     return posted
+
+
+def halves(action):
+    """What a step's action runs: itself; nothing for an idle step (None); or after the banner, a forward
+    and a backward paired into one action (`Paired`)."""
+    return () if action is None else action.halves if isinstance(action, Paired) else (action,)
+
+
+def messages_sent(action, rank, placement):
+    """[(destination rank, message)] of what an action's halves send."""
+    return [out for out in (message_sent(half, rank, placement) for half in halves(action)) if out]
 
 
 class _Batch:
@@ -222,7 +232,7 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     placement = Placement.to_run(schedules[rank], placement, n_stages, len(chunks))  # (one a rank: rank r, chunk r)
     actions, stats = schedules[rank], stats or PipelineStats(device)
     # Chosen once: a schedule with weight actions (ZB-H1, ZB-V) splits each backward into B and W.
-    Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in actions) else _WholeBackward
+    Stage = _SplitBackward if any(kind == "weight" for kind, _, _ in every_half(actions)) else _WholeBackward
     reduction = _ReductionPlan(actions, Stage.summing, grad_sync, chunks)  # when data parallelism reduces
     is_last = [k == placement.n_model_chunks - 1 for k in placement.model_chunks(rank)]
     stage = Stage(chunks, micro_batches, loss_fn, forward_context, reduction, is_last, stats)
@@ -234,19 +244,20 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     # Every rank walks the same steps and posts after each the batch `exchanges` lists: both ends of a
     # message in the same step's batch, which is why the messages match and nothing deadlocks on NCCL.
     for row, (sends, receives) in zip(steps, exchanges(steps, rank, placement)):
-        action, output = row[rank], None  # None: this rank idles this step (but still posts its receives)
+        action, outputs = row[rank], {}  # None: this rank idles this step (but still posts its receives)
         if action:
             # (1) wait for the input message: a forward's activation, a backward's gradient (if any)
-            need = message_needed(action, rank, placement)
+            needs = [message_needed(half, rank, placement) for half in halves(action)]
             waiting = stats.wait.now()
-            incoming = received.pop(need)() if need else None
+            incoming = [received.pop(need)() if need else None for need in needs]
             # (2) compute
             computing = stats.compute.now()
-            with torch.profiler.record_function(f"pp.{action[0]} chunk {action[1]} micro {action[2]}"):
-                output = stage.run(action, incoming)  # (the range is named in a profiler's trace; free without one)
+            with torch.profiler.record_function(f"pp.{action_name(action)}"):
+                outputs = dict(zip(halves(action), stage.run(action, incoming)))  # (a profiler's trace names the range)
             done = stats.compute.now()
         # (3) post this step's sends (this action's output) and receives (what the neighbours' actions send)
-        received.update(p2p.post([(peer, message, output) for peer, message in sends], receives))
+        produced = {message_sent(half, rank, placement): output for half, output in outputs.items()}
+        received.update(p2p.post([(peer, message, produced[peer, message]) for peer, message in sends], receives))
         # (4) record timing
         if action:
             stats.record(action, waiting, computing, done)
@@ -272,13 +283,16 @@ class _Stage:
         self.saved, self.losses, self.side_losses = {}, [], []
 
     def run(self, action, incoming):
-        """Compute `action` from the message it received (None if it needs none); returns what it sends, or None."""
+        """Compute `action` from the messages its halves received (None where one needs none); returns what each
+        half sends (None: nothing)."""
+        if isinstance(action, Paired):
+            return run_paired(self, action, incoming)
         kind, c, m = action
         if kind == "forward":
-            return self.forward(c, m, incoming)
+            return [self.forward(c, m, *incoming)]
         if kind == "backward":
-            return self.backward(c, m, incoming)
-        return self.weight(c, m)
+            return [self.backward(c, m, *incoming)]
+        return [self.weight(c, m)]
 
     def forward(self, c, m, activation):
         """Chunk c on micro-batch m, from the previous chunk's activation (the first chunk reads the inputs);
@@ -492,13 +506,54 @@ def zero_bubble_v_formula(n_stages, n_micro):
 ZERO_BUBBLES = {"zb1": zero_bubble_h1_formula, "zbv": zero_bubble_v_formula}
 
 
+class Paired(tuple):
+    """A forward and a backward of two different micro-batches run as one action (combined 1F1B): each half in
+    its own thread, one at a time, handing over where it starts a message it does not need yet (`pass_turn`).
+    It needs both halves' messages before it runs and sends both halves' when it is done."""
+
+    def __new__(cls, forward, backward):
+        return super().__new__(cls, (forward, backward))
+
+    @property
+    def halves(self):
+        return tuple(self)
+
+
+def every_half(actions):
+    """A rank's actions with each paired action in its two halves, forward first."""
+    return [half for action in actions for half in halves(action)]
+
+
+def action_name(action):
+    """How the trace names a step's action: `forward chunk 0 micro 3`, a pair's halves joined by `+`."""
+    return " + ".join(f"{kind} chunk {c} micro {m}" for kind, c, m in halves(action))
+
+
+def combined_1f1b(n_micro, n_stages, rank):
+    """Combined 1F1B (Megatron-LM's, for mixtures of experts): 1F1B with each steady-state forward `Paired` with
+    a backward, the two taking turns wherever one has started a message it will wait for later (ep.py's
+    all-to-alls call `pass_turn`), so one micro-batch's tokens travel while the other's compute.
+
+    A pair needs its forward's activation and its backward's gradient before it starts, and a neighbour's
+    pair of the same turn must not need this one's: stage r pairs the forward of micro-batch k + w_r with
+    the backward of k, w_r = 2(P - r) - 1 (1F1B's warm-up is P - r - 1). The stage after needs two forwards
+    less, so each pair's gradient comes from a pair that needed a forward two pairs back: one pair of slack,
+    as 1F1B has one action. The price: a stage holds up to 2(P - r) micro-batches' activations, 1F1B's
+    P - r twice over, the second micro-batch in flight that tools/plan counts. The bubble is 1F1B's."""
+    warmup = min(2 * (n_stages - rank) - 1, n_micro)
+    actions = [("forward", 0, m) for m in range(warmup)]                                     # warm-up
+    actions += [Paired(("forward", 0, warmup + m), ("backward", 0, m)) for m in range(n_micro - warmup)]
+    actions += [("backward", 0, m) for m in range(n_micro - warmup, n_micro)]                 # cool-down
+    return actions
+
+
 def forward_only(n_micro, n_stages, rank, n_chunks=1):
     """Every forward and no backward (evaluation), in the order the schedules run forwards."""
     return [("forward", *virtual_step(k, n_stages, n_chunks)) for k in range(n_micro * n_chunks)]
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb1": zero_bubble_h1,
-             "zbv": zero_bubble_v}
+             "zbv": zero_bubble_v, "combined": combined_1f1b}
 CHUNKS_A_RANK = {"interleaved": 2, "zbv": 2}  # the schedules that run several chunks a rank, and how many by default
 SPLIT_BACKWARD = ("zb1", "zbv")                # the schedules whose backward is B, then W later
 
@@ -632,6 +687,96 @@ def backward_weight(work):
     One backward per group of weights that leave at the same nodes, so no branch is run twice."""
     for outputs, grads, weights in work:
         torch.autograd.backward(outputs, grads, inputs=weights, retain_graph=True)
+
+
+# ---------------------------------------------------------------------------
+# Combined 1F1B's pairs: two halves taking turns around the messages they start
+# ---------------------------------------------------------------------------
+
+class _Turns:
+    """Two threads taking turns: one runs at a time, and hands over only at `pass_turn` or when it ends. Where
+    they hand over is fixed by the code they run, so on every rank the two interleave alike, and every
+    collective of either is issued in the same order on every rank of its group (NCCL matches by order)."""
+
+    running = None  # the pair of threads taking turns now, if any
+
+    def __init__(self):
+        self.condition, self.turn, self.ended = threading.Condition(), 0, [False, False]
+
+    def pass_turn(self):
+        with self.condition:
+            mine = self.turn
+            if self.ended[1 - mine]:  # the other has ended: go on
+                return
+            self.turn = 1 - mine
+            self.condition.notify_all()
+            self.condition.wait_for(lambda: self.turn == mine)
+
+    def take_part(self, side, work, results):
+        """Run `work` as `side` (0 starts), once it is its turn; its result, or what it raised, in results[side]."""
+        with self.condition:
+            self.condition.wait_for(lambda: self.turn == side)
+        try:
+            results[side] = (work(), None)
+        except BaseException as error:  # (re-raised by the caller: the other side goes on alone meanwhile)
+            results[side] = (None, error)
+        with self.condition:
+            self.ended[side], self.turn = True, 1 - side
+            self.condition.notify_all()
+
+    @classmethod
+    def run(cls, first, second):
+        """first() here and second() in a thread of its own (on this thread's CUDA device and stream), taking
+        turns, first() starting; returns both results."""
+        turns, results, device = cls(), [None, None], _DeviceContext()
+        cls.running = turns
+        try:
+            thread = threading.Thread(target=turns.take_part, args=(1, device.wrap(second), results))
+            thread.start()
+            turns.take_part(0, first, results)
+            thread.join()
+        finally:
+            cls.running = None
+        for _, error in results:
+            if error is not None:
+                raise error
+        return [result for result, _ in results]
+
+
+class _DeviceContext:
+    """The calling thread's CUDA device and stream, which a new thread does not inherit (it starts on device 0
+    and the default stream)."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.stream = torch.cuda.current_stream() if self.cuda else None
+
+    def wrap(self, work):
+        if not self.cuda:
+            return work
+
+        def on_device():
+            torch.cuda.set_device(self.stream.device)
+            with torch.cuda.stream(self.stream):
+                return work()
+        return on_device
+
+
+def pass_turn():
+    """Let the other half of the paired action running now compute, and go on once it hands back (or ends):
+    called right after starting a message that will be waited for later (train.py hands it to ep.py's
+    all-to-alls). Outside a paired action, nothing."""
+    if _Turns.running is not None:
+        _Turns.running.pass_turn()
+
+
+def run_paired(stage, pair, incoming):
+    """A `Paired` action on a `_Stage`: the backward first (the next stage's gradient in hand, its exchanges
+    start first, Megatron's order), the forward in turns with it; returns what each half sends, forward first."""
+    (forward, backward), (activation, gradient) = pair, incoming
+    backward_output, forward_output = _Turns.run(lambda: stage.backward(*backward[1:], gradient),
+                                                 lambda: stage.forward(*forward[1:], activation))
+    return [forward_output, backward_output]
 
 
 # ---------------------------------------------------------------------------
@@ -786,11 +931,12 @@ class PipelineStats:
         self.origin = None
 
     def record(self, action, wait, start, end):
-        """One action's marks: it waited for its input message from `wait`, then computed from `start` to `end`."""
+        """One action's marks: it waited for its input message from `wait`, then computed from `start` to `end`
+        (a paired action's halves both, over the same span)."""
         self.wait.add(wait, start)
         self.compute.add(start, end)
         if self.actions is not None:
-            self.actions.append((action, wait, start, end))
+            self.actions += [(half, wait, start, end) for half in halves(action)]
 
     def timeline(self):
         """[(kind, chunk, micro-batch, waiting from, computing from, until)] in seconds since the schedule
@@ -839,7 +985,7 @@ class _ReductionPlan:
     """
 
     def __init__(self, actions, summing, grad_sync, chunks):
-        sums = [action for action in actions if action[0] == summing]
+        sums = [action for action in every_half(actions) if action[0] == summing]
         self.unit = _weight_sharing(chunks)
         self.unit_last = {}
         for action in sums:  # in order: what is left is each unit's last
@@ -966,8 +1112,8 @@ def _self_check():
         ref_loss += loss.item() / n_micro
     ref_grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
 
-    checked = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2)]
-    for name, n_chunks in checked if n_stages > 1 else checked[:3]:
+    checked = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("combined", 1), ("interleaved", 2), ("zbv", 2)]
+    for name, n_chunks in checked if n_stages > 1 else checked[:4]:
         for p in (p for layer in layers for p in layer.parameters()):
             p.grad = None
         schedules = [make_schedule(name, n_micro, n_stages, r, n_chunks) for r in range(n_stages)]

@@ -548,8 +548,9 @@ def expert_parallel(model, mesh, args):
     expert_tp = ep.SplitExperts(mesh.groups["expert_tp"]) if mesh.size("expert_tp") > 1 else ep.WholeExperts()
     balance = {"batch": None, "sequence": ep.SequenceBalance(mesh.groups["sequence"]),
                "global": ep.GlobalBalance(mesh.groups["stage"])}[model.config.aux_loss_scope]
+    in_flight = pp.pass_turn if args.schedule == "combined" else None  # the paired micro-batch computes meanwhile
     ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor, args.ep_overlap,
-                             tokens=tokens, expert_tp=expert_tp, balance=balance)
+                             in_flight, tokens=tokens, expert_tp=expert_tp, balance=balance)
     return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
 
 

@@ -250,3 +250,32 @@ def test_the_overlap_is_the_share_of_the_exchanges_time_not_spent_waiting():
               dict(ph="i", name="ep.dispatch c1 wait", ts=1)]
     in_flight, waited = overlapped_fraction(events)
     assert (in_flight, waited) == pytest.approx((150e-6, 45e-6))
+
+
+# -- a micro-batch's all-to-alls beside another's computation (--schedule combined) ----------------
+
+# Every expert chosen by every token (top-k = experts): routing is balanced whatever the router says, so the
+# activations are compared with the plan exactly, the peak between a pair's halves included.
+PAIRED = [*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16", "--schedule", "combined",
+          "--ep-overlap", "1"]
+# (ranks, the experiment's flags (the oracle's too), the layout's): two and four stages, with a shared expert,
+# recomputed fully and selectively, ep folded over tp with sp, ZeRO-3
+PAIRED_LAYOUTS = [
+    (4, [], ["--ep", "2", "--pp", "2"]),
+    (4, ["--layers", "4"], ["--pp", "4"]),
+    (4, SHARED, ["--ep", "2", "--pp", "2", "--recompute", "full"]),
+    (4, [], ["--ep", "2", "--tp", "2", "--sp", "--pp", "2", "--recompute", "selective"]),
+    (4, [], ["--ep", "2", "--pp", "2", "--zero", "3"]),
+]
+
+
+@pytest.mark.parametrize("world,model_flags,flags", PAIRED_LAYOUTS,
+                         ids=["-".join(f.lstrip("-") for f in flags) for _, _, flags in PAIRED_LAYOUTS])
+def test_paired_micro_batches_train_as_one_device(tmp_path, world, model_flags, flags):
+    """Combined 1F1B: each steady-state forward runs beside a backward, the two taking turns at every
+    all-to-all; the losses and weights of one device, and the counters of tools.plan."""
+    argv = [*PAIRED, *model_flags, *flags]
+    for result in run_on_ranks(world, train_worker, [*argv, "--out", str(tmp_path)], timeout=300):
+        assert_matches_oracle(result, oracle([*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16",
+                                              *model_flags]))
+    assert_matches_plan(tmp_path, argv, world)

@@ -181,13 +181,15 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
         for r in range(n_stages):
             if position[r] == len(lists[r]):
                 continue
-            kind, c, m = lists[r][position[r]]
-            k = model_chunk(c, r)
-            needs = {"forward": [("forward", k - 1, m)] if k > 0 else [],
-                     "backward": [("forward", k, m)] + ([("backward", k + 1, m)] if k < n_model - 1 else []),
-                     "weight": [("backward", k, m)]}[kind]
+            needs, runs = [], []  # (a paired action needs both halves' inputs before either runs)
+            for kind, c, m in pp.halves(lists[r][position[r]]):
+                k = model_chunk(c, r)
+                needs += {"forward": [("forward", k - 1, m)] if k > 0 else [],
+                          "backward": [("forward", k, m)] + ([("backward", k + 1, m)] if k < n_model - 1 else []),
+                          "weight": [("backward", k, m)]}[kind]
+                runs.append((kind, k, m))
             if all(need in done for need in needs):
-                done.add((kind, k, m))
+                done.update(runs)
                 position[r] += 1
                 progressed = True
         assert progressed, f"{schedule} deadlocks at {position}"
@@ -195,7 +197,7 @@ def simulate(schedule, n_micro, n_stages, n_chunks):
 
 
 @pytest.mark.parametrize("schedule,n_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
-                                              ("zb1", 1), ("zbv", 2)])
+                                              ("zb1", 1), ("zbv", 2), ("combined", 1)])
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_stages, groups):
@@ -203,7 +205,7 @@ def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_
     kinds = ("forward", "backward", "weight") if schedule in ("zb1", "zbv") else ("forward", "backward")
     for rank, actions in enumerate(simulate(schedule, n_micro, n_stages, n_chunks)):
         expected = {(kind, c, m) for kind in kinds for c in range(n_chunks) for m in range(n_micro)}
-        assert sorted(actions) == sorted(expected)
+        assert sorted(pp.every_half(actions)) == sorted(expected)
         if schedule in ("1f1b", "zb1"):  # warm-up of P-1-rank forwards before the first backward
             assert [kind for kind, _, _ in actions].index("backward") == min(n_stages - rank - 1, n_micro) + 1
         if schedule == "zb1":  # rank r holds at most r weight passes back; B and F keep 1F1B's order
@@ -214,6 +216,75 @@ def test_schedules_run_everything_once_and_never_deadlock(schedule, n_chunks, n_
             assert max(held, default=0) <= rank
         if schedule == "zbv":  # chunks of half a stage: never more than 1F1B's first stage holds, P micro-batches
             assert in_flight(actions) <= 2 * in_flight(pp.make_schedule("1f1b", n_micro, n_stages, 0))
+        if schedule == "combined":  # 1F1B's order, each steady-state forward paired with the next backward;
+            # 2(P - r) micro-batches in flight, twice 1F1B's (a pair's forward counted before its backward frees)
+            warmup = min(2 * (n_stages - rank) - 1, n_micro)
+            assert [kind for kind, _, _ in pp.every_half(actions)].index("backward") == min(warmup + 1, n_micro)
+            assert in_flight(pp.every_half(actions)) == min(2 * (n_stages - rank), n_micro)
+            assert all(forward[0] == "forward" and backward[0] == "backward" and forward[2] > backward[2]
+                       for forward, backward in (a for a in actions if isinstance(a, pp.Paired)))
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4, 8])
+def test_combined_1f1b_idles_as_1f1b(n_stages):
+    """With a forward and a backward one unit each (a pair two), every rank's step takes 2(M + P - 1) units,
+    1F1B's: a pair waits for nothing a neighbour computes in the same turn. Each action starts once its rank
+    is free and its inputs are done; the clocks come from the schedules alone."""
+    for n_micro in range(1, 3 * n_stages):
+        lists = [pp.make_schedule("combined", n_micro, n_stages, r) for r in range(n_stages)]
+        done, free, position = {}, [0] * n_stages, [0] * n_stages
+        while any(position[r] < len(lists[r]) for r in range(n_stages)):
+            for r in range(n_stages):
+                if position[r] == len(lists[r]):
+                    continue
+                action = lists[r][position[r]]
+                needs = [("forward", r - 1, m) if kind == "forward" else ("backward", r + 1, m)
+                         for kind, _, m in pp.halves(action)]
+                needs = [need for need in needs if 0 <= need[1] < n_stages]
+                if all(need in done for need in needs):
+                    start = max([free[r], *(done[need] for need in needs)])
+                    free[r] = start + len(pp.halves(action))
+                    done.update({(kind, r, m): free[r] for kind, _, m in pp.halves(action)})
+                    position[r] += 1
+        assert max(free) == 2 * (n_micro + n_stages - 1)
+        assert pp.bubble_formula(n_stages, n_micro) == pytest.approx((n_stages - 1) / (n_micro + n_stages - 1))
+
+
+def paired_worker():
+    """One stage, 3 micro-batches of combined 1F1B through a chunk that hands the turn over twice forward
+    (pp.pass_turn, as ep.py's all-to-alls do) and twice backward: the log of who ran when."""
+    log = []
+
+    class HandOver(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, name):
+            ctx.name = name
+            log.append(("forward", name))
+            pp.pass_turn()
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            log.append(("backward", ctx.name))
+            pp.pass_turn()
+            return grad, None
+
+    chunk = lambda x: HandOver.apply(HandOver.apply(x * 2, "a"), "b")  # noqa: E731
+    micro_batches = [(torch.full((2,), float(m), dtype=torch.float64, requires_grad=True), None) for m in range(3)]
+    schedules = [pp.make_schedule("combined", 3, 1, 0)]
+    pp.run_schedule(schedules, [chunk], micro_batches, lambda y, _: y.sum(), None, (2,), torch.float64, "cpu")
+    return log, [x.grad.tolist() for x, _ in micro_batches]
+
+
+def test_paired_halves_take_turns_where_they_hand_over():
+    """F0, then (F1 | B0) and (F2 | B1), then B2: in each pair the backward starts, and the two alternate at
+    every hand-over, the backward's "b" (its first, backward) beside the forward's "a"; the gradients are
+    unchanged (2 of each micro-batch's sum, averaged over the 3)."""
+    (log, grads), = run_on_ranks(1, paired_worker, timeout=60)
+    F, B = "forward", "backward"
+    alone, paired = [(F, "a"), (F, "b")], [(B, "b"), (F, "a"), (B, "a"), (F, "b")]
+    assert log == alone + paired + paired + [(B, "b"), (B, "a")]
+    assert grads == [[2 / 3, 2 / 3]] * 3
 
 
 @pytest.mark.parametrize("n_stages", [2, 3, 4, 6, 8])
@@ -245,7 +316,7 @@ def test_placements_say_which_rank_holds_each_chunk():
 
 PLANS = [(schedule, n_chunks, n_stages, groups * n_stages)
          for schedule, n_chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb1", 1),
-                                    ("zbv", 2)]
+                                    ("zbv", 2), ("combined", 1)]
          for n_stages in (2, 3, 4) for groups in (1, 2, 3)]
 
 
@@ -304,9 +375,9 @@ def test_messages_match_by_order_alone_and_never_deadlock_under_nccl(schedule, n
     arrived = run_batches_as_nccl(wire)
     for t, row in enumerate(steps):  # and each action's input arrived in a batch posted before it runs
         for r, action in enumerate(row):
-            need = action and pp.message_needed(action, r, placement)
-            if need and placement.holder(need[1])[0] != r:
-                assert arrived[r][need] < t
+            for need in (pp.message_needed(half, r, placement) for half in pp.halves(action)):
+                if need and placement.holder(need[1])[0] != r:
+                    assert arrived[r][need] < t
 
 
 def test_two_stages_interleaved_send_both_kinds_over_one_link():
@@ -366,6 +437,9 @@ def test_split_layers_is_as_even_as_possible():
     (["--pp", "2", "--schedule", "zbv", "--recompute", "full"], "--schedule zbv with --recompute is not supported"),
     (["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"], "ZB-V places exactly two chunks on each rank, not 3"),
     (["--schedule", "zbv"], "--schedule zbv and --virtual-stages need pipeline parallelism (--pp > 1)"),
+    (["--pp", "2", "--schedule", "combined"], "--schedule combined pairs micro-batches"),
+    (["--pp", "2", "--schedule", "combined", "--experts", "4", "--ep-overlap", "2"], "needs --experts and --ep-overlap 1"),
+    (["--schedule", "combined", "--experts", "4", "--ep-overlap", "1"], "need pipeline parallelism (--pp > 1)"),
     (["--pp", "2", "--schedule", "zbv", "--micro-batches", "2"], "2 layers cannot fill 4 pipeline chunks"),
 ])
 def test_refused_pipeline_flags(flags, message):
@@ -374,5 +448,5 @@ def test_refused_pipeline_flags(flags, message):
 
 
 def test_self_check_runs_alone_in_an_empty_folder(tmp_path):
-    differences = self_check_alone("pp.py", 4, tmp_path)  # GPipe, 1F1B, ZB-H1, interleaved, ZB-V
-    assert len(differences) == 5 and max(differences) < 1e-12
+    differences = self_check_alone("pp.py", 4, tmp_path)  # GPipe, 1F1B, ZB-H1, combined, interleaved, ZB-V
+    assert len(differences) == 6 and max(differences) < 1e-12

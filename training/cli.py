@@ -436,6 +436,10 @@ def check_experts(args, config):
         raise ConfigError("--capacity-factor must be positive and needs --experts")
     if args.ep_overlap < 0 or (args.ep_overlap and not experts):
         raise ConfigError("--ep-overlap is a number of chunks (0: no overlap) and needs --experts")
+    if args.schedule == "combined" and args.ep_overlap != 1:
+        raise ConfigError("--schedule combined pairs micro-batches so that one's experts' all-to-alls travel while "
+                          "the other computes: it needs --experts and --ep-overlap 1 (each exchange started whole, "
+                          "then waited for; the tokens in more chunks besides are not supported)")
     if not experts and (args.shared_experts or args.balance != "aux" or args.aux_loss_scope != "batch"):
         raise ConfigError("--shared-experts, --balance and --aux-loss-scope shape mixture-of-experts layers: they "
                           "need --experts")
@@ -559,7 +563,7 @@ def check_tokens(data, rank=0, world=1):
 
 def check_pipeline(args, n_layer):
     if args.pp == 1:
-        if args.schedule in pp.CHUNKS_A_RANK or args.virtual_stages > 1:
+        if args.schedule in pp.CHUNKS_A_RANK or args.schedule == "combined" or args.virtual_stages > 1:
             raise ConfigError(f"--schedule {args.schedule} and --virtual-stages need pipeline parallelism (--pp > 1)")
         return
     if args.schedule in pp.SPLIT_BACKWARD and args.recompute != "none":

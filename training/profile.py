@@ -28,6 +28,17 @@ def profiled_steps(text):
     return first, last
 
 
+def every_thread():
+    """The profiler's option to record every thread's operators, not only the thread that started it: a paired
+    pipeline action (pp.py's combined 1F1B) runs its forward in a thread of its own. Private to torch.profiler
+    (`_ExperimentalConfig(profile_all_threads=...)`, PyTorch 2.7 on), so looked up: where it is missing the
+    trace holds the main thread's operators only."""
+    try:
+        return dict(experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True))
+    except (AttributeError, TypeError):
+        return {}
+
+
 class StepProfiler:
     """The profiler of a run's named steps: train() calls start(step) and stop(step) around each step of its
     loop, and holds it as a context, so a run that ends before the last named step (a signal, bad numbers,
@@ -75,7 +86,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-        self.profiler = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False,
+                                               **every_thread())
         self.profiler.start()
 
     def _end(self):

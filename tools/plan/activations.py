@@ -50,17 +50,24 @@ def mlp_activations(c, rows, t, a, d_ff=None):
 
 
 def moe_activations(c, layout, tokens):
-    """An MoE layer as ep.py computes it, balanced, on a rank holding `tokens` of the micro-batch:
+    """An MoE layer as ep.py computes it, balanced, on a rank holding `tokens` of the micro-batch (moe_parts)."""
+    return sum(moe_parts(c, layout, tokens))
+
+
+def moe_parts(c, layout, tokens):
+    """(kept before its tokens are dispatched, by its experts, after their outputs are combined) of an MoE layer
+    as ep.py computes it, balanced, on a rank holding `tokens` of the micro-batch:
     - the router: its input, the arriving tokens (tp without sp keeps its part of them as a view, so their
       whole storage), and per routed token (routed_tokens) the scores (SCORES_KEPT) and choices, and where the
       gates are renormalised (norm_topk_prob) the top-k probabilities and their sum that divides them;
-    - per (token, expert) assignment it sends: the indices that sort and return it, the mask that kept it,
-      its gate, the output that came back and its weighted copy;
+    - per (token, expert) assignment it sends: before, the indices that sort and return it and the mask that
+      kept it; after, its gate, the output that came back and its weighted copy;
     - per row its experts compute (under expert tp the rows of every rank of the group, each having received
       as many): the expert's input and its MLP, of hidden width d_expert / expert_tp;
     - the shared expert's MLP on every arriving token, split by tp (under sp on the gathered sequence, its
       input a tensor of its own), of hidden width d_shared; with a gate (Qwen2-MoE), the sigmoid and the
-      shared expert's output it multiplies, per arriving token."""
+      shared expert's output it multiplies, per arriving token (after: ep.py runs it once the routed tokens
+      are back)."""
     t, a, wide, h = layout.tp, layout.activation_bytes, max(layout.activation_bytes, 4), c.d_model
     arriving = tokens // t if layout.sp else tokens
     routed = routed_tokens(c, layout)
@@ -70,14 +77,14 @@ def moe_activations(c, layout, tokens):
     router = (arriving * h * a + routed * ((SCORES_KEPT[c.router_scoring](c) + renormalised) * wide
                                            + c.top_k * INT64) + balance_statistics(c, layout))
     # (the gates are cast to the tokens' dtype)
-    sent = assignments * (2 * h * a + a + 2 * INT64 + BOOL)
+    sorting, returned = assignments * (2 * INT64 + BOOL), assignments * (2 * h * a + a)
     experts = rows * h * a + mlp_activations(c, rows, layout.expert_tp, a, c.d_expert)
     shared = 0
     if c.n_shared_experts:
         gathered = tokens * h * a if layout.sp else 0
         gate = c.shared_expert_gate * arriving * (1 + h) * a
         shared = gathered + mlp_activations(c, tokens, t, a, c.d_shared) + gate
-    return router + sent + experts + shared
+    return router + sorting, experts, returned + shared
 
 
 # What the router's scores keep per routed token (ep.py's SCORES), in elements: the softmax its output; DeepSeek-V3's
@@ -188,6 +195,44 @@ def chunk_activations(c, layout, model_chunk):
     return kept, loss, max(r for _, r in blocks)
 
 
+def exchange_marks(c, layout, model_chunk):
+    """What one micro-batch's chunk holds for backward each time one of its MoE layers starts an all-to-all:
+    where a paired action's halves hand over (pp.py's combined 1F1B). Forward, each layer's dispatch once its
+    norms, attention and router are kept, its combine once its experts' are too. Backward from the last layer
+    down, the combine's gradient, then the dispatch's: backward frees what forward kept in reverse, so it
+    holds at each exchange what forward held at the same one (the meter's counts agree). A fully recomputed
+    block holds only its input until its backward ends, and its recomputation exchanges twice more first.
+    Returns (forward's, backward's), each in the order it meets them."""
+    layers = pp.split_layers(c.n_layer, layout.placement.n_model_chunks)[model_chunk]
+    tokens, after_norms = tokens_per_rank(c, layout), int(c.norm_placement in ("post", "sandwich"))
+    held = (edge_activations(c, layout, model_chunk == 0, False)[0] + recomputed_positions(c, layout, model_chunk == 0)
+            + recomputed_documents(c, layout))
+    forward, backward = [], []
+    for layer in layers:
+        kept, _ = recomputed_block(c, layout, layer)
+        if c.is_moe(layer) and layout.recompute == "full":
+            forward += [held + kept] * 2
+            backward = [held + kept] * 4 + backward
+        elif c.is_moe(layer):
+            _, experts, after = moe_parts(c, layout, tokens)
+            after += after_norms * (tokens // layout.tp if layout.sp else tokens) * norm_activations(c, layout)
+            marks = [held + kept - experts - after, held + kept - after]
+            forward, backward = forward + marks, marks[::-1] + backward
+        held += kept
+    return forward, backward
+
+
+def paired_peak(held, backward_kept, forward_kept, marks):
+    """The most held while a paired action runs: its backward first, each half on to its next all-to-all in
+    turn (exchange_marks) or its end, from `held` (the backward's micro-batch, kept_backward, among it)."""
+    forward, backward = marks
+    others, peak = held - backward_kept, held
+    for turn in range(len(forward) + 1):  # the forward's turns, then its end
+        backward_holds = backward[turn] if turn < len(backward) else 0
+        peak = max(peak, others + backward_holds + (forward[turn] if turn < len(forward) else forward_kept))
+    return peak
+
+
 def activation_peak(c, layout, stage):
     """(peak, recomputation): the most bytes kept for backward at once, over the micro-batches in flight
     (pp.py's schedule; one at a time without pipelining) times their chunk's activations; and what one
@@ -200,18 +245,26 @@ def activation_peak(c, layout, stage):
         actions = [(kind, 0, m) for m in range(layout.micro_batches) for kind in ("forward", "backward")]
     else:
         actions = pp.make_schedule(layout.schedule, layout.micro_batches, layout.pp, stage, n_chunks)
-    split = any(kind == "weight" for kind, _, _ in actions)
+    split = any(kind == "weight" for kind, _, _ in pp.every_half(actions))
     live = peak = shared_activations(c, layout, stage)
     documents, holders = recomputed_documents(c, layout), Counter()  # micro-batch: its chunks keeping its ids
     last_use = "weight" if split else "backward"
-    for kind, chunk, m in actions:
-        kept, loss, _ = sizes[chunk]
-        live -= {"forward": -kept, "backward": loss if split else kept, "weight": kept - loss}[kind]
-        if kind == "forward":  # the first of the rank's chunks to run this micro-batch keeps its ids
-            holders[m] += 1
-            live += documents if holders[m] == 1 else 0
-        elif kind == last_use:  # and the last to be done with it lets them go
-            holders[m] -= 1
-            live -= documents if holders[m] == 0 else 0
-        peak = max(peak, live)
+    marks = {}  # a model chunk's exchange_marks, once a paired action runs it
+    for action in actions:
+        paired = isinstance(action, pp.Paired)
+        if paired:  # its halves take turns: the peak between them (combined 1F1B)
+            (_, forward, _), (_, backward, _) = action
+            marks[forward] = marks.get(forward) or exchange_marks(c, layout, layout.placement.model_chunks(stage)[forward])
+            peak = max(peak, paired_peak(live, sizes[backward][0] + documents, sizes[forward][0] + documents,
+                                         marks[forward]))
+        for kind, chunk, m in pp.halves(action):
+            kept, loss, _ = sizes[chunk]
+            live -= {"forward": -kept, "backward": loss if split else kept, "weight": kept - loss}[kind]
+            if kind == "forward":  # the first of the rank's chunks to run this micro-batch keeps its ids
+                holders[m] += 1
+                live += documents if holders[m] == 1 else 0
+            elif kind == last_use:  # and the last to be done with it lets them go
+                holders[m] -= 1
+                live -= documents if holders[m] == 0 else 0
+        peak = peak if paired else max(peak, live)
     return peak, max(recomputed for _, _, recomputed in sizes.values())
