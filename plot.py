@@ -514,24 +514,32 @@ def compared_runs(losses_a, losses_b, labels, out, parted_at=None):
 
 
 def moe_overlap(results):
-    """The experts' all-to-alls of one measured step (rank 0 of ep 2 under 1F1B, tools/bench's moe_overlap), a
-    row per exchange (kind, chunk, forward or gradient): light from its start to its wait, when the rank computed
-    beside it, dark while the rank waited for it."""
+    """The experts' all-to-alls of one measured step (the last stage's rank of ep 2 under pp 2, tools/bench's
+    moe_overlap), a panel per way of overlapping them (in chunks within a layer; a micro-batch's beside another's,
+    combined 1F1B) and a row per exchange (kind, chunk, forward or gradient): light from its start to its wait,
+    when the rank computed beside it, dark while the rank waited for it."""
     overlap = optional_result(results, "moe_overlap.json")
     if overlap is None:
         return
-    rows = sorted({name for name, *_ in overlap["exchanges"]}, key=lambda name: (name.endswith("grad"), name))
-    fig, ax = plt.subplots(figsize=(14, 0.3 * len(rows) + 1.5))
-    for name, start, wait, end in overlap["exchanges"]:
-        row = rows.index(name)
-        ax.barh(row, wait - start, left=start, color="tab:green", alpha=0.5, height=0.7)
-        ax.barh(row, end - wait, left=wait, color="tab:red", height=0.7)
-    ax.set_yticks(range(len(rows)), rows, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the step started")
-    ax.set_title(f"The experts' all-to-alls of one step, rank 0: in flight beside computation (green), waited for "
-                 f"(red); {overlap['fraction']:.0%} of their time in flight overlapped, over every rank and round",
-                 fontsize=10)
+    arms = {"overlapped": "in 4 chunks within each layer (--ep-overlap 4)",
+            "paired": "each micro-batch's beside another's (--schedule combined)"}
+    rows = {arm: sorted({name for name, *_ in overlap[arm]["exchanges"]}, key=lambda n: (n.endswith("grad"), n))
+            for arm in arms}
+    fig, axes = plt.subplots(len(arms), 1, figsize=(14, 0.3 * sum(map(len, rows.values())) + 3),
+                             height_ratios=[len(r) for r in rows.values()])
+    for ax, (arm, title) in zip(axes, arms.items()):
+        exchanged = overlap[arm]["exchanges"]
+        for name, start, wait, end in exchanged:
+            row = rows[arm].index(name)
+            ax.barh(row, wait - start, left=start, color="tab:green", alpha=0.5, height=0.7)
+            ax.barh(row, end - wait, left=wait, color="tab:red", height=0.7)
+        ax.set_yticks(range(len(rows[arm])), rows[arm], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{title}: {overlap[arm]['fraction']:.0%} of the time in flight overlapped, over every rank "
+                     f"and round", fontsize=10)
+    axes[-1].set_xlabel("seconds since the step started")
+    fig.suptitle(f"The experts' all-to-alls of one step, rank {overlap['drawn_rank']}: in flight beside computation "
+                 f"(green), waited for (red)", fontsize=11)
     fig.tight_layout()
     fig.savefig(os.path.join(results, "moe_overlap.png"), dpi=90)
     plt.close(fig)

@@ -208,16 +208,17 @@ def test_muon_timing_steps_adamw_and_both_assemblies_and_reads_their_logged_byte
 
 
 def test_quick_moe_overlap_reads_the_exchanges_from_every_ranks_trace(tmp_path):
-    """--only moe_overlap: ep 2 under 1F1B with the all-to-alls in chunks and waited for, each traced on all four
-    ranks; the overlapped arm's trace pairs every exchange's start with its wait (forward and backward), the
-    waited arm's has none, and both train the same."""
+    """--only moe_overlap: ep 2 under pp 2 with the all-to-alls in chunks, whole beside a paired micro-batch (its
+    forward in a thread of its own, traced too), and waited for, each traced on all four ranks; the overlapping
+    arms' traces pair every exchange's start with its wait (forward and backward), the waited arm's has none,
+    and all train the same."""
     from tools.bench.moe_overlap import overlapped_fraction
     run = subprocess.run([sys.executable, "-m", "tools.bench", "--quick", "--out", str(tmp_path), "--only",
                           "moe_overlap"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "moe_overlap.json").read_text())
     assert result["max_loss_difference"] < 1e-6  # the same training, in float32
-    for arm, chunks in (("overlapped", 4), ("waited", 0)):
+    for arm, chunks in (("overlapped", 4), ("paired", 1), ("waited", 0)):
         traces = sorted((tmp_path / "moe_overlap" / f"{arm}_0" / "traces").glob("rank*.json"))
         assert len(traces) == 4
         for path in traces:
@@ -228,4 +229,9 @@ def test_quick_moe_overlap_reads_the_exchanges_from_every_ranks_trace(tmp_path):
             assert exchanged <= names and (chunks or not any(n.endswith(" wait") for n in names))
             in_flight, waited = overlapped_fraction(events)
             assert (in_flight > 0) == bool(chunks) and 0 <= waited <= in_flight
-    assert 0 < result["fraction"] <= 1 and result["per_round"][0]["waited"]["fraction"] == 0
+        if arm == "paired":  # the last stage's forwards of micro-batches 1-3 ran in the pairs' second threads
+            events = json.loads(traces[-1].read_text())["traceEvents"]
+            threads = {e["tid"] for e in events if e.get("ph") == "X" and e.get("name") == "ep.dispatch c0 start"}
+            assert len(threads) > 1
+    for arm in ("overlapped", "paired"):
+        assert 0 < result[arm]["fraction"] <= 1 and result["per_round"][0]["waited"]["fraction"] == 0

@@ -241,15 +241,18 @@ def test_the_overlapped_exchange_trains_as_one_device(tmp_path, world, model_fla
 
 
 def test_the_overlap_is_the_share_of_the_exchanges_time_not_spent_waiting():
-    """Two exchanges in one trace (microseconds): the first in flight 0-100 and waited for 60-100, the second
-    20-70, waited for 65-70; interleaved, and a range of another name between them."""
+    """Three exchanges in one trace (microseconds): the first in flight 0-100 and waited for 60-100, the second
+    20-70, waited for 65-70 (inside both spans of the first), the third 200-250, waited for 240-250; interleaved,
+    and a range of another name between them. The rank had an exchange in flight 150 and waited 50: unions,
+    since a second exchange in flight, or a wait within a wait (a paired micro-batch's), takes no extra time."""
     from tools.bench.moe_overlap import overlapped_fraction
     events = [dict(ph="X", name="ep.dispatch c0 start", ts=0, dur=1),
               dict(ph="X", name="ep.dispatch c1 start", ts=20, dur=1), dict(ph="X", name="ep.experts", ts=30, dur=10),
               dict(ph="X", name="ep.dispatch c0 wait", ts=60, dur=40), dict(ph="X", name="ep.dispatch c1 wait", ts=65, dur=5),
+              dict(ph="X", name="ep.combine c0 start", ts=200, dur=1), dict(ph="X", name="ep.combine c0 wait", ts=240, dur=10),
               dict(ph="i", name="ep.dispatch c1 wait", ts=1)]
     in_flight, waited = overlapped_fraction(events)
-    assert (in_flight, waited) == pytest.approx((150e-6, 45e-6))
+    assert (in_flight, waited) == pytest.approx((150e-6, 50e-6))
 
 
 # -- a micro-batch's all-to-alls beside another's computation (--schedule combined) ----------------

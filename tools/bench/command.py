@@ -182,10 +182,12 @@ def main():
     if not args.only or "moe_overlap" in args.only:
         overlap = moe_overlap_check(settings, args.out)
         write_json(os.path.join(args.out, "moe_overlap.json"), overlap)
-        print(f"moe overlap: {overlap['fraction']:.0%} of the all-to-alls' time in flight with computation beside "
-              f"(rounds {overlap['fraction_range'][0]:.0%}-{overlap['fraction_range'][1]:.0%}); step time "
-              f"overlapped / waited {overlap['step_time_ratio']:.2f} ({overlap['ratio_range'][0]:.2f}-"
-              f"{overlap['ratio_range'][1]:.2f}), loss difference {overlap['max_loss_difference']:.2g}")
+        for arm in ("overlapped", "paired"):
+            row = overlap[arm]
+            print(f"moe overlap, {arm}: {row['fraction']:.0%} of the all-to-alls' time in flight with computation "
+                  f"beside (rounds {row['fraction_range'][0]:.0%}-{row['fraction_range'][1]:.0%}); step time / "
+                  f"waited {row['step_time_ratio']:.2f} ({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f})")
+        print(f"moe overlap: largest loss difference from the waited arm {overlap['max_loss_difference']:.2g}")
     if not args.only or "scaling" in args.only:
         info["scaling"] = scaling_check(settings, args.out, info["cores"])
     elif "scaling" in earlier["machine.json"]:

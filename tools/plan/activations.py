@@ -222,15 +222,25 @@ def exchange_marks(c, layout, model_chunk):
     return forward, backward
 
 
-def paired_peak(held, backward_kept, forward_kept, marks):
+def paired_peak(held, backward_kept, forward_kept, marks, targets=0):
     """The most held while a paired action runs: its backward first, each half on to its next all-to-all in
-    turn (exchange_marks) or its end, from `held` (the backward's micro-batch, kept_backward, among it)."""
+    turn (exchange_marks) or its end, from `held` (the backward's micro-batch, kept_backward, among it).
+    targets: what no one holds between the backward's loss and the forward's (targets_view) but is in held."""
     forward, backward = marks
     others, peak = held - backward_kept, held
-    for turn in range(len(forward) + 1):  # the forward's turns, then its end
+    for turn in range(len(forward)):
         backward_holds = backward[turn] if turn < len(backward) else 0
-        peak = max(peak, others + backward_holds + (forward[turn] if turn < len(forward) else forward_kept))
-    return peak
+        peak = max(peak, others - targets + backward_holds + forward[turn])
+    return max(peak, others + forward_kept + (backward[len(forward)] if len(forward) < len(backward) else 0))
+
+
+def targets_view(c, layout, stage):
+    """The step's batch, which every micro-batch's targets view on a last stage (shared_activations), if only
+    they keep it (the first stage's ids keep it too): held from a micro-batch's loss to its backward's."""
+    first, last = stage == layout.placement.first_rank, stage == layout.placement.last_rank
+    if last and batch_view_targets(layout) and not (first and layout.cp == 1 and layout.tp == 1):
+        return layout.batch_size * (c.seq_len + 1) * INT64
+    return 0
 
 
 def activation_peak(c, layout, stage):
@@ -249,15 +259,17 @@ def activation_peak(c, layout, stage):
     live = peak = shared_activations(c, layout, stage)
     documents, holders = recomputed_documents(c, layout), Counter()  # micro-batch: its chunks keeping its ids
     last_use = "weight" if split else "backward"
-    marks = {}  # a model chunk's exchange_marks, once a paired action runs it
+    marks, in_flight = {}, 0  # a model chunk's exchange_marks, once a paired action runs it; micro-batches held
     for action in actions:
         paired = isinstance(action, pp.Paired)
         if paired:  # its halves take turns: the peak between them (combined 1F1B)
             (_, forward, _), (_, backward, _) = action
             marks[forward] = marks.get(forward) or exchange_marks(c, layout, layout.placement.model_chunks(stage)[forward])
+            alone = targets_view(c, layout, stage) if in_flight == 1 else 0  # (only the backward's held them)
             peak = max(peak, paired_peak(live, sizes[backward][0] + documents, sizes[forward][0] + documents,
-                                         marks[forward]))
+                                         marks[forward], alone))
         for kind, chunk, m in pp.halves(action):
+            in_flight += {"forward": 1, last_use: -1}.get(kind, 0)
             kept, loss, _ = sizes[chunk]
             live -= {"forward": -kept, "backward": loss if split else kept, "weight": kept - loss}[kind]
             if kind == "forward":  # the first of the rank's chunks to run this micro-batch keeps its ids
