@@ -588,7 +588,8 @@ class Exchange:
     """One all-to-all of rows, started in one place and finished in another, so that computation runs between
     (dist.all_to_all_single with async_op), forward, and its reverse, backward. The trace names each start
     `<name> start` and each finish `<name> wait`: from the one's start to the other's end the rows are in
-    flight, and only the wait leaves the rank idle (tools/bench's moe_overlap reads them)."""
+    flight, and only the wait leaves the rank idle (tools/bench's moe_overlap reads them). in_flight is called
+    once the rows are on their way (OverlappedExpertParallelMoE's)."""
 
     def __init__(self, name, output_splits, input_splits, group, in_flight=None):
         self.name, self.splits, self.group = name, (output_splits, input_splits), group

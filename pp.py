@@ -11,7 +11,8 @@ A schedule is a flat list of this rank's ("forward" | "backward", chunk, micro-b
 article's GPipe (Huang et al., 2019) and 1F1B (Narayanan et al., 2019, "PipeDream", flushed each step as
 in PipeDream-Flush, 2021). `run_schedule` places every rank's actions on common time steps, which fix
 the order of every message. After the banner: interleaved 1F1B (Megatron-LM, V chunks a rank), ZB-H1 and
-ZB-V (Qi et al., 2023, 2024: B now, W deferred), `Placement`, measuring; docs/pipeline-schedules.md.
+ZB-V (Qi et al., 2023, 2024: B now, W deferred), combined 1F1B (a forward and a backward `Paired`, taking
+turns at the experts' all-to-alls), `Placement`, measuring; docs/pipeline-schedules.md.
 
 Copying this file alone (the contract). The model offers, for each chunk this rank holds, a callable
 that runs a contiguous slice of its layers (token ids in on the first chunk, logits out on the last,
@@ -556,6 +557,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1
              "zbv": zero_bubble_v, "combined": combined_1f1b}
 CHUNKS_A_RANK = {"interleaved": 2, "zbv": 2}  # the schedules that run several chunks a rank, and how many by default
 SPLIT_BACKWARD = ("zb1", "zbv")                # the schedules whose backward is B, then W later
+ONE_STAGE_TOO = ("combined",)                  # the schedules worth running without a pipeline: pairs overlap there
 
 
 class Schedule(list):
@@ -731,7 +733,8 @@ class _Turns:
         turns, results, device = cls(), [None, None], _DeviceContext()
         cls.running = turns
         try:
-            thread = threading.Thread(target=turns.take_part, args=(1, device.wrap(second), results))
+            thread = threading.Thread(target=turns.take_part, args=(1, device.wrap(second), results),
+                                      name="pp paired half")
             thread.start()
             turns.take_part(0, first, results)
             thread.join()

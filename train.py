@@ -578,9 +578,15 @@ def context_parallel(model, mesh, args, device):
     return cp.zigzag_positions(args.seq_len, mesh.size("cp"), mesh.index("cp"), device)
 
 
+def runs_schedule(args):
+    """Whether the micro-batches run through pp.py's schedules: under a pipeline, and without one (a single
+    stage) combined 1F1B's pairs, one micro-batch's all-to-alls beside another's computation."""
+    return args.pp > 1 or args.schedule in pp.ONE_STAGE_TOO
+
+
 def pipeline_parallel(model, mesh, args, positions):
-    """Only this rank's stage of layers kept; returns its model chunks."""
-    if mesh.size("pp") == 1:
+    """Only this rank's stage of layers kept; returns its model chunks (None: no schedule runs them)."""
+    if not runs_schedule(args):
         return None
     if positions is None:  # every token of a training sequence (the model may know longer ones)
         positions = torch.arange(args.seq_len)
@@ -645,7 +651,7 @@ def data_parallel(model, mesh, args, moe_layers, share, precision):
         # stage fills a master shard kept apart from the weights from the values, not from bfloat16 weights.
         # Under a pipeline ZeRO-3 keeps a unit gathered from its first forward of a step to its last backward
         # (dp.ZeRO3). Hybrid sharding (--dp-shard): each shards over its part of its group (mesh.zero_groups).
-        held_through_step = dict(reshard_after_forward=False) if args.zero == 3 and args.pp > 1 else {}
+        held_through_step = dict(reshard_after_forward=False) if args.zero == 3 and runs_schedule(args) else {}
 
         def make_zero(params, units, averaged_over, **options):
             group, replicas = mesh.zero_groups(averaged_over)

@@ -52,10 +52,13 @@ def dry_run(*argv, timeout=120, fixed_threshold=False):
          "--top-k", "2", "--schedule", "combined", "--ep-overlap", "1", "--zero", "1"]),
     (21, ["--pp", "4", "--layers", "4", "--micro-batches", "8", "--batch-size", "128", "--ep", "2", "--experts", "4",
           "--top-k", "2", "--schedule", "combined", "--ep-overlap", "1", "--zero", "1", "--recompute", "full"]),
+    # and without a pipeline: the pairs alone, whose schedule defers ZeRO-3's reduction and keeps its units
+    (5, ["--micro-batches", "4", "--batch-size", "256", "--ep", "4", "--experts", "4", "--top-k", "2", "--schedule",
+         "combined", "--ep-overlap", "1", "--zero", "3"]),
 ], ids=["tp2-zero3", "tp2-sp-pp2-zero1", "qwen3-attention-cp2-tp2-recomputed-zero2", "pp2-zero3-hybrid4",
         "tp2-experts-shared-recomputed-zero1", "ep4-expert-tp2-tp2-sp-zero1", "deepseek-tp2-sp-selective-zero2",
         "deepseek-cp2-ep4-groups-per-sequence-zero1", "window-sinks-cp4-ring-tp2-zero1", "combined-pp4-last-ep2-zero1",
-        "combined-pp4-second-ep2-recomputed-zero1"])
+        "combined-pp4-second-ep2-recomputed-zero1", "combined-ep4-zero3"])
 def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, rank, flags):
     out = dry_run("--world", "64", "--rank", str(rank), "--json", *TINY, *flags, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -261,9 +261,11 @@ def test_the_overlap_is_the_share_of_the_exchanges_time_not_spent_waiting():
 # activations are compared with the plan exactly, the peak between a pair's halves included.
 PAIRED = [*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16", "--schedule", "combined",
           "--ep-overlap", "1"]
-# (ranks, the experiment's flags (the oracle's too), the layout's): two and four stages, with a shared expert,
-# recomputed fully and selectively, ep folded over tp with sp, ZeRO-3
+# (ranks, the experiment's flags (the oracle's too), the layout's): one stage (no pipeline: the pairs alone),
+# two and four stages, with a shared expert, recomputed fully and selectively, ep folded over tp with sp, ZeRO-3
 PAIRED_LAYOUTS = [
+    (2, [], ["--ep", "2"]),
+    (4, [], ["--ep", "2", "--tp", "2", "--sp", "--zero", "3"]),
     (4, [], ["--ep", "2", "--pp", "2"]),
     (4, ["--layers", "4"], ["--pp", "4"]),
     (4, SHARED, ["--ep", "2", "--pp", "2", "--recompute", "full"]),

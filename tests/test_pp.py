@@ -439,7 +439,6 @@ def test_split_layers_is_as_even_as_possible():
     (["--schedule", "zbv"], "--schedule zbv and --virtual-stages need pipeline parallelism (--pp > 1)"),
     (["--pp", "2", "--schedule", "combined"], "--schedule combined pairs micro-batches"),
     (["--pp", "2", "--schedule", "combined", "--experts", "4", "--ep-overlap", "2"], "needs --experts and --ep-overlap 1"),
-    (["--schedule", "combined", "--experts", "4", "--ep-overlap", "1"], "need pipeline parallelism (--pp > 1)"),
     (["--pp", "2", "--schedule", "zbv", "--micro-batches", "2"], "2 layers cannot fill 4 pipeline chunks"),
 ])
 def test_refused_pipeline_flags(flags, message):

@@ -563,7 +563,7 @@ def check_tokens(data, rank=0, world=1):
 
 def check_pipeline(args, n_layer):
     if args.pp == 1:
-        if args.schedule in pp.CHUNKS_A_RANK or args.schedule == "combined" or args.virtual_stages > 1:
+        if args.schedule in pp.CHUNKS_A_RANK or args.virtual_stages > 1:
             raise ConfigError(f"--schedule {args.schedule} and --virtual-stages need pipeline parallelism (--pp > 1)")
         return
     if args.schedule in pp.SPLIT_BACKWARD and args.recompute != "none":

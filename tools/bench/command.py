@@ -67,7 +67,8 @@ def main():
                                              "timelines, 'precision' for bfloat16 before and after its "
                                              "mixed-precision policy, 'fp8' for each --fp8 recipe beside "
                                              "bfloat16, 'moe_overlap' for the experts' all-to-alls "
-                                             "beside their computation and waited for); the rest "
+                                             "beside their computation, beside another micro-batch's "
+                                             "and waited for); the rest "
                                              "keep their earlier results")
     p.add_argument("--model", default=None, help="override the preset (tests use tiny)")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt", help="the table's block (train.py --arch)")

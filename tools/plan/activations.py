@@ -251,7 +251,7 @@ def activation_peak(c, layout, stage):
     above every weight's branch: the loss's softmax and targets (every node of a block leads to a weight)."""
     n_chunks = layout.virtual_stages
     sizes = {chunk: chunk_activations(c, layout, k) for chunk, k in enumerate(layout.placement.model_chunks(stage))}
-    if layout.pp == 1:
+    if not layout.scheduled:
         actions = [(kind, 0, m) for m in range(layout.micro_batches) for kind in ("forward", "backward")]
     else:
         actions = pp.make_schedule(layout.schedule, layout.micro_batches, layout.pp, stage, n_chunks)

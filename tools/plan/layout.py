@@ -41,6 +41,10 @@ class Layout:
         return placement_of(self.schedule, self.pp, self.virtual_stages)
 
     @property
+    def scheduled(self):  # the micro-batches run through pp.py's schedules (train.runs_schedule)
+        return self.pp > 1 or self.schedule in pp.ONE_STAGE_TOO
+
+    @property
     def dense_group(self):  # ranks averaging dense gradients (mesh.py's "dense")
         return self.dp * self.cp
 

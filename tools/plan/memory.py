@@ -83,13 +83,14 @@ def zero_buckets(params, group, layout):
 def zero_collectives(layout):
     """(reductions, gathers) of each ZeRO bucket per step. ZeRO-1 reduces once, after the last backward, and
     gathers once, after the optimizer's step. ZeRO-2 and 3 reduce in every backward (M of them) without a
-    pipeline; under one, the pipeline's no_sync defers the reduction to each chunk's last backward: once.
+    pipeline; under one (or combined 1F1B on a single stage: layout.scheduled), the schedule's no_sync defers
+    the reduction to each chunk's last backward: once.
     ZeRO-3 gathers a unit before its forward and again before its backward (2M) without a pipeline; under
     one it keeps the unit gathered from its first forward to that reduction (reshard_after_forward False):
     once."""
     if layout.zero == 1:
         return 1, 1
-    pipelined = layout.pp > 1
+    pipelined = layout.scheduled
     reductions = 1 if pipelined else layout.micro_batches
     gathers = (1 if pipelined else 2 * layout.micro_batches) if layout.zero == 3 else 1
     return reductions, gathers

@@ -35,7 +35,7 @@ def zero_working(params, group, layout, lends=False):
       reduces the next), and beside them the gradient autograd computes of the parameter being copied into
       its bucket (in the weights' dtype): about bucket_bytes each, but a vocabulary table is a bucket of its
       own, and gpt-oss-20b's (201,088 x 2,880) holds 2.2 GiB in float32, twice over;
-    - under a pipeline, whose reduction comes once, after each chunk's last backward (dp.ZeRO2, ZeRO3):
+    - under a pipeline (or combined 1F1B on a single stage: layout.scheduled), whose reduction comes once, after each chunk's last backward (dp.ZeRO2, ZeRO3):
       ZeRO-2 the stage's full gradient buckets, through the step's backwards; ZeRO-3 the stage's units
       gathered whole from their first forward to that reduction, and their full gradients besides.
     A tied output layer beside its embedding (`lends`) borrows the embedding's unit (dp.lend), which ZeRO-3
@@ -47,7 +47,7 @@ def zero_working(params, group, layout, lends=False):
         return 0
     w, r = layout.weight_bytes, layout.reduce_bytes
     buckets = [b.padded for b in zero_buckets(params, group, layout)]
-    if layout.pp > 1:
+    if layout.scheduled:
         return sum(buckets) * (r + (w if layout.zero == 3 else 0))
     neighbours = max(a + b for a, b in zip(buckets, buckets[1:] or [0]))
     if layout.zero == 3:
