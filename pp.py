@@ -247,7 +247,7 @@ def run_schedule(schedules, chunks, micro_batches, loss_fn, group, shape, dtype,
     for row, (sends, receives) in zip(steps, exchanges(steps, rank, placement)):
         action, outputs = row[rank], {}  # None: this rank idles this step (but still posts its receives)
         if action:
-            # (1) wait for the input message: a forward's activation, a backward's gradient (if any)
+            # (1) wait for the input messages: a forward's activation, a backward's gradient (if any)
             needs = [message_needed(half, rank, placement) for half in halves(action)]
             waiting = stats.wait.now()
             incoming = [received.pop(need)() if need else None for need in needs]

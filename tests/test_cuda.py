@@ -23,15 +23,19 @@ def read_run(run_dir):
     return json.loads((run_dir / "config.json").read_text()), log
 
 
-def test_one_rank_on_cuda_in_float64_equals_the_cpu_oracle(tmp_path):
-    out = torchrun(1, "train.py", *EQUIVALENCE, "--out", str(tmp_path))  # NCCL, world 1
-    assert out.returncode == 0, out.stderr
-    run = tmp_path / "gpu1_tp1_pp1_cp1_ep1"
+def assert_cuda_run_matches_oracle(run, argv):
+    """A one-GPU run's losses and final weights against the CPU oracle of the same flags. CUDA's kernels sum in
+    another order than the CPU's: float64 agrees to that order's rounding."""
     config, log = read_run(run)
     assert config["device"].startswith("cuda")
     state_dict = Checkpoint(run / "checkpoint-00000003").model_state()
-    # CUDA's kernels sum in another order than the CPU's: float64 agrees to that order's rounding.
-    assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=state_dict), oracle(EQUIVALENCE))
+    assert_matches_oracle(dict(losses=[e["loss"] for e in log], state_dict=state_dict), oracle(argv))
+
+
+def test_one_rank_on_cuda_in_float64_equals_the_cpu_oracle(tmp_path):
+    out = torchrun(1, "train.py", *EQUIVALENCE, "--out", str(tmp_path))  # NCCL, world 1
+    assert out.returncode == 0, out.stderr
+    assert_cuda_run_matches_oracle(tmp_path / "gpu1_tp1_pp1_cp1_ep1", EQUIVALENCE)
 
 
 def test_bfloat16_training_runs_and_its_loss_falls(tmp_path):
@@ -229,3 +233,18 @@ def test_a_deterministic_run_repeats_bit_for_bit_on_a_gpu(tmp_path):
     compared = subprocess.run([sys.executable, "-m", "tools.compare", str(tmp_path / "a"), str(tmp_path / "b"),
                                "--assert-equal"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
+
+
+def test_combined_1f1b_pairs_on_a_gpu_equal_the_cpu_oracle(tmp_path):
+    """--schedule combined on one GPU (the pairs alone, no pipeline): each pair's forward runs in a thread of its
+    own, which must take the main thread's device and stream (pp._DeviceContext); the losses and weights of the
+    CPU oracle in float64, and the trace shows both threads' exchanges."""
+    experts = [*EQUIVALENCE, "--experts", "4", "--top-k", "2", "--micro-batches", "4"]
+    out = torchrun(1, "train.py", *experts, "--schedule", "combined", "--ep-overlap", "1", "--profile", "1",
+                   "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    run = tmp_path / "gpu1_tp1_pp1_cp1_ep1"
+    assert_cuda_run_matches_oracle(run, experts)
+    events = json.loads((run / "traces" / "rank0.json").read_text())["traceEvents"]
+    threads = {e["tid"] for e in events if e.get("ph") == "X" and e.get("name") == "ep.dispatch c0 start"}
+    assert len(threads) > 1

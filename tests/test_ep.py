@@ -262,7 +262,8 @@ def test_the_overlap_is_the_share_of_the_exchanges_time_not_spent_waiting():
 PAIRED = [*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16", "--schedule", "combined",
           "--ep-overlap", "1"]
 # (ranks, the experiment's flags (the oracle's too), the layout's): one stage (no pipeline: the pairs alone),
-# two and four stages, with a shared expert, recomputed fully and selectively, ep folded over tp with sp, ZeRO-3
+# two and four stages, with a shared expert, recomputed fully and selectively, ep folded over tp with sp, ZeRO-3,
+# the balance over the global batch
 PAIRED_LAYOUTS = [
     (2, [], ["--ep", "2"]),
     (4, [], ["--ep", "2", "--tp", "2", "--sp", "--zero", "3"]),
@@ -271,6 +272,7 @@ PAIRED_LAYOUTS = [
     (4, SHARED, ["--ep", "2", "--pp", "2", "--recompute", "full"]),
     (4, [], ["--ep", "2", "--tp", "2", "--sp", "--pp", "2", "--recompute", "selective"]),
     (4, [], ["--ep", "2", "--pp", "2", "--zero", "3"]),
+    (4, ["--aux-loss-scope", "global"], ["--ep", "2", "--pp", "2"]),
 ]
 
 
