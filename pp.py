@@ -173,17 +173,6 @@ def exchanges(steps, rank, placement=None):
     return posted
 
 
-def halves(action):
-    """What a step's action runs: itself; nothing for an idle step (None); or after the banner, a forward
-    and a backward paired into one action (`Paired`)."""
-    return () if action is None else action.halves if isinstance(action, Paired) else (action,)
-
-
-def messages_sent(action, rank, placement):
-    """[(destination rank, message)] of what an action's halves send."""
-    return [out for out in (message_sent(half, rank, placement) for half in halves(action)) if out]
-
-
 class _Batch:
     """The works of one `batch_isend_irecv`, waited for once: a receive needs its whole batch (NCCL
     gives one work for a batch, whose operations run as one group), and waiting twice on gloo's
@@ -286,8 +275,8 @@ class _Stage:
     def run(self, action, incoming):
         """Compute `action` from the messages its halves received (None where one needs none); returns what each
         half sends (None: nothing)."""
-        if isinstance(action, Paired):
-            return run_paired(self, action, incoming)
+        if len(halves(action)) > 1:  # (after the banner: a forward and a backward Paired, which runs itself)
+            return action.run(self, incoming)
         kind, c, m = action
         if kind == "forward":
             return [self.forward(c, m, *incoming)]
@@ -390,6 +379,31 @@ class _P2P:
     def _log(self, message):
         if self.debug:
             print(f"[pp stage {dist.get_rank(self.group)}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------
+# An action's halves: itself, or (after the banner) a forward and a backward run together
+# ---------------------------------------------------------------------------
+
+def halves(action):
+    """What a step's action runs: itself; nothing for an idle step (None); or, after the banner, the forward
+    and the backward of a `Paired` action (which says so)."""
+    return () if action is None else getattr(action, "halves", (action,))
+
+
+def every_half(actions):
+    """A rank's actions, each paired one as its two halves (forward first)."""
+    return [half for action in actions for half in halves(action)]
+
+
+def messages_sent(action, rank, placement):
+    """[(destination rank, message)] of what an action's halves send."""
+    return [out for out in (message_sent(half, rank, placement) for half in halves(action)) if out]
+
+
+def action_name(action):
+    """How a trace names a step's action: `forward chunk 0 micro 3`, a pair's halves joined by `+`."""
+    return " + ".join(f"{kind} chunk {c} micro {m}" for kind, c, m in halves(action))
 
 
 # ---- Beyond the article ----
@@ -519,15 +533,13 @@ class Paired(tuple):
     def halves(self):
         return tuple(self)
 
-
-def every_half(actions):
-    """A rank's actions with each paired action in its two halves, forward first."""
-    return [half for action in actions for half in halves(action)]
-
-
-def action_name(action):
-    """How the trace names a step's action: `forward chunk 0 micro 3`, a pair's halves joined by `+`."""
-    return " + ".join(f"{kind} chunk {c} micro {m}" for kind, c, m in halves(action))
+    def run(self, stage, incoming):
+        """Both halves on a `_Stage`, taking turns (`_Turns`): the backward first (the next stage's gradient in
+        hand, its exchanges start first, Megatron's order); returns what each half sends, forward first."""
+        (forward, backward), (activation, gradient) = self, incoming
+        backward_output, forward_output = _Turns.run(lambda: stage.backward(*backward[1:], gradient),
+                                                     lambda: stage.forward(*forward[1:], activation))
+        return [forward_output, backward_output]
 
 
 def combined_1f1b(n_micro, n_stages, rank):
@@ -771,15 +783,6 @@ def pass_turn():
     all-to-alls). Outside a paired action, nothing."""
     if _Turns.running is not None:
         _Turns.running.pass_turn()
-
-
-def run_paired(stage, pair, incoming):
-    """A `Paired` action on a `_Stage`: the backward first (the next stage's gradient in hand, its exchanges
-    start first, Megatron's order), the forward in turns with it; returns what each half sends, forward first."""
-    (forward, backward), (activation, gradient) = pair, incoming
-    backward_output, forward_output = _Turns.run(lambda: stage.backward(*backward[1:], gradient),
-                                                 lambda: stage.forward(*forward[1:], activation))
-    return [forward_output, backward_output]
 
 
 # ---------------------------------------------------------------------------
