@@ -263,7 +263,8 @@ PAIRED = [*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16", "
           "--ep-overlap", "1"]
 # (ranks, the experiment's flags (the oracle's too), the layout's): one stage (no pipeline: the pairs alone),
 # two and four stages, with a shared expert, recomputed fully and selectively, ep folded over tp with sp, ZeRO-3,
-# the balance over the global batch
+# the balance over the global batch, packed documents (whose ids a recomputed block keeps)
+PACKED = ["--seq-len", "32", "--document-mask", "--eos-id", "16"]  # (the tiny preset's frequent id: ~12 tokens)
 PAIRED_LAYOUTS = [
     (2, [], ["--ep", "2"]),
     (4, [], ["--ep", "2", "--tp", "2", "--sp", "--zero", "3"]),
@@ -273,6 +274,7 @@ PAIRED_LAYOUTS = [
     (4, [], ["--ep", "2", "--tp", "2", "--sp", "--pp", "2", "--recompute", "selective"]),
     (4, [], ["--ep", "2", "--pp", "2", "--zero", "3"]),
     (4, ["--aux-loss-scope", "global"], ["--ep", "2", "--pp", "2"]),
+    (4, PACKED, ["--ep", "2", "--pp", "2", "--recompute", "full"]),
 ]
 
 
