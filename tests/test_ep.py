@@ -265,21 +265,24 @@ PAIRED = [*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16", "
 # two and four stages, with a shared expert, recomputed fully and selectively, ep folded over tp with sp, ZeRO-3,
 # the balance over the global batch, packed documents (whose ids a recomputed block keeps)
 PACKED = ["--seq-len", "32", "--document-mask", "--eos-id", "16"]  # (the tiny preset's frequent id: ~12 tokens)
+FULL = pytest.mark.full  # (the rest in the full tier)
 PAIRED_LAYOUTS = [
-    (2, [], ["--ep", "2"]),
-    (4, [], ["--ep", "2", "--tp", "2", "--sp", "--zero", "3"]),
-    (4, [], ["--ep", "2", "--pp", "2"]),
-    (4, ["--layers", "4"], ["--pp", "4"]),
-    (4, SHARED, ["--ep", "2", "--pp", "2", "--recompute", "full"]),
-    (4, [], ["--ep", "2", "--tp", "2", "--sp", "--pp", "2", "--recompute", "selective"]),
-    (4, [], ["--ep", "2", "--pp", "2", "--zero", "3"]),
-    (4, ["--aux-loss-scope", "global"], ["--ep", "2", "--pp", "2"]),
-    (4, PACKED, ["--ep", "2", "--pp", "2", "--recompute", "full"]),
+    pytest.param(2, [], ["--ep", "2"], id="one-stage-ep2"),
+    pytest.param(4, [], ["--ep", "2", "--tp", "2", "--sp", "--zero", "3"], id="one-stage-ep2-tp2-sp-zero3", marks=FULL),
+    pytest.param(4, [], ["--ep", "2", "--pp", "2"], id="pp2-ep2"),
+    pytest.param(4, ["--layers", "4"], ["--pp", "4"], id="pp4", marks=FULL),
+    pytest.param(4, SHARED, ["--ep", "2", "--pp", "2", "--recompute", "full"], id="pp2-ep2-shared-recomputed"),
+    pytest.param(4, [], ["--ep", "2", "--tp", "2", "--sp", "--pp", "2", "--recompute", "selective"],
+                 id="pp2-ep2-tp2-sp-selective", marks=FULL),
+    pytest.param(4, [], ["--ep", "2", "--pp", "2", "--zero", "3"], id="pp2-ep2-zero3", marks=FULL),
+    pytest.param(4, ["--aux-loss-scope", "global"], ["--ep", "2", "--pp", "2"], id="pp2-ep2-global-balance",
+                 marks=FULL),
+    pytest.param(4, PACKED, ["--ep", "2", "--pp", "2", "--recompute", "full"], id="pp2-ep2-documents-recomputed",
+                 marks=FULL),
 ]
 
 
-@pytest.mark.parametrize("world,model_flags,flags", PAIRED_LAYOUTS,
-                         ids=["-".join(f.lstrip("-") for f in flags) for _, _, flags in PAIRED_LAYOUTS])
+@pytest.mark.parametrize("world,model_flags,flags", PAIRED_LAYOUTS)
 def test_paired_micro_batches_train_as_one_device(tmp_path, world, model_flags, flags):
     """Combined 1F1B: each steady-state forward runs beside a backward, the two taking turns at every
     all-to-all; the losses and weights of one device, and the counters of tools.plan."""
