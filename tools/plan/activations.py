@@ -248,7 +248,8 @@ def activation_peak(c, layout, stage):
     (pp.py's schedule; one at a time without pipelining) times their chunk's activations; and what one
     block's recomputation holds on top of that during backward (which the meter, counting what forwards
     keep, does not see). Under ZB-H1 a micro-batch is held until its W, but its B already frees what lies
-    above every weight's branch: the loss's softmax and targets (every node of a block leads to a weight)."""
+    above every weight's branch: the loss's softmax and targets (every node of a block leads to a weight).
+    A paired action (combined 1F1B) peaks between its halves' turns (paired_peak), not after its forward."""
     n_chunks = layout.virtual_stages
     sizes = {chunk: chunk_activations(c, layout, k) for chunk, k in enumerate(layout.placement.model_chunks(stage))}
     if not layout.scheduled:
