@@ -528,8 +528,7 @@ def moe_overlap(results):
     fig, axes = plt.subplots(len(arms), 1, figsize=(14, 0.3 * sum(map(len, rows.values())) + 3),
                              height_ratios=[len(r) for r in rows.values()])
     for ax, (arm, title) in zip(axes, arms.items()):
-        exchanged = overlap[arm]["exchanges"]
-        for name, start, wait, end in exchanged:
+        for name, start, wait, end in overlap[arm]["exchanges"]:
             row = rows[arm].index(name)
             ax.barh(row, wait - start, left=start, color="tab:green", alpha=0.5, height=0.7)
             ax.barh(row, end - wait, left=wait, color="tab:red", height=0.7)

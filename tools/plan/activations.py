@@ -172,9 +172,8 @@ def shared_activations(c, layout, stage):
     on the last the targets if they are such a view too;
     the positions, if a learned table looks them up or full recomputation keeps them with each block's input
     (under sp a view of them all)."""
-    shared, first, last = 0, stage == layout.placement.first_rank, stage == layout.placement.last_rank
-    if (first and layout.cp == 1 and layout.tp == 1) or (last and batch_view_targets(layout)):
-        shared += layout.batch_size * (c.seq_len + 1) * INT64
+    first = stage == layout.placement.first_rank
+    shared = step_batch(c, layout) if ids_view(layout, stage) else targets_view(c, layout, stage)
     if ((first and c.position == "learned") or layout.recompute == "full") and not layout.documents:
         shared += c.seq_len // layout.cp * INT64
     return shared
@@ -234,13 +233,22 @@ def paired_peak(held, backward_kept, forward_kept, marks, targets=0):
     return max(peak, others + forward_kept + (backward[len(forward)] if len(forward) < len(backward) else 0))
 
 
+def step_batch(c, layout):
+    """The step's whole batch of tokens (each sequence and its next token), which views may keep."""
+    return layout.batch_size * (c.seq_len + 1) * INT64
+
+
+def ids_view(layout, stage):
+    """Whether the first stage's embedding keeps its ids as a view into the step's batch (unless cp copied out
+    a shard, or tp looks up local ids instead)."""
+    return stage == layout.placement.first_rank and layout.cp == 1 and layout.tp == 1
+
+
 def targets_view(c, layout, stage):
-    """The step's batch, which every micro-batch's targets view on a last stage (shared_activations), if only
-    they keep it (the first stage's ids keep it too): held from a micro-batch's loss to its backward's."""
-    first, last = stage == layout.placement.first_rank, stage == layout.placement.last_rank
-    if last and batch_view_targets(layout) and not (first and layout.cp == 1 and layout.tp == 1):
-        return layout.batch_size * (c.seq_len + 1) * INT64
-    return 0
+    """The step's batch, if on a last stage only the micro-batches' targets keep it as a view (no ids view
+    does): held from a micro-batch's loss to its backward's, counted once (shared_activations)."""
+    last = stage == layout.placement.last_rank
+    return step_batch(c, layout) if last and batch_view_targets(layout) and not ids_view(layout, stage) else 0
 
 
 def activation_peak(c, layout, stage):
