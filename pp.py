@@ -785,6 +785,29 @@ def pass_turn():
         _Turns.running.pass_turn()
 
 
+def per_thread(obj, *names):
+    """obj's attributes `names` held apart for each thread, in place: each thread of a pair reads what its own
+    half last wrote (what a forward leaves on a layer for its caller to read, say its auxiliary loss, or that
+    it is being recomputed for backward), not what the other half wrote while it waited for its turn. A thread
+    that has not written one reads the value the attribute had here."""
+    held = {name: obj.__dict__.pop(name) for name in names}
+    obj.__class__ = type(type(obj).__name__, (type(obj),), {name: _PerThread(held[name]) for name in names})
+    return obj
+
+
+class _PerThread:
+    """A data descriptor whose value is the calling thread's (threading.local); `default` for any other."""
+
+    def __init__(self, default):
+        self.default, self.values = default, threading.local()
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(self.values, "value", self.default)
+
+    def __set__(self, obj, value):
+        self.values.value = value
+
+
 # ---------------------------------------------------------------------------
 # Placement: which rank holds model chunk k (the one rule every message follows)
 # ---------------------------------------------------------------------------

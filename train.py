@@ -551,7 +551,11 @@ def expert_parallel(model, mesh, args):
     in_flight = pp.pass_turn if args.schedule == "combined" else None  # the paired micro-batch computes meanwhile
     ep.apply_expert_parallel(model, mesh.groups["ep"], mesh.groups["stage"], args.capacity_factor, args.ep_overlap,
                              in_flight, tokens=tokens, expert_tp=expert_tp, balance=balance)
-    return [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+    layers = [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+    if args.schedule == "combined":  # what a forward leaves on its layer, each half of a pair its own
+        for layer in layers:
+            pp.per_thread(layer, "aux_loss", "tokens_per_expert", "dropped", "recomputing")
+    return layers
 
 
 def tensor_parallel(model, mesh, args, moe_layers):

@@ -291,3 +291,23 @@ def test_paired_micro_batches_train_as_one_device(tmp_path, world, model_flags, 
         assert_matches_oracle(result, oracle([*BASE, "--top-k", "4", "--micro-batches", "4", "--batch-size", "16",
                                               *model_flags]))
     assert_matches_plan(tmp_path, argv, world)
+
+
+# Routed by the router (top-2 of 4 experts), so a micro-batch's balance loss is its own: with every expert
+# chosen (PAIRED's top-k 4) that loss is the same constant for every micro-batch and has no gradient, and a
+# pair's halves reading each other's went unseen. Under full recomputation the backward half runs its MoE
+# layers' forward again while the forward half waits at its turn: what each leaves on the layer (its loss, that
+# it is a recomputation, its counts) must stay its own (pp.per_thread). Tokens per expert are uneven here, so
+# the oracle alone is the reference.
+RECOMPUTED_PAIRS = [*BASE, "--top-k", "2", "--batch-size", "8", "--layers", "4", "--arch", "llama",
+                    "--schedule", "combined", "--ep-overlap", "1", "--recompute", "full"]
+
+
+@pytest.mark.parametrize("world,stages,micro_batches", [
+    pytest.param(4, 2, 2, id="pp2-m2", marks=FULL), pytest.param(4, 2, 4, id="pp2-m4"),
+    pytest.param(8, 4, 2, id="pp4-m2", marks=FULL), pytest.param(8, 4, 4, id="pp4-m4", marks=FULL)])
+def test_paired_micro_batches_recomputed_fully_train_as_one_device(tmp_path, world, stages, micro_batches):
+    argv = [*RECOMPUTED_PAIRS, "--micro-batches", str(micro_batches), "--balance", "both"]
+    layout = ["--pp", str(stages), "--ep", "2", "--out", str(tmp_path)]
+    for result in run_on_ranks(world, train_worker, [*argv, *layout], timeout=300):
+        assert_matches_oracle(result, oracle(argv))

@@ -79,6 +79,24 @@ def test_an_expert_that_receives_no_token_computes_nothing(recipe):
     assert y.shape == (0, 32) and not weight.grad.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_a_product_without_bias_may_be_written_in_place_as_a_shared_experts_output_is(recipe, dtype):
+    """model.py's MoE adds the routed experts' outputs into the shared expert's with index_add_: a float8
+    product's output is a tensor autograd lets one write into, with the gradients of writing into a copy."""
+    x, weight, grad = operands()
+    rows, added = torch.tensor([0, 3, 3]), torch.randn(3, 32, dtype=torch.float64)
+    gradients = []
+    for written_in in (lambda y: y, torch.clone):
+        leaves = [t.to(dtype).requires_grad_() for t in (x, weight)]
+        y = written_in(fp8.float8_linear(*leaves, None, fp8.RECIPES[recipe], fp8.Split()))
+        y.index_add_(0, rows, added.to(dtype))
+        y.backward(grad.to(dtype))
+        gradients.append([y.detach(), *(leaf.grad for leaf in leaves)])
+    for in_place, copied in zip(*gradients):
+        torch.testing.assert_close(in_place, copied, rtol=0, atol=0)
+
+
 def test_every_block_matrix_but_routers_and_gates_computes_in_float8():
     config = cli.model_config(cli.parse_args([*EQUIVALENCE, "--experts", "4", "--shared-experts", "1"]), 64)
     config = dataclasses.replace(config, shared_expert_gate=True, moe_layers=(1,))  # (Qwen2-MoE's gate)
@@ -102,6 +120,7 @@ LAYOUTS = [
     (2, LLAMA, ["--cp", "2", "--cp-mode", "alltoall"]),
     (2, [*LLAMA, *MOE], ["--tp", "2", "--sp", "--ep", "2"]),  # experts whole, folded over tp: nothing reduced
     (4, [*MOE, "--shared-experts", "1"], ["--tp", "2", "--ep", "2", "--expert-tp", "2", "--recompute", "full"]),
+    (2, [*LLAMA, *MOE, "--shared-experts", "1"], ["--ep", "2"]),  # one device's shared expert: no bias, in place
     (2, LLAMA, ["--zero", "3"]),
     (4, ["--optimizer", "muon"], ["--tp", "2", "--zero", "2", "--dp-shard", "1"]),  # hybrid: 2 copies of the shards
     (8, [*LLAMA, *DEEP, *MOE], ["--tp", "2", "--sp", "--pp", "2", "--cp", "2", "--ep", "2", "--zero", "1"]),

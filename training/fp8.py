@@ -91,7 +91,8 @@ def scaled_product(a, a_scale, b, b_scale, out_dtype):
     b = _padded(b, 0)
     b_scale = _padded(b_scale, 0, value=1.0) if b_scale.dim() else b_scale
     out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t().contiguous(), out_dtype=out_dtype)
-    return out[:, :n].contiguous()  # (a copy where N was padded: no padded storage outlives the product)
+    # a copy where N was padded (no padded storage outlives the product), else the product itself, not a view
+    return out if out.shape[1] == n else out[:, :n].contiguous()
 
 
 def _padded(t, dim, value=0.0):
@@ -145,26 +146,28 @@ RECIPES = {recipe.name: recipe for recipe in (Rowwise(), Tensorwise())}
 
 
 class Float8Product(Function):
-    """x Wᵀ for x (..., in), by `recipe` over `split`; saves x and W as they are, as F.linear does (a token-major
-    copy of a strided x, made for the product, is not kept)."""
+    """x Wᵀ (tokens, out) for x (..., in), by `recipe` over `split`; saves x and W as they are, as F.linear does
+    (a token-major copy of a strided x, made for the product, is not kept).
+
+    Its output is a tensor of its own, never a view: autograd forbids writing in place into a view that a
+    custom Function returns (a shared expert's output, into which the routed experts' are added, is one)."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe, split):
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.split = recipe, split
-        return recipe.forward(x.reshape(-1, x.shape[-1]), weight, split).view(*x.shape[:-1], weight.shape[0])
+        return recipe.forward(x.reshape(-1, x.shape[-1]), weight, split)  # (tokens, out)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # grad: (tokens, out)
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight = ctx.recipe.backward(grad.reshape(-1, grad.shape[-1]).contiguous(),
-                                                  x.reshape(-1, x.shape[-1]), weight, ctx.split)
+        grad_x, grad_weight = ctx.recipe.backward(grad.contiguous(), x.reshape(-1, x.shape[-1]), weight, ctx.split)
         return grad_x.view(x.shape), grad_weight.to(weight.dtype), None, None
 
 
 def float8_linear(x, weight, bias, recipe, split):
     """F.linear(x, weight, bias) with its products in float8."""
-    y = Float8Product.apply(x, weight, recipe, split)
+    y = Float8Product.apply(x, weight, recipe, split).view(*x.shape[:-1], weight.shape[0])  # (..., out)
     return y if bias is None else y + bias
 
 
