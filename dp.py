@@ -91,6 +91,9 @@ class Bucket:
             view.copy_(p.grad) if first else view.add_(p.grad)
             p.grad = view if view.dtype == p.dtype else None
 
+    def missing(self, arrived):  # the parameters whose place holds no gradient of this step's
+        return set(self.params) - arrived
+
     def zero_grad(self):
         self.grad.zero_()
 
@@ -183,7 +186,7 @@ class DataParallel:
 
     def _launch_remaining(self, upto=None):  # all not yet launched (before `upto`), a missing gradient as zero
         for bucket in self.buckets[self.next_to_launch:upto]:
-            for p in set(bucket.params) - self.arrived:  # (what its view holds is an older step's)
+            for p in bucket.missing(self.arrived):  # (what its view holds is an older step's)
                 bucket.grad_view(p).zero_()
             self._launch(bucket)
 
@@ -324,6 +327,9 @@ class TransientBucket(Bucket):
             allocate_storage(self.grad)
             self.grad.zero_()
         return self.grad_views[p]
+
+    def missing(self, arrived):  # freed since an earlier backward reduced it: none holds this backward's
+        return set(self.params) if not is_allocated(self.grad) else super().missing(arrived)
 
 
 class ZeRO2(ZeRO1):

@@ -11,11 +11,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from training import cli
 import train
 from distributed import run_on_ranks
-from dp import ZeRO3, gpt_units
+from dp import ZERO_STAGES, ZeRO3, gpt_units
 from oracle import EQUIVALENCE, assert_matches_oracle, oracle, reference_run, train_worker
 
 ARGV = EQUIVALENCE
@@ -156,6 +157,51 @@ def test_zero3_gathers_one_unit_ahead_and_frees_behind():
         for index, held in log:
             # While unit i computes: unit i is gathered, unit i+1 is being prefetched, all others are freed.
             assert held == [j in (index, index + 1) for j in range(4)]
+
+
+def idle_in_a_later_backward_worker(stage):
+    """Two units (experts, say) of a ZeRO instance that finds unused parameters: both compute in the step's
+    first backward, only the first in its second. Returns (name, start, end, gradient piece) of this rank and
+    the gradients one process computes from every rank's inputs (the mean over ranks of their sums)."""
+    torch.manual_seed(0)
+    units = [torch.nn.Linear(6, 6, bias=False).double() for _ in range(2)]
+    expected = [torch.zeros_like(unit.weight) for unit in units]
+    model = torch.nn.Sequential(*units)
+    zero = ZERO_STAGES[stage](model, None, lambda shards: torch.optim.SGD(shards, lr=0.1), units=units,
+                              find_unused_parameters=True)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    inputs = [[torch.randn(3, 6, dtype=torch.float64) for _ in range(2)] for _ in range(n)]  # (rank, micro-batch)
+    reference = [torch.nn.Linear(6, 6, bias=False).double() for _ in range(2)]
+    with zero.full_parameters():
+        for copy, unit in zip(reference, units):
+            copy.weight.data.copy_(unit.weight)
+    for per_rank in inputs:  # one process: both micro-batches of every rank, averaged over the ranks
+        first, second = per_rank
+        grads = torch.autograd.grad(reference[1](reference[0](first)).sum() + reference[0](second).sum(),
+                                    [copy.weight for copy in reference])
+        for total, grad in zip(expected, grads):
+            total += grad / n
+    first, second = inputs[rank]
+    with zero.between_micro_batches():
+        model(first).sum().backward()
+    units[0](second).sum().backward()  # unit 1 idle: its reduction must hold zeros, not a freed buffer
+    zero.finish_grad_sync()
+    names = {"0.weight": expected[0], "1.weight": expected[1]}
+    return [(name, start, end, grad.clone(), names[name].flatten()[start:end])
+            for name, start, end, grad in zero.gradient_pieces()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_unit_idle_in_a_later_backward_of_the_step_reduces_zeros(stage):
+    """A unit reached by an earlier micro-batch of the step but not by this one (an expert no token of this
+    micro-batch reached, on any rank): ZeRO-2 and 3 freed its bucket after the earlier backward, so it is
+    allocated again as zeros before its reduce-scatter (reducing the freed buffer was a segmentation fault)."""
+    held = {}  # name -> elements held by some rank
+    for pieces in run_on_ranks(2, idle_in_a_later_backward_worker, stage, timeout=120):
+        for name, start, end, got, want in pieces:
+            torch.testing.assert_close(got.flatten(), want, rtol=1e-12, atol=1e-14, msg=name)
+            held[name] = held.get(name, 0) + end - start
+    assert held == {"0.weight": 36, "1.weight": 36}  # every element of both, on one rank or the other
 
 
 # -- ZeRO with experts: one instance for the dense parameters, one for the experts' --------------------
