@@ -135,6 +135,18 @@ class ConfigError(ValueError):
 
 
 def parse_args(argv=None):
+    args = argument_parser().parse_args(argv)
+    args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
+    args.layers = args.layers or (None if args.init_from else PRESETS[args.model]["n_layer"])
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    args.virtual_stages = args.virtual_stages or pp.CHUNKS_A_RANK.get(args.schedule, 1)
+    args.master_dtype = args.master_dtype or ("float32" if args.dtype == "bfloat16" else args.dtype)
+    args.reduce_dtype = args.reduce_dtype or args.master_dtype
+    return args
+
+
+def argument_parser():
+    """train.py's command line (parse_args reads it and fills in the defaults that depend on other flags)."""
     p = argparse.ArgumentParser(prog="train.py",
                                 description="Train the GPT of model.py on any mix of parallel dimensions.")
     p.add_argument("--model", choices=PRESETS, default="small", help="model size preset")
@@ -296,14 +308,8 @@ def parse_args(argv=None):
                         "attention core only)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's computation (its parallel communication stays eager)")
-    args = p.parse_args(argv)
-    args.seq_len = args.seq_len or PRESETS[args.model]["seq_len"]
-    args.layers = args.layers or (None if args.init_from else PRESETS[args.model]["n_layer"])
-    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-    args.virtual_stages = args.virtual_stages or pp.CHUNKS_A_RANK.get(args.schedule, 1)
-    args.master_dtype = args.master_dtype or ("float32" if args.dtype == "bfloat16" else args.dtype)
-    args.reduce_dtype = args.reduce_dtype or args.master_dtype
-    return args
+    return p
+
 
 
 def check_fp8(args):
