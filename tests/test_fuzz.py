@@ -1,4 +1,4 @@
-"""python -m tools.parity --fuzz (tools/fuzz.py): random layouts of every flag, each against one process."""
+"""python -m tools.fuzz: random layouts of every flag, each against one process."""
 import collections
 import random
 import shlex
@@ -46,7 +46,7 @@ def test_a_differing_or_failing_draw_exits_1_and_prints_its_command(monkeypatch,
     verdicts = iter([("equal", ""), ("differ", "3 of 40 tensors differ"), ("refused", "--ep 3 needs --experts"),
                      ("failed", "RuntimeError: a rank died")])
     monkeypatch.setattr(fuzz, "try_draw", lambda world, flags, timeout: next(verdicts))
-    assert parity.main(["--fuzz", "4", "--seed", "5"]) == 1
+    assert fuzz.main(["4", "--seed", "5"]) == 1
     out = capsys.readouterr().out.splitlines()
     world, flags = fuzz.draw(random.Random("5:1"))
     assert out[1] == f"draw 5:1: differ (0 s): {shlex.join(fuzz.command(world, flags))}"

@@ -1,7 +1,7 @@
 """Random layouts against one process: the parity command on layouts no one chose.
 
-    python -m tools.parity --fuzz 20 --seed 7
-    python -m tools.parity --fuzz 1 --seed 7:13     # draw 13 of seed 7 alone, as a failing draw names it
+    python -m tools.fuzz 20 --seed 7
+    python -m tools.fuzz 1 --seed 7:13     # draw 13 of seed 7 alone, as a failing draw names it
 
 Draws N layouts of the tiny model from every flag of train.py that changes what is computed (the grid, ZeRO,
 the schedule, the experts and their routing, the attention's masks, the architecture, precision, the
@@ -15,6 +15,7 @@ same when N changes. Flags that do not change the computation (logging, checkpoi
 that the parity command fixes (float64) are not drawn: NOT_DRAWN says why for each, and the tests check that
 every flag of train.py is either drawn or named there, so a new flag cannot be left out unseen.
 """
+import argparse
 import random
 import shlex
 import subprocess
@@ -23,6 +24,7 @@ import time
 
 from training import cli
 
+PROG = "python -m tools.fuzz"
 PARITY = [sys.executable, "-m", "tools.parity"]
 STEPS = 2  # two steps: the second starts from the first's update (its optimizer state, biases, balance)
 
@@ -214,6 +216,20 @@ def fuzz(n, seed, timeout=300, out=None):
               file=out, flush=True)
         if outcome != "equal":
             print(f"    {detail}", file=out, flush=True)
-    print(f"python -m tools.parity --fuzz: {len(draws(seed, n))} draws of seed {seed}: " +
+    print(f"{PROG}: {len(draws(seed, n))} draws of seed {seed}: " +
           ", ".join(f"{count} {outcome}" for outcome, count in counts.items()), file=out, flush=True)
     return counts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("n", type=int, metavar="N", help="layouts to draw")
+    p.add_argument("--seed", default="0", help="the draws' seed (any text); S:i is draw i of seed S alone")
+    p.add_argument("--timeout", type=float, default=300, help="seconds before a draw's hung layout is stopped")
+    own = p.parse_args(argv)
+    counts = fuzz(own.n, own.seed, own.timeout)
+    return 1 if counts["differ"] or counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
     python -m tools.parity --world 4 --model tiny --tp 2 --pp 2
     python -m tools.parity --world 8 --init-from Llama-3.2-1B --layers 2 --seq-len 64 --tp 2 --cp 2 --zero 1 --steps 2
     python -m tools.parity --world 4 --init-from Qwen3-30B-A3B --layers 2 --seq-len 64 --tp 2 --ep 2 --hf-roundtrip
-    python -m tools.parity --fuzz 20 --seed 7       # 20 random layouts, each as above (tools/fuzz.py)
+    python -m tools.fuzz 20 --seed 7                # 20 random layouts, each as above (tools/fuzz.py)
 
 Takes train.py's flags and --world, the number of ranks. Runs --steps steps (default 1) of that layout on
 --world processes of this machine (gloo, so no GPU is needed; point-to-point messages matched by their order
@@ -44,7 +44,7 @@ import ep
 import model as model_lib
 import train
 from mesh import Mesh
-from tools import convert, fuzz
+from tools import convert
 from training import checkpoint, cli, fp8, hf
 from training.data import open_data
 from training.local import run_on_ranks
@@ -371,9 +371,6 @@ def report_roundtrip(problems, read, steps):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if "--fuzz" in argv:
-        return fuzz_main(argv)
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("--world", type=int, required=True, help="ranks of the layout, processes of this machine")
@@ -408,17 +405,6 @@ def main(argv=None):
                                        reference["state_dict"])
             same = report_roundtrip(problems, read, own.steps) and same
     return 0 if same else 1
-
-
-def fuzz_main(argv):
-    """python -m tools.parity --fuzz N --seed S: N random layouts, each against one process (tools/fuzz.py)."""
-    p = argparse.ArgumentParser(prog=f"{PROG} --fuzz", description=fuzz.__doc__.split("\n")[0])
-    p.add_argument("--fuzz", type=int, required=True, metavar="N", help="layouts to draw")
-    p.add_argument("--seed", default="0", help="the draws' seed (any text); S:i is draw i of seed S alone")
-    p.add_argument("--timeout", type=float, default=300, help="seconds before a draw's hung layout is stopped")
-    own = p.parse_args(argv)
-    counts = fuzz.fuzz(own.fuzz, own.seed, own.timeout)
-    return 1 if counts["differ"] or counts["failed"] else 0
 
 
 if __name__ == "__main__":
