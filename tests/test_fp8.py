@@ -55,7 +55,8 @@ def reference(recipe, x, weight, grad):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_the_float8_products_equal_the_reference_written_out(recipe, dtype):
-    """float64: the float8 products summed in float64, to its rounding. float32: torch._scaled_mm, whose float32
+    """float64: the float8 products summed in float64, to its rounding. float32: summed in float32 (written out on
+    a CPU, whichever kernels the release's torch._scaled_mm has there; _scaled_mm on a GPU, test_cuda.py), whose float32
     sums of 48 exact products may differ from float64's by 48 float32 roundings of the largest partial sum
     (2^-24 relative each), so to 2^-17 of the output's largest magnitude."""
     x, weight, grad = operands()

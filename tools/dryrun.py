@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_map
 
 from training import cli, muon
 from training.data import open_data
+from training.meter import resident_bytes
 from tools import plan
 import ep
 import train
@@ -191,7 +192,9 @@ def dry_run(args, rank, world, compute=False):
     """Build `rank`'s share of the run train.py would make of args on `world` ranks, take one step (the
     first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
     predicted): {field: value} of this rank, the prediction's peak_resident_bytes being tools/plan/'s peak
-    of start-up and step (a dry run saves nothing)."""
+    of start-up and step (a dry run saves nothing). measured["process_bytes"] is the process's resident memory
+    before it builds anything: its own figure for what the plan's PROCESS_BYTES stands for, a typical value."""
+    process_bytes = resident_bytes()
     described = cli.describe_data(args)  # the data's meta.json, read once
     config, shape = check_dry_run(args, rank, world, described)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -205,7 +208,7 @@ def dry_run(args, rank, world, compute=False):
         dist.destroy_process_group()
     predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
                  if field in MEMORY or field.startswith("comm_")}
-    measured = {field: record[field] for field in (*predicted, *MEASURED_ONLY)}
+    measured = dict({field: record[field] for field in (*predicted, *MEASURED_ONLY)}, process_bytes=process_bytes)
     peaks = plan.predict_peaks(args, world)
     predicted["peak_resident_bytes"] = max(peaks["startup_peak_bytes"][rank], peaks["step_peak_bytes"][rank])
     return measured, predicted
@@ -220,6 +223,7 @@ def print_report(measured, predicted, rank, world):
         row(field, measured[field], predicted[field])
     row("sum of the four", sum(measured[f] for f in MEMORY), sum(predicted[f] for f in MEMORY))
     row("peak_resident_bytes", measured["peak_resident_bytes"], predicted["peak_resident_bytes"])
+    row("  of which before building", measured["process_bytes"], plan.PROCESS_BYTES)  # (the plan's: typical)
     if measured["device_peak_bytes"]:
         row("device_peak_bytes", measured["device_peak_bytes"])
 

@@ -27,8 +27,9 @@ Scales are powers of two, 2^ceil(log2(amax / largest float8)): dividing by one i
 value of an element depends only on it and its maximum. A zero maximum quantises to zeros; nothing
 overflows (values are clamped to the largest float8 before the cast: CUDA's cast of a larger one is NaN).
 
-The products run on torch._scaled_mm, which sums in float32. In a float64 run (the equivalence tests) they
-are summed in float64 instead, from the same float8 operands: a float32 sum in another order would move
+On a GPU the products run on torch._scaled_mm, which sums in float32; on a CPU they are written out, summed
+in float32 alike. In a float64 run (the equivalence tests) they are summed in float64 instead, from the same
+float8 operands: a float32 sum in another order would move
 an element across a float8 rounding boundary now and then, which is what the layouts are to be held to
 not doing. Each layer saves its input as it did and quantises it again in backward: FP8 keeps no
 activations of its own. The maxima's reductions are counted in `comm_bytes` (logged as comm_fp8_*).
@@ -82,10 +83,13 @@ def quantise(t, largest, dtype):
 
 def scaled_product(a, a_scale, b, b_scale, out_dtype):
     """(a * a_scale) (b * b_scale)ᵀ in out_dtype, a (M, K) and b (N, K) float8 with scales (M, 1) and (N, 1)
-    or one each: summed in float64 for float64, else by torch._scaled_mm (in float32), K and N padded with
-    zeros to the multiples of 16 its CUDA kernels take."""
-    if out_dtype == torch.float64:
-        return (a.double() * a_scale.double()) @ (b.double() * b_scale.double()).t()
+    or one each: summed in float64 for float64; on a GPU by torch._scaled_mm (in float32), K and N padded with
+    zeros to the multiples of 16 its CUDA kernels take; on a CPU written out, summed in float32 as _scaled_mm
+    sums (its CPU kernel takes rowwise scales in some releases and some runs only: torch 2.11's has two
+    paths, one of which refuses them)."""
+    if out_dtype == torch.float64 or a.device.type == "cpu":
+        wide = torch.float64 if out_dtype == torch.float64 else torch.float32
+        return ((a.to(wide) * a_scale.to(wide)) @ (b.to(wide) * b_scale.to(wide)).t()).to(out_dtype)
     n = b.shape[0]
     a, b = (_padded(t, 1) for t in (a, b))
     b = _padded(b, 0)

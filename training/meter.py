@@ -33,6 +33,17 @@ def peak_resident_bytes():
         return 0
 
 
+def resident_bytes():
+    """This process's resident memory now, in bytes: Linux's VmRSS (0 elsewhere). What it counts of the shared
+    libraries depends on the machine's page cache (a library's pages collapsed into huge pages count whole), so
+    a figure compared with it is measured in the same process."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return 0
+
+
 def device_memory_bytes():
     """The memory of this rank's device: its GPU's (LOCAL_RANK's), or on the CPU the machine's, shared by the
     ranks torchrun started on it (LOCAL_WORLD_SIZE)."""

@@ -95,8 +95,8 @@ def print_table(args, plan_args):
     where = busiest_of_stage(layout, busiest, prediction)
     who = f"stage {busiest}'s first rank" if where == first_of_stage(layout, busiest) else \
         f"stage {busiest}'s busiest rank, {rank_of(layout, where)}"
-    print(f"peak resident memory of {who} ({unit}, with {PROCESS_BYTES / scale:.2f} for "
-          f"the interpreter and PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step "
+    print(f"peak resident memory of {who} ({unit}, with a typical {PROCESS_BYTES / scale:.2f} "
+          f"for the interpreter and PyTorch): start-up {peaks['startup_peak_bytes'] / scale:.2f}, step "
           f"{peaks['step_peak_bytes'] / scale:.2f}, checkpoint save {peaks['save_peak_bytes'] / scale:.2f}, load "
           f"{peaks['load_peak_bytes'] / scale:.2f}")
 
