@@ -91,9 +91,6 @@ class Bucket:
             view.copy_(p.grad) if first else view.add_(p.grad)
             p.grad = view if view.dtype == p.dtype else None
 
-    def missing(self, arrived):  # the parameters whose place holds no gradient of this step's
-        return set(self.params) - arrived
-
     def zero_grad(self):
         self.grad.zero_()
 
@@ -186,7 +183,7 @@ class DataParallel:
 
     def _launch_remaining(self, upto=None):  # all not yet launched (before `upto`), a missing gradient as zero
         for bucket in self.buckets[self.next_to_launch:upto]:
-            for p in bucket.missing(self.arrived):  # (what its view holds is an older step's)
+            for p in set(bucket.params) - self.arrived:  # (what its view holds is an older step's)
                 bucket.grad_view(p).zero_()
             self._launch(bucket)
 
@@ -328,17 +325,13 @@ class TransientBucket(Bucket):
             self.grad.zero_()
         return self.grad_views[p]
 
-    def missing(self, arrived):  # freed since an earlier backward reduced it: none holds this backward's
-        return set(self.params) if not is_allocated(self.grad) else super().missing(arrived)
-
 
 class ZeRO2(ZeRO1):
     """ZeRO stage 2: ZeRO-1, and the gradients sharded too.
 
-    No full gradient is kept between backwards: each reduce-scatters its buckets (one in flight at a time)
-    and frees them; the shard accumulates. Every backward of a step reduces (`between_micro_batches`): the
-    paper's memory, for M reductions of M micro-batches (under a pipeline's `no_sync()`, one).
-    """
+    No full gradient is kept between backwards: each reduce-scatters its buckets (one in flight at a time) and
+    frees them; the shard accumulates. Every backward of a step reduces (`between_micro_batches`): the paper's
+    memory, for M reductions of M micro-batches (under a pipeline's `no_sync()`, one)."""
 
     bucket_kind = TransientBucket  # (nor do the parameters hold their views of the buckets: p.grad None)
     between_micro_batches = nullcontext  # reduce-scatter every backward
@@ -351,6 +344,7 @@ class ZeRO2(ZeRO1):
     def _reduce(self, bucket):
         for earlier in self.buckets[:self.next_to_launch]:  # one full gradient bucket in flight at a time
             self._wait(earlier)
+        bucket.grad_view(bucket.params[0])  # zeros, where no gradient came since a reduction freed it (idle experts)
         super()._reduce(bucket)
         for p in bucket.params:  # the next backward must not accumulate into a buffer being reduced
             p.grad = None
