@@ -29,9 +29,8 @@ overflows (values are clamped to the largest float8 before the cast: CUDA's cast
 
 On a GPU the products run on torch._scaled_mm, which sums in float32; on a CPU they are written out, summed
 in float32 alike. In a float64 run (the equivalence tests) they are summed in float64 instead, from the same
-float8 operands: a float32 sum in another order would move
-an element across a float8 rounding boundary now and then, which is what the layouts are to be held to
-not doing. Each layer saves its input as it did and quantises it again in backward: FP8 keeps no
+float8 operands: a float32 sum in another order would move an element across a float8 rounding boundary now
+and then, which is what the layouts are to be held to not doing. Each layer saves its input as it did and quantises it again in backward: FP8 keeps no
 activations of its own. The maxima's reductions are counted in `comm_bytes` (logged as comm_fp8_*).
 """
 from collections import Counter
