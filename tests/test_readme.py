@@ -309,17 +309,52 @@ def test_the_pages_have_the_commands_they_should():
         assert any(needle in line for line in lines), f"no command line of README.md or docs/ with {needle!r}"
 
 
+CPU_INSTALL = "pip install torch==2.13.0 -r requirements.txt"  # the CPU build the suite is tested with
+GPU_INSTALL = "pip install -r requirements.txt"  # into the Python that holds a GPU machine's torch
+
+
+def install_lines():
+    """The README's two install lines: a fresh CPU machine's (a virtual environment, torch's CPU build) and a
+    GPU machine's (the Python that holds its torch)."""
+    lines = [line for _, line in bash_lines(README)]
+    cpu = next((line for line in lines if CPU_INSTALL in line), "")
+    gpu = next((line for line in lines if line.startswith(GPU_INSTALL)), "")
+    return cpu, gpu
+
+
 def test_the_readme_installs_and_tests_as_ci_does():
     """The front door keeps the whole install and both tiers' test commands, and .ci/run runs the install and
     the whole suite's."""
+    cpu, gpu = install_lines()
+    for step in ["python3 -m venv .venv", ". .venv/bin/activate", CPU_INSTALL]:
+        assert step in cpu, f"README.md's install line lacks {step!r}: {cpu!r}"
+    assert gpu, f"README.md has no GPU machine's install line, `{GPU_INSTALL} ...`"
     lines = [line for _, line in bash_lines(README)]
-    install = next((line for line in lines if "pip install" in line), "")
-    for step in ["python3 -m venv .venv", ". .venv/bin/activate", "pip install -r requirements.txt"]:
-        assert step in install, f"README.md's install line lacks {step!r}: {install!r}"
     for command in ("python -m pytest -q", "python -m pytest -q --full"):
         assert command in lines, f"README.md has no line `{command}`, a tier's test command"
     with open(os.path.join(REPO, ".ci", "run")) as f:
-        assert "\npython -m pytest -q --full\n" in f.read(), ".ci/run no longer runs the whole suite"
+        ci = f.read()
+    assert CPU_INSTALL.replace("pip install", "pip install -q") in ci, ".ci/run no longer installs as README.md"
+    assert "\npython -m pytest -q --full\n" in ci, ".ci/run no longer runs the whole suite"
+
+
+def test_a_gpu_machines_torch_2_11_satisfies_its_install_offline(tmp_path):
+    """The GPU machine has torch 2.11 (a CUDA build) and no package index: its README line, run by pip with no
+    index and no configuration (no local wheels either), finds everything satisfied and installs nothing, so
+    it keeps that torch. The torch 2.11 here is its metadata alone, ahead of this environment's torch on the
+    path, as pip finds installed packages; the rest is what this environment has installed."""
+    _, gpu = install_lines()
+    installed = tmp_path / "torch-2.11.0+cu130.dist-info"
+    installed.mkdir()
+    (installed / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}  # this machine's local wheels
+    env.update(PIP_CONFIG_FILE=os.devnull, PYTHONPATH=str(tmp_path))
+    command = shlex.split(gpu.split("&&")[0].strip())[1:]  # pip install -r requirements.txt
+    out = subprocess.run([sys.executable, "-m", "pip", *command, "--dry-run", "--no-index"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=HELP_TIMEOUT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Requirement already satisfied: torch" in out.stdout and "(2.11.0+cu130)" in out.stdout, out.stdout
+    assert "Would install" not in out.stdout, out.stdout
 
 
 def test_the_readme_is_a_front_door():
