@@ -452,15 +452,15 @@ def _visible_masks(documents, window, device):
 
 @functools.lru_cache(maxsize=8)
 def first_keys(documents):
-    """(on the ids' device, on the host): the index of the first token of each token's document, (batch,
-    seq); None without documents."""
+    """The index of the first token of each token's document, (batch, seq), on the ids' device; None without
+    documents."""
     if documents is None:
         return None
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
     first = torch.where(starts, index, 0).cummax(dim=1).values
-    return first, first.cpu()
+    return first
 
 
 class VisibleMasks(CausalMasks):
@@ -480,10 +480,10 @@ class VisibleMasks(CausalMasks):
 
     def __init__(self, first, window, device=None):
         self.window, self.device = window, device
-        self.first, self.first_on_host = first or (None, None)
+        self.first = first
         # lo's smallest and largest value over the rows, at each query (host lists: asked per tile)
-        self.low, self.high = ([None, None] if first is None else
-                               [self.first_on_host.min(0).values.tolist(), self.first_on_host.max(0).values.tolist()])
+        self.low, self.high = [None, None] if first is None else torch.stack(
+            [first.min(0).values, first.max(0).values]).tolist()
 
     def first_key(self, i, in_every_row=False):
         """The first key query i sees in some row (in_every_row: the first it sees in every row, the latest)."""

@@ -52,7 +52,7 @@ def test_the_blocks_hold_exactly_what_each_query_sees(case):
     """Block by block: named full exactly where every pair is visible, named (and masked) where only some are,
     left out where none is; pair by pair, model.visible."""
     documents, window = CASES[case]
-    mask = flex.visible_block_mask(documents, window, SEQ, torch.device("cpu"))
+    mask = flex.visible_block_mask(documents, window, 2, SEQ, torch.device("cpu"))
     at = torch.arange(SEQ)
     seen = model.visible(documents, window, at, at)[:, 0].expand(2, -1, -1)
     padded = torch.zeros(2, 3 * flex.BLOCK, 3 * flex.BLOCK, dtype=torch.long)  # (visible pairs, pairs) a block
@@ -121,3 +121,52 @@ def test_the_core_takes_cp_cores_way_where_flexattention_does_not_apply():
     for documents, window in CASES.values():
         assert torch.equal(flex.FlexAttentionCore()(q, k, v, documents, window=window),
                            cp.AttentionCore()(q, k, v, documents, window=window))
+
+
+def graphs_compiled():
+    """Dynamo's count of the graphs it compiled in this process (an internal counter, read as a difference)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.full  # one compilation by the C++ compiler, about a minute on 2 cores with a cold cache
+def test_one_compilation_takes_every_micro_batch_and_mask_of_a_run():
+    """The compiled kernel (static shapes: a run's micro-batches have one shape, training's and validation's)
+    compiles once for the micro-batches of a run, each with its own document ids, and every kind of mask
+    (documents, windows of two sizes, both): one mask_mod, the masks its data. On CPUs FlexAttention compiles
+    inference only, without the log-sum-exp sinks need: no sinks here (tests/test_cuda.py compiles training)."""
+    g = torch.Generator().manual_seed(1)
+    before, attend = graphs_compiled(), flex.compiled_flex_attention()
+    for step, (documents, window) in enumerate([(DOCUMENTS, None), (None, 50), (DOCUMENTS.flip(1), 70),
+                                                (None, 200), (packed([[300], [150, 150]]), None)]):
+        q = torch.randn(2, 4, SEQ, 16, generator=g)
+        k, v = (torch.randn(2, 2, SEQ, 16, generator=g) for _ in range(2))
+        with torch.no_grad():
+            out = flex.flex_one_device_attention(q, k, v, documents, window, attend=attend)
+        tiles = cp.one_device_attention(q, k, v, documents=documents, window=window)[0]
+        assert (out - tiles).abs().max() < 1e-5, step  # float32: the kernel's order of sums is its own
+        assert graphs_compiled() - before == 1, f"micro-batch {step} compiled FlexAttention again"
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(flex.ConfigError) as error:
+        flex.flex_one_device_attention(q[:1], k[:1], v[:1], None, 50, attend=attend)  # another shape
+    assert "recompile limit" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_validation_runs_the_kernel_compiled_for_training(monkeypatch):
+    """Under no_grad (validation) the core calls FlexAttention as training does, grad enabled and the inputs
+    requiring grad, so Dynamo's guards (grad mode, requires_grad) take training's compilation; its result is
+    training's, with no graph kept."""
+    calls = []
+
+    def recording(q, k, v, block_mask, enable_gqa, return_aux=None):
+        calls.append((torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad))
+        return dense_flex(q, k, v, block_mask, enable_gqa, return_aux)[0 if return_aux is None else slice(None)]
+
+    monkeypatch.setattr(flex, "flex_applies", lambda *_: True)  # as on CUDA
+    monkeypatch.setattr(flex, "compiled_flex_attention", lambda: recording)
+    q, k, v, sinks = [t.requires_grad_() for t in inputs(sinks=True)]
+    for with_sinks in (None, sinks):
+        trained = flex.FlexAttentionCore()(q, k, v, DOCUMENTS, window=70, sinks=with_sinks)
+        with torch.no_grad():
+            validated = flex.FlexAttentionCore()(q, k, v, DOCUMENTS, window=70, sinks=with_sinks)
+        assert calls[-2] == calls[-1] == (True, True, True, True)
+        assert torch.equal(trained, validated) and not validated.requires_grad and validated.grad_fn is None
