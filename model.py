@@ -245,32 +245,6 @@ class GPTConfig:
         """Features of a head that rotary embeddings turn: all of them, or latent attention's rotated part."""
         return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
-    def attention_multiply_adds(self) -> int:
-        """Multiply-adds of one token through an attention layer: its matrices, then the scores q kᵀ and the
-        weighted sum of the values (written as over the whole sequence, as flops_per_token has always counted)."""
-        d, h, seq = self.d_model, self.n_head, self.seq_len
-        if not self.kv_lora_rank:  # q and proj, k and v, the scores and the sum
-            return 2 * d * self.q_dim + 2 * d * self.kv_dim + 2 * self.q_dim * seq
-        queries = (d * self.q_lora_rank + self.q_lora_rank * self.q_dim) if self.q_lora_rank else d * self.q_dim
-        keys_values = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (
-            self.qk_nope_head_dim + self.v_head_dim)
-        return queries + keys_values + self.v_dim * d + (self.q_dim + self.v_dim) * seq
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: forward and backward are 3 x the forward's 2 per multiply-add.
-
-        Every matrix a token passes through counts (in an MoE layer: the router, its top-k
-        experts, the shared expert and its gate), plus causal attention's scores and weighted sum
-        (about seq_len/2 keys per query).
-        """
-        d = self.d_model
-        per_unit = (3 if self.gated else 2) * d  # an MLP's per hidden unit: SwiGLU has a gate matrix too
-        mlp = per_unit * self.d_ff
-        moe = per_unit * (self.top_k * self.d_expert + self.d_shared) + d * (self.n_experts + self.shared_expert_gate)
-        attention = self.attention_multiply_adds()
-        per_layer = [attention + (moe if self.is_moe(i) else mlp) for i in range(self.n_layer)]
-        return 6 * (sum(per_layer) + d * self.padded_vocab_size)
-
 
 def pad_vocabulary(vocab_size, multiple=64):
     """The tables' rows for vocab_size ids: a multiple of 64 (as nanoGPT pads GPT-2's 50257 to 50304), so that

@@ -44,7 +44,7 @@ from dp import (ZERO_STAGES, DataParallel, ReplicatedOptimizer, clip_grad_norm_,
 from mesh import Mesh, coordinates
 from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targets, end_moe_step, fill_in_chunks,
                    initial_values, tied_name)
-from training import checkpoint, flight, fp8, hf, integrity, muon, stragglers, tensorfile
+from training import checkpoint, flight, fp8, hf, integrity, mfu, muon, stragglers, tensorfile
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
 from training.data import open_data
@@ -57,10 +57,6 @@ from training.meter import (ActivationMeter, device_memory_bytes, device_peak_by
 from training.profile import StepProfiler
 from training.tensorfile import DamagedFile
 
-PEAK_TFLOPS = {  # dense bfloat16 / float32 (no TF32) TFLOP/s of one GPU, by a part of its name; first match wins
-    "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
-    "L40S": (362, 91.6), "L4": (121, 30.3), "A10G": (70, 31.2),
-}
 COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<kind>_bytes
     "dp": ("all_reduce", "all_gather", "reduce_scatter"),
     "tp": ("all_reduce", "all_gather", "reduce_scatter"),
@@ -73,7 +69,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
               "activation_peak_bytes", "peak_resident_bytes", "device_peak_bytes", "compute_s", "comm_wait_s",
-              "collective_s", "pp_bubble", "pp_peak_in_flight") + COMM_FIELDS
+              "collective_s", "pp_bubble", "pp_peak_in_flight", "flops_per_token") + COMM_FIELDS
 
 
 class NonFiniteStep(ArithmeticError):
@@ -218,9 +214,9 @@ class RunLog:
         self.folder = os.path.join(args.out, run_name(args, world))
         self.writes, self.print = writes, print if writes else lambda *_, **__: None
         self.losses, self.grad_norms, self.val_losses, self.wall_s = [], [], {}, 0.0
-        # Model FLOPs utilisation: the FLOPs the model needs per token (recomputation not counted) times
-        # tokens per second, over every device's peak.
-        self.peak_flops, self.flops_per_token = peak_flops(args, device), trainer.model.config.flops_per_token()
+        # Model FLOPs utilisation: the FLOPs the model needs per token (training/mfu.py) times tokens per
+        # second, over every device's peak.
+        self.peak_flops, self.peak_kind = mfu.peak_flops(args, device)
         self.waited_for = []  # each step's ranks their peers waited for (training/stragglers.py)
 
     def begin(self, shape, data, deterministic=None):
@@ -234,6 +230,7 @@ class RunLog:
         with open(os.path.join(self.folder, "config.json"), "w") as f:
             json.dump(dict(args=vars(args), mesh=asdict(shape), model=asdict(trainer.model.config),
                            world=self.world, device=str(self.device), peak_flops=self.peak_flops,
+                           peak_kind=self.peak_kind,
                            entropy_floor=data.entropy_rate, deterministic=deterministic), f, indent=2)
         floor = f"{data.entropy_rate:.4f} nats/token" if data.entropy_rate else "unknown (real data)"
         self.print(f"run {self.folder}: {self.world} ranks {shape}, {trainer.n_params:,} parameters, "
@@ -251,7 +248,8 @@ class RunLog:
             entry["pp_timeline"] = [None] * self.world
             dist.all_gather_object(entry["pp_timeline"], timeline)
         if self.peak_flops:
-            entry["mfu"] = self.flops_per_token * entry["tokens_per_s"] / (self.world * self.peak_flops)
+            entry["mfu"] = entry["flops_per_token"] * entry["tokens_per_s"] / (self.world * self.peak_flops)
+            entry["mfu_of"] = self.peak_kind  # the peak it is a fraction of: float8's under --fp8
         self.wall_s = entry["time_s"]
         self.waited_for.append(entry["stragglers"])
         self.losses.append(entry["loss"])
@@ -319,7 +317,7 @@ class Trainer:
     def train_step(self, step, timeline=False):
         """One optimizer step over the global batch; returns this rank's log values. With `timeline`, the
         pipeline records when each action waited and ran (self.timeline)."""
-        micro_batches, loss_tokens = self.batch("train", step)
+        micro_batches, loss_tokens, first_keys = self.batch("train", step)
         self.meter.reset_peak()
         clock = StepClock(self.device, timeline, self.collectives)
         for optimizer in self.optimizers:
@@ -336,7 +334,8 @@ class Trainer:
         compute_s, comm_wait_s, collective_s = clock.stop()
         self.timeline = clock.pipeline.timeline() if timeline else None
         return dict(self.rank_record(contribution, compute_s, comm_wait_s, clock.pipeline), grad_norm=grad_norm,
-                    collective_s=collective_s)
+                    collective_s=collective_s, flops_per_token=mfu.flops_per_token(self.model.config, first_keys,
+                                                                                   self.args.seq_len))
 
     def update(self, step):
         """The step's learning rate, the gradients clipped, and the update (ZeRO: of this rank's shards, then
@@ -367,7 +366,7 @@ class Trainer:
         tokens = self.data.batch(*shape)
         targets = counted_targets(tokens, self.data.loss_mask(*shape))
         return (self.local_micro_batches(tokens.to(self.device), targets.to(self.device)),
-                self.packing.loss_tokens(tokens, targets, self.n_shards))
+                self.packing.loss_tokens(tokens, targets, self.n_shards), self.packing.first_keys(tokens))
 
     def local_micro_batches(self, tokens, targets):
         """This rank's (inputs, targets, documents) per micro-batch: its data slice, and its sequence shard
@@ -414,7 +413,8 @@ class Trainer:
         args, losses = self.args, []
         for i in range(args.eval_batches):
             # The same micro-batches as training, so a pipeline sees the shapes it was built for.
-            losses += self.runner.evaluate(*self.batch("val", i))
+            micro_batches, loss_tokens, _ = self.batch("val", i)
+            losses += self.runner.evaluate(micro_batches, loss_tokens)
         return mean_over_ranks(losses)
 
     # -- what the log counts -----------------------------------------------------
@@ -1188,6 +1188,11 @@ class OneSequence:
         batch's counted targets (every one, the mean, where the data has no loss mask) over n_shards."""
         return max(1, (targets != IGNORE).sum().item()) / n_shards
 
+    def first_keys(self, tokens):
+        """The first token of each token's document in the global batch `tokens` (for its attention's FLOPs,
+        training/mfu.py): None, one document a row."""
+        return None
+
 
 class PackedDocuments:
     """Sequences packed with documents, each ended by eos_id: attention and positions stop at each document's
@@ -1206,6 +1211,9 @@ class PackedDocuments:
         Shards count different numbers, and their losses average (over micro-batches, data and sequence
         shards) to the mean over the whole batch's counted targets, on every layout alike."""
         return max(1, ((tokens[:, :-1] != self.eos_id) & (targets != IGNORE)).sum().item()) / n_shards
+
+    def first_keys(self, tokens):
+        return cp.first_keys(document_ids(tokens[:, :-1], self.eos_id))
 
 
 def packing_of(eos_id):
@@ -1370,7 +1378,8 @@ def log_entry(args, step, record, wall, trainer):
                  skipped_steps=trainer.skipped_steps, step_s=step_s, time_s=wall + step_s,
                  tokens_per_s=args.batch_size * args.seq_len / step_s,
                  tokens_seen=(step + 1) * args.batch_size * args.seq_len,  # every step reads one global batch
-                 **{k: v for k, v in record.items() if k not in ("loss", "grad_norm")})
+                 flops_per_token=record["flops_per_token"][0],  # the same on every rank: of the global batch
+                 **{k: v for k, v in record.items() if k not in ("loss", "grad_norm", "flops_per_token")})
     entry.update(trainer.routing.log())
     entry["stragglers"] = stragglers.waited_for(record["compute_s"], record["comm_wait_s"], record["collective_s"],
                                                 trainer.stage_of)
@@ -1383,21 +1392,11 @@ def log_entry(args, step, record, wall, trainer):
 def progress_line(entry, args):
     """The line a step prints: its loss, validation loss, throughput, MFU and pipeline bubble, as known."""
     val = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
-    mfu = f"  MFU {entry['mfu']:.1%}" if "mfu" in entry else ""
+    utilisation = f"  MFU {entry['mfu']:.1%}" + (" of FP8's peak" if entry["mfu_of"] == "float8" else "") \
+        if "mfu" in entry else ""
     bubble = (f"  bubble {max(entry['pp_bubble']):.2f} (ideal {entry['pp_bubble_formula']:.2f})"
               if args.pp > 1 else "")
-    return f"step {entry['step']:5d}  loss {entry['loss']:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{mfu}{bubble}"
-
-
-def peak_flops(args, device):
-    """One device's peak FLOP/s for this run's dtype: --peak-tflops, else the table's (CUDA only), else None."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    if device.type != "cuda" or args.dtype == "float64":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peaks = next((peaks for part, peaks in PEAK_TFLOPS.items() if part in name), None)
-    return peaks and peaks[args.dtype == "float32"] * 1e12
+    return f"step {entry['step']:5d}  loss {entry['loss']:.4f}{val}  {entry['tokens_per_s']:,.0f} tok/s{utilisation}{bubble}"
 
 
 def main(argv=None):

@@ -47,7 +47,7 @@ def test_bfloat16_training_runs_and_its_loss_falls(tmp_path):
     floor = config["entropy_floor"]
     # From about ln(256) = 5.5 towards the floor (1.09): at least half the way in 40 steps.
     assert losses[-1] - floor < 0.5 * (losses[0] - floor)
-    if "mfu" in log[-1]:  # a GPU of the table (train.PEAK_TFLOPS)
+    if "mfu" in log[-1]:  # a GPU of the table (training/mfu.py's PEAK_TFLOPS)
         assert 0 < log[-1]["mfu"] < 1
 
 

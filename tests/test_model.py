@@ -383,28 +383,6 @@ def test_generate_with_the_kv_cache_runs_one_token_a_step_after_the_prompt():
     assert all(block.attn.core is causal_attention for block in model.blocks)  # the cores are given back
 
 
-@pytest.mark.parametrize("experts,arch", [(0, {}), (4, {}), (0, LLAMA), (4, dict(LLAMA, n_shared_experts=2)),
-                                          (4, dict(LLAMA, moe_layers=(1,), d_expert=24, n_shared_experts=1,
-                                                   d_shared=20, shared_expert_gate=True)), (0, QWEN3)],
-                         ids=["gpt", "gpt-moe", "llama", "llama-moe-shared", "qwen2-moe", "qwen3"])
-def test_flops_per_token_counts_every_matrix_and_attention(experts, arch):
-    """6 x (multiply-adds per token): every Linear weight a token meets (for MoE: the router, the shared
-    expert and top-k of the experts' weights), and attention's q k^T and p v over about seq_len/2 keys,
-    twice, per layer."""
-    config = GPTConfig(**{**TINY, **arch}, n_experts=experts, top_k=2)
-    model = GPT(config)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    expert_weights = sum(m.weight.numel() for m in linears if ".experts." in name_of(model, m))
-    dense_weights = sum(m.weight.numel() for m in linears) - expert_weights
-    per_token = dense_weights + expert_weights * config.top_k // max(experts, 1) + \
-        config.n_layer * 2 * config.q_dim * config.seq_len
-    assert config.flops_per_token() == 6 * per_token
-
-
-def name_of(model, module):
-    return next(name for name, m in model.named_modules() if m is module)
-
-
 # 9. The Llama-style block -------------------------------------------------------
 
 def test_llama_block_has_no_biases_no_position_table_and_gqa_shapes():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from training import cli
+from training import cli, mfu
 from tools import plan
 import train
 from training.checkpoint import Checkpoint
@@ -108,10 +108,11 @@ def test_two_rank_run_logs_every_field_and_approaches_the_floor(tmp_path):
     params = list(train.build_model(cli.model_config(cli.parse_args(QUICK), 64), 0, torch.float32,
                                     torch.device("cpu")).parameters())
     n_params = sum(p.numel() for p in params)
-    flops_per_token = GPTConfig(**config["model"]).flops_per_token()
+    flops_per_token = mfu.flops_per_token(GPTConfig(**config["model"]))  # the synthetic language: no documents
     for entry in log:
         assert entry["tokens_per_s"] > 0 and entry["time_s"] > 0
         # Model FLOPs utilisation against the given peak of 1 GFLOP/s per rank.
+        assert entry["flops_per_token"] == flops_per_token and entry["mfu_of"] == "float32"
         assert entry["mfu"] == pytest.approx(flops_per_token * entry["tokens_per_s"] / (2 * 1e9))
         assert entry["param_bytes"] == entry["grad_bytes"] == [4 * n_params] * 2  # replicas: full copies
         # AdamW: two float32 moments per parameter and a float32 step counter per tensor.

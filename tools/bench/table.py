@@ -103,8 +103,7 @@ def recomputation_check(settings, out, modes=("none", "selective", "full")):
 
 def summarise(out, settings, cores):
     """One summary per configuration, from its log; efficiency against the compute-bound ceiling, and MFU
-    where train.py knew the device's peak (GPUs of its table, or --peak-tflops)."""
-    from model import GPTConfig
+    where train.py knew the device's peak (GPUs of training/mfu.py's table, or --peak-tflops)."""
     rows = []
     for name, world, flags, what in CONFIGS:
         path = os.path.join(out, "runs", name, "log.jsonl")
@@ -122,7 +121,7 @@ def summarise(out, settings, cores):
         val = [e["val_loss"] for e in log if "val_loss" in e]
         with open(os.path.join(out, "runs", name, "config.json")) as f:
             config = json.load(f)
-        flops, peak = GPTConfig(**config["model"]).flops_per_token() * throughput, config["peak_flops"]
+        flops, peak = statistics.mean(e["flops_per_token"] for e in steady) * throughput, config["peak_flops"]
         rows.append(dict(
             model_flops_per_s=flops, mfu=flops / (world * peak) if peak else None,
             name=name, world=world, flags=flags, demonstrates=what, tokens_per_s=throughput,
