@@ -256,3 +256,50 @@ def test_combined_1f1b_pairs_on_a_gpu_equal_the_cpu_oracle(tmp_path):
     events = json.loads((run / "traces" / "rank0.json").read_text())["traceEvents"]
     threads = {e["tid"] for e in events if e.get("ph") == "X" and e.get("name") == "ep.dispatch c0 start"}
     assert len(threads) > 1
+
+
+def flex_compilations_on_cuda(dtype_name):
+    """How many graphs Dynamo compiled for the one-device core over a run's calls: two training micro-batches of
+    new document ids (forward and backward), a layer with a window, and validation under no_grad."""
+    from torch._dynamo.utils import counters
+    from training.flex import FlexAttentionCore
+    device, dtype = torch.device("cuda"), getattr(torch, dtype_name)
+    g = torch.Generator(device=device).manual_seed(0)
+    core, before = FlexAttentionCore(), counters["stats"]["unique_graphs"]
+    for step, cut in enumerate([37, 100, 5]):
+        documents = (torch.arange(256, device=device) >= cut).long().expand(2, -1)  # two documents a row
+        q = torch.randn(2, 8, 256, 64, device=device, generator=g).to(dtype)
+        k, v = (torch.randn(2, 2, 256, 64, device=device, generator=g).to(dtype) for _ in range(2))
+        for window in (None, 50):
+            if step < 2:  # training
+                leaves = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
+                core(*leaves, documents, window=window).sum().backward()
+            else:
+                with torch.no_grad():
+                    core(q, k, v, documents, window=window)
+    return counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_flexattention_compiles_once_for_a_runs_training_and_validation(dtype):
+    """The FlexAttention core compiles once per dtype and head shape: not again for new document ids, a window,
+    or validation's no_grad (it runs training's compilation)."""
+    compiled, = run_on_ranks(1, flex_compilations_on_cuda, dtype)
+    assert compiled == 1
+
+
+def test_compiled_fp8_with_packed_documents_trains_as_the_uncompiled_run(tmp_path):
+    """--compile --fp8 rowwise --document-mask on one GPU in bfloat16 (compiled blocks around FP8's products,
+    FlexAttention for the documents) against the same run without --compile: the compiler fuses the element-wise
+    work and rounds to bfloat16 at other places, so the losses agree to a few bfloat16 roundings (2^-8 each) of
+    the loss, not to the bit."""
+    argv = ["--model", "small", "--arch", "llama", "--dtype", "bfloat16", "--fp8", "rowwise", "--document-mask",
+            "--eos-id", "0", "--steps", "8", "--eval-interval", "4", "--out", str(tmp_path)]
+    logs = []
+    for name, flags in (("eager", []), ("compiled", ["--compile"])):
+        out = torchrun(1, "train.py", *argv, *flags, "--name", name)
+        assert out.returncode == 0, out.stderr
+        logs.append(read_run(tmp_path / name)[1])
+    for eager, compiled in zip(*logs):
+        assert abs(eager["loss"] - compiled["loss"]) <= 4 * 2**-8 * abs(eager["loss"]), (eager["step"], eager["loss"],
+                                                                                         compiled["loss"])
