@@ -53,7 +53,7 @@ from training.flex import FlexAttentionCore
 from training.launch import (Preemption, exit_with_error, first_problem, in_collective, init_distributed,
                              rank_and_world, where)
 from training.meter import (ActivationMeter, device_memory_bytes, device_peak_bytes, optimizer_bytes,
-                            parameter_bytes, peak_resident_bytes, tensor_bytes)
+                            parameter_bytes, peak_resident_bytes, resident_bytes, tensor_bytes)
 from training.profile import StepProfiler
 from training.tensorfile import DamagedFile
 
@@ -69,7 +69,7 @@ COMM_KINDS = {  # the collectives each dimension issues; logged as comm_<dim>_<k
 COMM_FIELDS = tuple(f"comm_{dim}_{kind}_bytes" for dim, kinds in COMM_KINDS.items() for kind in kinds)
 LOG_FIELDS = ("loss", "grad_norm", "stop_requested", "param_bytes", "grad_bytes", "optim_bytes",
               "activation_peak_bytes", "peak_resident_bytes", "device_peak_bytes", "compute_s", "comm_wait_s",
-              "collective_s", "pp_bubble", "pp_peak_in_flight", "flops_per_token") + COMM_FIELDS
+              "collective_s", "pp_bubble", "pp_peak_in_flight", "flops_per_token", "process_bytes") + COMM_FIELDS
 
 
 class NonFiniteStep(ArithmeticError):
@@ -90,6 +90,7 @@ def train(args):
 
 
 def run_training(args, recorder):
+    process_bytes = resident_bytes()  # the interpreter and PyTorch, before anything of the run (logged each step)
     rank, world = rank_and_world()
     described = describe_data(args)  # the data's meta.json, read once: the checks and the data opened take it
     config, shape = check_args(args, world, described)  # before any process group exists: a bad launch cannot hang
@@ -120,7 +121,8 @@ def run_training(args, recorder):
             profiler.start(step)  # --profile's steps alone are traced, to profiler.stop; without it, nothing
             recorder.step = step
             timeline = args.pp > 1 and step == end - 1  # the pipeline's timeline, of one step: the last
-            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested))
+            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested,
+                                         process_bytes=process_bytes))
             if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
                 end, stopped = step + 1, True
                 recorder.dump("stopped by a signal (SIGTERM or SIGINT)")

@@ -13,6 +13,14 @@ ACTIVATION_MARGIN = {"float64": 0, "float32": 0, "bfloat16": 0}
 ROUTED = ("comm_ep_all_to_all_bytes", "comm_tp_all_reduce_bytes", "comm_fp8_all_reduce_bytes", "activation_peak_bytes")
 
 
+def here(peak, process_bytes):
+    """The plan's peak on this process: its typical interpreter and PyTorch (plan.PROCESS_BYTES) replaced by the
+    process's own, measured before it built anything (train.py's and the dry run's process_bytes). A resident
+    set counts the shared libraries' pages as the page cache holds them (collapsed into huge pages, a library
+    counts whole), so that figure is this machine's and this moment's, not the code's."""
+    return peak - plan.PROCESS_BYTES + process_bytes
+
+
 def logged_records(out_dir):
     (run,) = os.listdir(out_dir)
     with open(os.path.join(out_dir, run, "log.jsonl")) as f:

@@ -10,20 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from distributed import REPO
+from planned import here
 from tools import plan
 from training import cli
 
 pytestmark = pytest.mark.full  # the full tier (tests/conftest.py): python -m pytest -q --full
 
 TINY = ["--model", "tiny", "--batch-size", "32", "--dtype", "float32"]
-
-
-def here(peak, measured):
-    """The plan's peak on this process: its typical interpreter and PyTorch (plan.PROCESS_BYTES) replaced by the
-    process's own, measured before it built anything. A resident set counts the shared libraries' pages as the
-    page cache holds them (collapsed into huge pages, a library counts whole), so that figure is this machine's
-    and this moment's, not the code's."""
-    return peak - plan.PROCESS_BYTES + measured["process_bytes"]
 
 
 def dry_run(*argv, timeout=120, fixed_threshold=False):
@@ -77,7 +70,7 @@ def test_one_rank_of_64_counts_what_plan_predicts_and_writes_nothing(tmp_path, r
     for field, value in predicted.items():
         assert measured[field] == value, field
     # A tiny model: the peak is mostly the interpreter and PyTorch themselves (the process before building).
-    assert abs(measured["peak_resident_bytes"] / here(peak, measured) - 1) < 0.15
+    assert abs(measured["peak_resident_bytes"] / here(peak, measured["process_bytes"]) - 1) < 0.15
     assert "loss" not in measured
     assert os.listdir(tmp_path) == []  # no log, no checkpoint
 
@@ -100,7 +93,7 @@ def test_one_rank_of_deepseek_v3_671b_on_2048_counts_what_plan_predicts():
     peak = predicted.pop("peak_resident_bytes")
     assert predicted["comm_ep_all_to_all_bytes"] > 0 and predicted["param_bytes"] > 2**27
     assert {field: measured[field] for field in predicted} == predicted
-    peak = here(peak, measured)
+    peak = here(peak, measured["process_bytes"])
     assert 0.95 * (peak - predicted["optim_bytes"]) < measured["peak_resident_bytes"] < 1.05 * peak
 
 
@@ -132,7 +125,7 @@ def test_one_rank_of_gpt_oss_20b_in_the_layout_search_puts_first_counts_what_pla
     peak = predicted.pop("peak_resident_bytes")
     assert predicted["param_bytes"] > 0 and predicted["comm_ep_all_to_all_bytes"] > 0
     assert {field: measured[field] for field in predicted} == predicted
-    peak = here(peak, measured)
+    peak = here(peak, measured["process_bytes"])
     assert 0.95 * (peak - predicted["optim_bytes"]) < measured["peak_resident_bytes"] < 1.05 * peak
 
 
