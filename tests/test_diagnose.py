@@ -51,12 +51,11 @@ def skipping_worker(argv):
             return x.clone()
         return original(x, group, op)
     tp.all_reduce = all_reduce
-    start = time.monotonic()
     try:
         train.main(argv)
-        return 0, time.monotonic() - start
+        return 0
     except RuntimeError:  # a collective timed out, or failed: main wrote why and raised
-        return 1, time.monotonic() - start
+        return 1
 
 
 def run_folder(out):
@@ -66,9 +65,8 @@ def run_folder(out):
 
 def test_a_skipped_collective_is_named_with_its_group_number_and_the_rank_that_did_not_arrive(tmp_path, capsys):
     argv = [*EQUIVALENCE, "--steps", "4", "--tp", "2", "--timeout", "6", "--out", str(tmp_path)]
-    results = run_on_ranks(4, skipping_worker, argv, timeout=120)
-    assert [status for status, _ in results] == [1, 1, 1, 1]  # every rank fails, none hangs
-    assert all(seconds < 60 for _, seconds in results)
+    results = run_on_ranks(4, skipping_worker, argv, timeout=120)  # a hang would pass the deadline
+    assert results == [1, 1, 1, 1]  # every rank fails, none hangs
     folder = run_folder(tmp_path)
     assert sorted(os.listdir(os.path.join(folder, "collectives"))) == [f"rank{r}.json" for r in range(4)]
     # The collective rank 1 skipped: its partner's last call of tp.all_reduce in step 2, on their tp group
