@@ -47,6 +47,7 @@ from model import (GPT, IGNORE, apply_recomputation, document_ids, document_targ
 from training import checkpoint, flight, fp8, hf, integrity, mfu, muon, stragglers, tensorfile
 from training.dashboard import Dashboard, NoDashboard
 from training.cli import DTYPES, ConfigError, check_args, check_tokens, describe_data, document_eos, parse_args
+from training.count.memory import largest_parameter_bytes
 from training.data import open_data
 from training.determinism import make_deterministic
 from training.flex import FlexAttentionCore
@@ -90,7 +91,6 @@ def train(args):
 
 
 def run_training(args, recorder):
-    process_bytes = resident_bytes()  # the interpreter and PyTorch, before anything of the run (logged each step)
     rank, world = rank_and_world()
     described = describe_data(args)  # the data's meta.json, read once: the checks and the data opened take it
     config, shape = check_args(args, world, described)  # before any process group exists: a bad launch cannot hang
@@ -121,8 +121,7 @@ def run_training(args, recorder):
             profiler.start(step)  # --profile's steps alone are traced, to profiler.stop; without it, nothing
             recorder.step = step
             timeline = args.pp > 1 and step == end - 1  # the pipeline's timeline, of one step: the last
-            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested,
-                                         process_bytes=process_bytes))
+            record = gather_records(dict(trainer.train_step(step, timeline), stop_requested=preemption.requested))
             if any(record.pop("stop_requested")):  # every rank learns it at the same step: all stop together
                 end, stopped = step + 1, True
                 recorder.dump("stopped by a signal (SIGTERM or SIGINT)")
@@ -286,6 +285,7 @@ class Trainer:
     """The model with its parallel dimensions applied, its optimizers, and one training step."""
 
     def __init__(self, args, config, mesh, data, device):
+        self.process_bytes = resident_bytes()  # before it builds anything: the interpreter, PyTorch, its groups
         self.args, self.mesh, self.data, self.device = args, mesh, data, device
         self.packing = packing_of(document_eos(args, data=data.info))
         precision = Precision.from_args(args)
@@ -441,7 +441,8 @@ class Trainer:
                       optim_bytes=sum(optimizer_bytes(optimizer.optimizer) for optimizer in self.optimizers),
                       activation_peak_bytes=self.meter.peak, peak_resident_bytes=peak_resident_bytes(),
                       device_peak_bytes=device_peak_bytes(self.device), compute_s=compute_s, comm_wait_s=comm_wait_s,
-                      pp_bubble=pipeline.bubble(), pp_peak_in_flight=pipeline.peak_in_flight)
+                      pp_bubble=pipeline.bubble(), pp_peak_in_flight=pipeline.peak_in_flight,
+                      process_bytes=self.process_bytes)
         counters = self.comm_counters()  # bytes sent during this step
         record.update({field: counters[field] - self.comm_baseline[field] for field in COMM_FIELDS})
         self.comm_baseline = counters
@@ -1239,9 +1240,9 @@ def run_name(args, world):
 
 def check_memory(args, world, config, data):
     """A model whose parameters alone cannot fit a rank's device is refused before anything is allocated, by
-    tools/plan/'s count of the busiest rank's param_bytes under this layout (every rank counts the same)."""
-    from tools import plan  # (it imports this file: imported once this file is whole)
-    need, have = plan.largest_parameter_bytes(args, world, config, data), device_memory_bytes()
+    training/count/'s count of the busiest rank's param_bytes under this layout (tools/plan/'s; every rank
+    counts the same)."""
+    need, have = largest_parameter_bytes(args, world, config, data), device_memory_bytes()
     if need > have:
         device = "its GPU" if torch.cuda.is_available() else "its share of the machine's memory"
         raise ConfigError(f"the model's parameters alone take {need / 2**30:,.1f} GiB on the busiest rank of this "

@@ -44,14 +44,13 @@ from torch.utils._pytree import tree_map
 
 from training import cli, muon
 from training.data import open_data
-from training.meter import resident_bytes
 from tools import plan
 import ep
 import train
 from mesh import Mesh
 
 MEMORY = ("param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes")
-MEASURED_ONLY = ("peak_resident_bytes", "device_peak_bytes")  # predicted: the first (plan.predict_peaks)
+MEASURED_ONLY = ("peak_resident_bytes", "device_peak_bytes", "process_bytes")  # predicted: the first
 
 
 class DryRunTrainer(train.Trainer):
@@ -193,8 +192,8 @@ def dry_run(args, rank, world, compute=False):
     first: AdamW makes its state there), its arithmetic skipped unless `compute`; returns (measured,
     predicted): {field: value} of this rank, the prediction's peak_resident_bytes being tools/plan/'s peak
     of start-up and step (a dry run saves nothing). measured["process_bytes"] is the process's resident memory
-    before it builds anything: its own figure for what the plan's PROCESS_BYTES stands for, a typical value."""
-    process_bytes = resident_bytes()
+    before the trainer builds anything (train.Trainer's): its own figure for what the plan's PROCESS_BYTES
+    stands for, a typical value."""
     described = cli.describe_data(args)  # the data's meta.json, read once
     config, shape = check_dry_run(args, rank, world, described)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -208,7 +207,7 @@ def dry_run(args, rank, world, compute=False):
         dist.destroy_process_group()
     predicted = {field: values[rank] for field, values in plan.predict(args, world).items()
                  if field in MEMORY or field.startswith("comm_")}
-    measured = dict({field: record[field] for field in (*predicted, *MEASURED_ONLY)}, process_bytes=process_bytes)
+    measured = {field: record[field] for field in (*predicted, *MEASURED_ONLY)}
     peaks = plan.predict_peaks(args, world)
     predicted["peak_resident_bytes"] = max(peaks["startup_peak_bytes"][rank], peaks["step_peak_bytes"][rank])
     return measured, predicted
