@@ -6,8 +6,8 @@
 Writes results/throughput.png, loss.png, memory.png, communication.png,
 bubble.png, experts.png, documents.png (packed documents' attention mask and the ring attention
 blocks it skips), memory_planned.png (tools/plan/'s memory per strategy by
-sequence length), memory_measured.png (tools/bench/'s small runs of the same
-strategies, measured beside predicted), timelines.png (the pipeline
+sequence length) and memory_measured.png (tools/bench/'s small runs of the same
+strategies, measured beside predicted), both from planner.json, timelines.png (the pipeline
 schedules as measured), muon_convergence.png (Muon's and AdamW's learning-rate
 sweeps, where results/muon_convergence.json exists), fp8.png (each --fp8 recipe's
 loss beside bfloat16's, where results/fp8.json exists) and results/results.md (the
@@ -358,21 +358,21 @@ def stack(ax, x, width, memory, label_parts=False, hatch=None):
     return bottom
 
 
-def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**i for i in range(10, 18))):
-    """The playbook's figure from tools/plan/: per-rank memory of each strategy alone, by sequence length, for an
-    8B shape (EP: Mixtral 8x7B), without, with selective and with full recomputation, in bf16."""
-    from tools import plan  # the planner builds models on the meta device: torch, only here
-    base = ["--model", model, "--arch", "llama", "--dtype", "bfloat16"]
-    moe_base = ["--model", moe, "--arch", "llama", "--dtype", "bfloat16", *plan.EXPERTS]
-    limit, x = 200, np.arange(len(seq_lens))
-    fig, axes = plt.subplots(len(MODES), len(plan.STRATEGIES), figsize=(24, 10), sharey=True)
+def planned_memory(results):
+    """The playbook's figure, as tools/bench/ wrote tools/plan/'s figures into planner.json: per-rank memory of
+    each strategy alone, by sequence length, for an 8B shape (EP: Mixtral 8x7B), without, with selective and
+    with full recomputation, in bf16."""
+    planner = optional_result(results, "planner.json")
+    if planner is None:
+        return
+    planned, labels = planner["planned"], [label for label, *_ in planner["strategies"]]
+    seq_lens, limit = planned["seq_lens"], 200
+    x = np.arange(len(seq_lens))
+    fig, axes = plt.subplots(len(MODES), len(labels), figsize=(24, 10), sharey=True)
     for row, mode in enumerate(MODES):
-        for col, (label, world, flags) in enumerate(plan.STRATEGIES):
+        for col, label in enumerate(labels):
             ax = axes[row, col]
-            model_flags = moe_base if label.startswith("EP") else base
-            memory = [plan.busiest_memory(plan.strategy_argv(model_flags, flags, world, s, mode), world)
-                      for s in seq_lens]
-            totals = stack(ax, x, 0.8, memory, label_parts=row == 0 and col == 0)
+            totals = stack(ax, x, 0.8, planned["memory"][mode][label], label_parts=row == 0 and col == 0)
             for xi, total in zip(x, totals):
                 if total > limit:  # off the chart: say how far
                     ax.text(xi, limit * 0.97, f"{total:.0f}", rotation=90, ha="center", va="top", fontsize=7)
@@ -380,25 +380,15 @@ def planned_memory(results, model="llama3-8b", moe="mixtral", seq_lens=tuple(2**
             ax.set_ylim(0, limit)
             ax.set_xticks(x, [f"{s // 1024}K" for s in seq_lens], rotation=90, fontsize=7)
             if row == 0:
-                ax.set_title(label + (" (Mixtral 8x7B)" if label.startswith("EP") else ""), fontsize=10)
+                ax.set_title(label + (f" ({planned['moe']})" if label.startswith("EP") else ""), fontsize=10)
             if col == 0:
                 ax.set_ylabel(f"recompute {mode}\nGiB per GPU")
     fig.legend(loc="upper center", ncol=5, fontsize=9, bbox_to_anchor=(0.5, 0.965))
-    fig.suptitle(f"tools/plan/: memory per GPU of {model} (Llama-3 8B) by sequence length, each strategy alone "
+    fig.suptitle(f"tools/plan/: memory per GPU of {planned['model']} by sequence length, each strategy alone "
                  "(one sequence per rank and micro-batch, bf16 weights, float32 master weights and gradients); dashed: 80 GiB", y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(os.path.join(results, "memory_planned.png"), dpi=80)
     plt.close(fig)
-
-
-def predicted(point):
-    """tools/plan/'s prediction (as it is now) for the rank a tools/bench/ point measured; activations with the
-    block being recomputed, which the meter does not see."""
-    from tools import plan
-    prediction = plan.predict(plan.cli.parse_args(point["argv"]), point["world"])
-    figures = {field: values[point["rank"]] for field, values in prediction.items()}
-    return dict(param=figures["param_bytes"], grad=figures["grad_bytes"], optim=figures["optim_bytes"],
-                activations=figures["activation_peak_bytes"] + figures["recompute_bytes"])
 
 
 def measured_memory(results):
@@ -415,7 +405,7 @@ def measured_memory(results):
             ax = axes[row, col]
             mine = {p["seq_len"]: p for p in points if p["strategy"] == label and p["recompute"] == mode}
             stack(ax, x - 0.2, 0.38, [mine[s]["measured"] for s in seq_lens], label_parts=row == 0 and col == 0)
-            stack(ax, x + 0.2, 0.38, [predicted(mine[s]) for s in seq_lens], hatch="//")
+            stack(ax, x + 0.2, 0.38, [mine[s]["predicted"] for s in seq_lens], hatch="//")
             ax.set_xticks(x, [str(s) for s in seq_lens], fontsize=8)
             if row == 0:
                 ax.set_title(label, fontsize=10)

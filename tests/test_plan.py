@@ -491,3 +491,26 @@ def test_search_fits_gpt_oss_20b_on_8_gpus_of_80_gb(capsys):
               for rank in range(8)]
     assert max(device) <= 80e9, device
     assert "layouts of gpt-oss-20b on 8 ranks fit 74.5 GiB" in capsys.readouterr().out
+
+
+def test_plot_draws_the_planners_figures_from_the_file_the_benchmark_writes(tmp_path):
+    """plot.py reads planner.json, not the planner: the figure's figures (planned_memory: busiest_memory of each
+    strategy, mode and length) and, beside a measured point, predicted_for's prediction of its rank."""
+    import plot
+    planned = plan.planned_memory(seq_lens=(1024,))
+    for label, world, flags in plan.STRATEGIES:
+        base = ["--model", "mixtral", *plan.EXPERTS] if label.startswith("EP") else ["--model", "llama3-8b"]
+        argv = plan.strategy_argv([*base, "--arch", "llama", "--dtype", "bfloat16"], flags, world, 1024, "full")
+        assert planned["memory"]["full"][label] == [plan.busiest_memory(argv, world)]
+    argv = ["--model", "tiny", "--zero", "3", "--batch-size", "2"]
+    prediction = plan.predict(cli.parse_args(argv), 2)
+    predicted = plan.predicted_for(argv, 2, 1)
+    assert predicted["optim"] == prediction["optim_bytes"][1] and predicted["activations"] == (
+        prediction["activation_peak_bytes"][1] + prediction["recompute_bytes"][1])
+    points = [dict(strategy=label, seq_len=1024, recompute=mode, measured=predicted, predicted=predicted)
+              for label, *_ in plan.STRATEGIES for mode in plan.figure.MODES]
+    (tmp_path / "planner.json").write_text(json.dumps(dict(model="tiny", strategies=plan.STRATEGIES, points=points,
+                                                           planned=planned)))
+    plot.planned_memory(str(tmp_path))
+    plot.measured_memory(str(tmp_path))
+    assert (tmp_path / "memory_planned.png").stat().st_size > 0 and (tmp_path / "memory_measured.png").stat().st_size > 0

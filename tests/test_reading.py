@@ -118,3 +118,34 @@ def test_no_tool_module_is_over_800_lines():
                 if n > 800:
                     long[os.path.relpath(os.path.join(folder, file), REPO)] = n
     assert not long, long
+
+
+def imported_modules(path):
+    """Every module a file imports, at its top or inside a function (`from x import y` gives x)."""
+    with open(os.path.join(REPO, path)) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_imports_run_one_way_down():
+    """tools/ use training/ and the top level, never the other way: no top-level file nor one of training/ imports
+    tools/ (train.py's memory check counts with training/count/); plot.py draws result files, importing
+    neither train.py nor tools/."""
+    upward = {}
+    for folder, _, files in os.walk(REPO):
+        relative = os.path.relpath(folder, REPO)
+        if relative != "." and relative.split(os.sep)[0] != "training":
+            continue
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.normpath(os.path.join(relative, file))
+            tools = sorted(name for name in imported_modules(path) if name.split(".")[0] == "tools")
+            if tools:
+                upward[path] = tools
+    assert not upward, upward
+    assert not {name.split(".")[0] for name in imported_modules("plot.py")} & {"train", "tools"}

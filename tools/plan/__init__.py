@@ -97,7 +97,8 @@ Under Muon it plans each candidate's assembly as above, save those that
 cannot fit whatever it holds and those whose stages hold too many pieces to
 assign here (MUON_SEARCH_PIECES), which it counts.
 
-The modules, each a section of the planner, in the order each builds on the ones before it:
+The modules, each a section of the planner, in the order each builds on the ones before it (the first four
+in training/count/, which train.py's check of the parameters' memory uses too, before anything is allocated):
     layout.py       the Layout train.py's flags make (layout_of), and where a rank sits in its grid
     parameters.py   which parameters a rank holds, and how many elements of each (model.py's shapes)
     buckets.py      dp.py's gradient buckets and ZeRO-3's units, padded to a multiple of the group
@@ -108,7 +109,7 @@ The modules, each a section of the planner, in the order each builds on the ones
     activations.py  what a block and the model's edges save for backward, and its peak under a schedule
     prediction.py   every rank's figures under log.jsonl's names (predict, predict_stage)
     peak.py         peak resident memory of start-up, a step, a checkpoint's save and load (predict_peaks)
-    figure.py       the playbook's figure: each strategy alone, by sequence length (plot.py draws it)
+    figure.py       the playbook's figure: each strategy alone, by sequence length (planner.json's, for plot.py)
     nodes.py        which traffic stays inside a node and which crosses nodes
     search.py       --search: the layouts that fit --memory, least traffic across nodes first
     command.py      the command line: the table, --json, --search (python -m tools.plan runs its main)
@@ -118,20 +119,22 @@ the module its import below names.
 from tools.plan.activations import block_activations
 from tools.plan.attention import attention_of
 from tools.plan.command import main, parse_args
-from tools.plan.figure import EXPERTS, STRATEGIES, busiest_memory, strategy_argv
-from tools.plan.layout import Layout, coordinates, first_of_stage, layout_of, stage_place
+from tools.plan.figure import EXPERTS, STRATEGIES, busiest_memory, planned_memory, predicted_for, strategy_argv
+from training.count.layout import Layout, coordinates, first_of_stage, layout_of, stage_place
+from training.count.memory import largest_parameter_bytes
 from tools.plan.muon import muon_held
 from tools.plan.nodes import TRAFFIC_GROUPS, ExpertNodes, crosses_nodes, expert_nodes, group_members, node_split
-from tools.plan.parameters import config_key, model_parameters, rank_parameters, tp_sharded
+from training.count.parameters import config_key, model_parameters, rank_parameters, tp_sharded
 from tools.plan.peak import PROCESS_BYTES, predict_peaks
-from tools.plan.prediction import largest_parameter_bytes, predict, predict_stage
+from tools.plan.prediction import predict, predict_stage
 from tools.plan.search import candidate_layouts, search
-from training import cli  # (plot.py reads the flags of what it plots with plan.cli)
+from training import cli
 
 __all__ = [
     "EXPERTS", "PROCESS_BYTES", "STRATEGIES", "TRAFFIC_GROUPS", "ExpertNodes", "Layout", "attention_of",
-    "block_activations", "busiest_memory", "candidate_layouts", "cli", "config_key", "coordinates", "crosses_nodes",
-    "expert_nodes", "first_of_stage", "group_members", "largest_parameter_bytes", "layout_of", "main",
-    "model_parameters", "muon_held", "node_split", "parse_args", "predict", "predict_peaks", "predict_stage",
-    "rank_parameters", "search", "stage_place", "strategy_argv", "tp_sharded",
+    "block_activations", "busiest_memory", "candidate_layouts", "cli", "config_key", "coordinates",
+    "crosses_nodes", "expert_nodes", "first_of_stage", "group_members", "largest_parameter_bytes", "layout_of",
+    "main", "model_parameters", "muon_held", "node_split", "parse_args", "planned_memory", "predict",
+    "predict_peaks", "predict_stage", "predicted_for", "rank_parameters", "search", "stage_place",
+    "strategy_argv", "tp_sharded",
 ]

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pp
 from tools.plan.attention import attention_of
-from tools.plan.parameters import norms_per_block
+from training.count.parameters import norms_per_block
 from tools.plan.traffic import routed_tokens, tokens_per_rank
 
 

@@ -4,10 +4,10 @@ import json
 import math
 import sys
 
-from tools.plan.layout import first_of_stage, layout_of, rank_of
+from training.count.layout import first_of_stage, layout_of, rank_of
 from tools.plan.muon import muon_ranks
 from tools.plan.nodes import expert_nodes, node_split
-from tools.plan.parameters import config_key, model_parameters
+from training.count.parameters import config_key, model_parameters
 from tools.plan.peak import PROCESS_BYTES, busiest_of_stage, predict_peaks, stage_peaks
 from tools.plan.prediction import comm_fields, predict, predict_stage, rank_figures, rank_traffic
 from tools.plan.search import search

@@ -1,7 +1,8 @@
-"""The playbook's figure: per-rank memory of each strategy alone, by sequence length (plot.py draws it, and
-tools/bench/planner.py measures it)."""
-from tools.plan.layout import first_of_stage, layout_of
-from tools.plan.prediction import predict_stage, rank_figures
+"""The playbook's figure: per-rank memory of each strategy alone, by sequence length (tools/bench/planner.py
+measures it at a small size and writes it with the planner's figures, planned_memory and predicted_for, into
+planner.json; plot.py draws that file)."""
+from training.count.layout import first_of_stage, layout_of
+from tools.plan.prediction import predict, predict_stage, rank_figures
 from training import cli
 
 
@@ -12,6 +13,7 @@ STRATEGIES = [
     ("CP=8", 8, ["--cp", "8"]), ("EP=8", 8, ["--ep", "8"]),
 ]
 EXPERTS = ["--experts", "8", "--top-k", "2"]
+MODES = ("none", "selective", "full")  # --recompute
 
 
 def strategy_argv(model_flags, flags, world, seq_len, recompute):
@@ -33,3 +35,22 @@ def busiest_memory(argv, world):
         ranks.append(dict(param=figures["param_bytes"], grad=figures["grad_bytes"], optim=figures["optim_bytes"],
                           activations=figures["activation_peak_bytes"] + figures["recompute_bytes"]))
     return max(ranks, key=lambda r: sum(r.values()))
+
+
+def planned_memory(model="llama3-8b", moe="mixtral", seq_lens=tuple(2**i for i in range(10, 18))):
+    """The figure's figures: {mode: {strategy: [busiest_memory, a sequence length each]}} for an 8B shape (EP:
+    Mixtral 8x7B), without, with selective and with full recomputation, in bf16, and what they are of."""
+    base = ["--model", model, "--arch", "llama", "--dtype", "bfloat16"]
+    moe_base = ["--model", moe, "--arch", "llama", "--dtype", "bfloat16", *EXPERTS]
+    memory = {mode: {label: [busiest_memory(strategy_argv(moe_base if label.startswith("EP") else base, flags, world,
+                                                          seq_len, mode), world) for seq_len in seq_lens]
+                     for label, world, flags in STRATEGIES} for mode in MODES}
+    return dict(model=model, moe=moe, seq_lens=list(seq_lens), memory=memory)
+
+
+def predicted_for(argv, world, rank):
+    """{param, grad, optim, activations (with the block being recomputed, which the meter does not see)}: the
+    prediction for one rank of a measured run."""
+    figures = {field: values[rank] for field, values in predict(cli.parse_args(argv), world).items()}
+    return dict(param=figures["param_bytes"], grad=figures["grad_bytes"], optim=figures["optim_bytes"],
+                activations=figures["activation_peak_bytes"] + figures["recompute_bytes"])

@@ -7,10 +7,10 @@ from typing import NamedTuple
 
 from ep import is_expert_parameter
 from model import GPTConfig
-from tools.plan.buckets import unit_of
-from tools.plan.layout import expert_coordinates, group_index, stage_place, stage_rank
-from tools.plan.memory import zero_buckets
-from tools.plan.parameters import config_key, model_parameters, rank_parameters, tp_sharded
+from training.count.buckets import unit_of
+from training.count.layout import expert_coordinates, group_index, stage_place, stage_rank
+from training.count.memory import zero_buckets
+from training.count.parameters import config_key, model_parameters, rank_parameters, tp_sharded
 from training import muon
 
 

@@ -3,7 +3,7 @@ consecutive), and where the experts of an ep group lie."""
 from typing import NamedTuple
 
 from mesh import DIMS, EXPERT_AXES
-from tools.plan.layout import expert_coordinates, rank_of
+from training.count.layout import expert_coordinates, rank_of
 from tools.plan.prediction import rank_traffic
 
 

@@ -4,10 +4,10 @@ from collections import Counter
 
 from model import INIT_CHUNK
 from tools.plan.activations import INT64
-from tools.plan.layout import coordinates, expert_coordinates, first_of_stage, layout_of, stage_place, stage_rank
-from tools.plan.memory import state_memory, zero_buckets
+from training.count.layout import coordinates, expert_coordinates, first_of_stage, layout_of, stage_place, stage_rank
+from training.count.memory import state_memory, zero_buckets
 from tools.plan.muon import MuonRank, muon_ranks
-from tools.plan.parameters import rank_parameters
+from training.count.parameters import rank_parameters
 from tools.plan.prediction import predict_stage, rank_figures
 from training import cli
 

@@ -9,11 +9,11 @@ import train
 from dp import ring_bytes_sent
 from model import GPTConfig
 from tools.plan.activations import activation_peak
-from tools.plan.buckets import padded
-from tools.plan.layout import coordinates, group_index, layout_of, stage_place
-from tools.plan.memory import ADAM_STEP_BYTES, state_memory
+from training.count.buckets import padded
+from training.count.layout import coordinates, group_index, layout_of, stage_place
+from training.count.memory import ADAM_STEP_BYTES, stage_states, state_memory
 from tools.plan.muon import muon_ranks
-from tools.plan.parameters import config_key, rank_parameters
+from training.count.parameters import config_key, rank_parameters
 from tools.plan.traffic import cp_traffic, fp8_traffic, moe_traffic, pp_traffic, ring_differs_by_rank, tp_traffic
 from training import cli
 
@@ -38,21 +38,6 @@ def predict_stage(config, layout, stage):
                 optim_bytes=sum(s.optim for s in states.values()), activation_peak_bytes=activations,
                 recompute_bytes=recomputation, traffic=traffic,
                 steps={kind: state.steps for kind, state in states.items()}, muon=muon_ranks(config, layout, stage))
-
-
-def stage_states(config, layout, stage):
-    """{"dense", "expert", "tied": State} of the parameters the ranks of one pipeline stage hold."""
-    dense, expert, tied = rank_parameters(config, layout, stage)
-    return {kind: state_memory(params, layout.shard_group(kind), layout, kind == "expert", layout.replicas)
-            for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
-
-
-def largest_parameter_bytes(args, world, config, data):
-    """The most param_bytes any rank of the run would hold (its weights, and their master copy where the dtypes
-    differ): what train.py checks against a device's memory before it allocates anything (config: the model,
-    data: its DataInfo, both as train.py has them)."""
-    layout = layout_of(args, world, data=data)
-    return max(sum(state.param for state in stage_states(config, layout, stage).values()) for stage in range(layout.pp))
 
 
 @functools.lru_cache(maxsize=2**14)

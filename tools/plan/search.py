@@ -4,8 +4,8 @@ import argparse
 import math
 from dataclasses import replace
 
-from tools.plan.layout import first_of_stage, layout_of
-from tools.plan.memory import zero_buckets
+from training.count.layout import first_of_stage, layout_of
+from training.count.memory import zero_buckets
 from tools.plan.muon import optimizer_sets
 from tools.plan.nodes import node_split
 from tools.plan.peak import busiest_of_stage, device_peak

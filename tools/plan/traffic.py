@@ -7,7 +7,7 @@ import cp
 from dp import ring_bytes_sent
 from ep import is_expert_parameter
 from model import PLACEMENTS
-from tools.plan.parameters import config_key, model_parameters, norms_per_block
+from training.count.parameters import config_key, model_parameters, norms_per_block
 from tools.plan.attention import attention_of
 
 

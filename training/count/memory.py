@@ -6,7 +6,9 @@ from dataclasses import replace
 from typing import Callable, NamedTuple
 
 from dp import ring_bytes_sent
-from tools.plan.buckets import make_buckets, zero3_buckets
+from training.count.buckets import make_buckets, zero3_buckets
+from training.count.layout import layout_of
+from training.count.parameters import rank_parameters
 
 
 ADAM_STEP_BYTES = 4  # fused AdamW keeps each parameter's (or piece's) step count as a float32 scalar
@@ -94,3 +96,18 @@ def zero_collectives(layout):
     reductions = 1 if pipelined else layout.micro_batches
     gathers = (1 if pipelined else 2 * layout.micro_batches) if layout.zero == 3 else 1
     return reductions, gathers
+
+
+def stage_states(config, layout, stage):
+    """{"dense", "expert", "tied": State} of the parameters the ranks of one pipeline stage hold."""
+    dense, expert, tied = rank_parameters(config, layout, stage)
+    return {kind: state_memory(params, layout.shard_group(kind), layout, kind == "expert", layout.replicas)
+            for kind, params in (("dense", dense), ("expert", expert), ("tied", tied))}
+
+
+def largest_parameter_bytes(args, world, config, data):
+    """The most param_bytes any rank of the run would hold (its weights, and their master copy where the dtypes
+    differ): what train.py checks against a device's memory before it allocates anything (config: the model,
+    data: its DataInfo, both as train.py has them)."""
+    layout = layout_of(args, world, data=data)
+    return max(sum(state.param for state in stage_states(config, layout, stage).values()) for stage in range(layout.pp))
