@@ -483,7 +483,7 @@ class VisibleMasks(CausalMasks):
         self.first = first
         # lo's smallest and largest value over the rows, at each query (host lists: asked per tile)
         self.low, self.high = [None, None] if first is None else torch.stack(
-            [first.min(0).values, first.max(0).values]).tolist()
+            [first.min(0).values, first.max(0).values]).cpu().tolist()  # one copy to the host
 
     def first_key(self, i, in_every_row=False):
         """The first key query i sees in some row (in_every_row: the first it sees in every row, the latest)."""
