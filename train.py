@@ -1216,7 +1216,8 @@ class PackedDocuments:
         return max(1, ((tokens[:, :-1] != self.eos_id) & (targets != IGNORE)).sum().item()) / n_shards
 
     def first_keys(self, tokens):
-        return cp.first_keys(document_ids(tokens[:, :-1], self.eos_id))
+        # cp.first_keys uncached (lru_cache's __wrapped__): the cache would hold the last 8 global batches
+        return cp.first_keys.__wrapped__(document_ids(tokens[:, :-1], self.eos_id))
 
 
 def packing_of(eos_id):
