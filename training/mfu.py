@@ -96,9 +96,7 @@ def flops_per_token(config, first=None, seq_len=None):
     batch's first keys (`keys_per_query`), None: one document a row; seq_len: the batch's (config's)."""
     seq_len = seq_len or config.seq_len
     per_key = config.q_dim + config.n_head * config.v_head_dim
-    keys = {}  # by window: layers share few
-    for layer in range(config.n_layer):
-        window = config.window(layer)
-        keys.setdefault(window, keys_per_query(first, window, seq_len))
-    attention = sum(per_key * keys[config.window(layer)] for layer in range(config.n_layer))
+    windows = [config.window(layer) for layer in range(config.n_layer)]
+    keys = {window: keys_per_query(first, window, seq_len) for window in set(windows)}  # layers share few
+    attention = per_key * sum(keys[window] for window in windows)
     return 6 * (matrix_multiply_adds(config) + attention)
